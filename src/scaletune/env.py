@@ -1,0 +1,178 @@
+"""How this process was launched, read once from the environment, and rank-0 printing.
+
+`DistributedEnv.from_environ()` recognises:
+
+* torchrun / torch.distributed.run: `TORCHELASTIC_RUN_ID` with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`
+* the deepspeed launcher: `CROSS_RANK`/`LOCAL_SIZE` with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`
+* srun with one task per rank: `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS` (only when the
+  torch variables are absent: under `srun torchrun ...`, torchrun is the launcher)
+* none: a plain process, world size 1
+
+Other launchers that set the torch variables (`RANK`, `WORLD_SIZE`, ...) are reported as
+`env`; scaletune treats them like torchrun.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+Launcher = Literal["torchrun", "deepspeed", "srun", "env", "none"]
+
+# The variables whose presence means "a launcher started this process": device_map and the
+# stale-variable check in doctor read this list.
+DISTRIBUTED_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from exc
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    """The process's place in the job.
+
+    Attributes:
+        launcher: what started the process (see module docstring).
+        rank: global rank, 0..world_size-1.
+        local_rank: rank within this node; selects the GPU.
+        world_size: number of ranks in the job.
+        local_world_size: ranks on this node.
+        master_addr, master_port: the rendezvous address, where the launcher set one.
+        cuda_available, cuda_device_count: what torch sees (after CUDA_VISIBLE_DEVICES).
+    """
+
+    launcher: Launcher
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    cuda_available: bool = False
+    cuda_device_count: int = 0
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None, *, probe_cuda: bool = True) -> DistributedEnv:
+        """Read the launcher's variables. `probe_cuda=False` skips importing torch (tests, builders).
+
+        Raises:
+            RuntimeError: a distributed variable is not an integer, or rank/world size disagree.
+        """
+        e = os.environ if environ is None else environ
+        has_torch_vars = "RANK" in e or "LOCAL_RANK" in e or "WORLD_SIZE" in e
+        if "TORCHELASTIC_RUN_ID" in e:
+            launcher: Launcher = "torchrun"
+        elif has_torch_vars and ("CROSS_RANK" in e or "LOCAL_SIZE" in e):
+            launcher = "deepspeed"
+        elif has_torch_vars:
+            launcher = "env"
+        elif "SLURM_PROCID" in e and "SLURM_STEP_ID" in e and _int(e, "SLURM_NTASKS", 1) > 1:
+            launcher = "srun"
+        else:
+            launcher = "none"
+
+        if launcher == "srun":
+            rank = _int(e, "SLURM_PROCID", 0)
+            local_rank = _int(e, "SLURM_LOCALID", 0)
+            world_size = _int(e, "SLURM_NTASKS", 1)
+            local_world_size = _int(e, "SLURM_NTASKS_PER_NODE", 0) or max(
+                1, world_size // max(1, _int(e, "SLURM_NNODES", 1))
+            )
+        else:
+            rank = _int(e, "RANK", 0)
+            local_rank = _int(e, "LOCAL_RANK", 0)
+            world_size = _int(e, "WORLD_SIZE", 1)
+            local_world_size = _int(e, "LOCAL_WORLD_SIZE", _int(e, "LOCAL_SIZE", world_size))
+        if not 0 <= rank < world_size:
+            raise RuntimeError(f"rank {rank} is outside world size {world_size} (launcher: {launcher})")
+        port = e.get("MASTER_PORT")
+        cuda_available, count = False, 0
+        if probe_cuda:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+            count = torch.cuda.device_count() if cuda_available else 0
+        return cls(
+            launcher=launcher,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            master_addr=e.get("MASTER_ADDR"),
+            master_port=int(port) if port and port.isdigit() else None,
+            cuda_available=cuda_available,
+            cuda_device_count=count,
+        )
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher started this process (even at world size 1)."""
+        return self.launcher != "none"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.cuda_available else "cpu"
+
+    @property
+    def device(self) -> Any:
+        """`torch.device` of this rank: `cuda:<local_rank>` where GPUs are visible, else `cpu`."""
+        import torch
+
+        if self.cuda_available:
+            return torch.device("cuda", self.local_rank % max(1, self.cuda_device_count))
+        return torch.device("cpu")
+
+    def describe(self) -> str:
+        where = f"rank {self.rank}/{self.world_size} (local {self.local_rank})"
+        return f"launcher {self.launcher}, {where}, device {self.device_type}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank-0 printing (nanochat's print0): rank 0 speaks, other ranks stay quiet unless it is an error.
+
+_RANK = 0
+
+
+def set_rank(rank: int) -> None:
+    """Record this process's rank for :func:`print0` and :func:`get_logger`."""
+    global _RANK
+    _RANK = rank
+    logging.getLogger("scaletune").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """`print` on rank 0 only (to stderr by default, so stdout stays for machine output)."""
+    if _RANK == 0:
+        kwargs.setdefault("file", sys.stderr)
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def get_logger(name: str = "scaletune") -> logging.Logger:
+    """A logger that prints INFO on rank 0 and only WARNING and above on other ranks."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[scaletune] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if _RANK == 0 else logging.WARNING)
+    return logger
