@@ -1,0 +1,44 @@
+"""Shared test fixtures: paths to the real data in ../shared/data and tiny models built from configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
+ALPACA_5000 = SHARED_DATA / "alpaca_5000.json"
+NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"
+OLMO2_TOKENIZER = SHARED_DATA / "tokenizers" / "olmo2-dolma2.json"
+BUNDLED_ALPACA = REPO_ROOT / "examples" / "data" / "alpaca_400.json"
+
+# Tests never reach a hub; DeepSpeed runs on the CPU accelerator here.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not ALPACA_5000.is_file():
+        pytest.fail(f"the reference data is missing: {ALPACA_5000} (../shared/data beside the clone)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The `olmo2-tiny` preset, randomly initialised and saved once per test session."""
+    from scaletune.models import init_model
+
+    return init_model("olmo2-tiny", tmp_path_factory.mktemp("models") / "olmo2-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    from scaletune.models import init_model
+
+    return init_model("llama-tiny", tmp_path_factory.mktemp("models") / "llama-tiny", seed=0)
