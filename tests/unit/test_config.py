@@ -1,0 +1,209 @@
+"""Config: YAML + overrides, unknown keys, every problem at once with file:line, derived numbers."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+
+from scaletune.config import (
+    Config,
+    batch_arithmetic,
+    dump_config,
+    load_config,
+    parse_override,
+    resolve_stages,
+    steps_for,
+)
+from scaletune.errors import ConfigError
+
+BASE = """\
+output_dir: runs/x
+model:
+  name_or_path: some/model
+data:
+  train: {path: data.json, format: alpaca}
+"""
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "c.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def problems_of(tmp_path, text, overrides=()):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), list(overrides))
+    return info.value.problems
+
+
+def test_defaults_fill_in(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.training.global_batch_size == 32
+    assert cfg.training.micro_batch_size == 4
+    assert cfg.distributed.strategy == "auto"
+    assert cfg.distributed.zero_stage == 2
+    assert cfg.model.trust_remote_code is False
+    assert cfg.model.device_map is None
+    assert cfg.logging.tensorboard is True
+
+
+def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
+    cfg = load_config(
+        write(tmp_path, BASE),
+        ["training.learning_rate=1e-4", "model.lora={r: 8}", "data.packing=true", "distributed.num_processes=2"],
+    )
+    assert cfg.training.learning_rate == pytest.approx(1e-4)
+    assert cfg.model.lora is not None and cfg.model.lora.r == 8 and cfg.model.lora.target_modules == "auto"
+    assert cfg.data.packing is True
+    assert cfg.distributed.num_processes == 2
+
+
+def test_unknown_key_names_line_key_and_allowed(tmp_path):
+    probs = problems_of(tmp_path, BASE + "training:\n  learnig_rate: 0.1\n")
+    assert len(probs) == 1
+    p = probs[0]
+    assert "c.yaml:7" in p
+    assert "training.learnig_rate" in p
+    assert "did you mean 'learning_rate'" in p
+    assert "global_batch_size" in p  # the allowed keys are listed
+
+
+def test_every_problem_reported_at_once(tmp_path):
+    text = BASE + textwrap.dedent(
+        """\
+        training:
+          global_batch_size: 10
+          micro_batch_size: 4
+          warmup_steps: -1
+        distributed:
+          strategy: ddp
+          offload_optimizer: true
+          zero_stage: 5
+        bogus: 1
+        """
+    )
+    probs = problems_of(tmp_path, text, ["training.epochs=zero", "notakeyvalue"])
+    joined = "\n".join(probs)
+    assert "training.warmup_steps" in joined and "c.yaml:9" in joined
+    assert "distributed.zero_stage" in joined
+    assert "bogus" in joined
+    assert "command line: training.epochs" in joined
+    assert "notakeyvalue" in joined
+    assert "has no offload" in joined
+    # The batch-divisibility check of a section with another invalid key is reported too.
+    assert "must be a multiple of micro_batch_size" in joined
+    assert len(probs) == 7
+
+
+def test_missing_required_keys(tmp_path):
+    probs = problems_of(tmp_path, "output_dir: x\n")
+    assert any(p.endswith("model: required key is missing") for p in probs)
+    assert any(p.endswith("data: required key is missing") for p in probs)
+
+
+def test_bad_yaml_names_line(tmp_path):
+    probs = problems_of(tmp_path, "model:\n  name_or_path: [unclosed\n")
+    assert len(probs) == 1 and "c.yaml:" in probs[0] and "not valid YAML" in probs[0]
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_data_needs_a_source(tmp_path):
+    probs = problems_of(tmp_path, "model: {name_or_path: m}\ndata: {max_seq_length: 64}\n")
+    assert any("data.train" in p and "data.dummy" in p for p in probs)
+
+
+def test_offload_and_quantization_cross_checks(tmp_path):
+    probs = problems_of(
+        tmp_path,
+        BASE
+        + "distributed: {strategy: deepspeed, zero_stage: 2, offload_params: true}\n"
+        + "stages: [{name: a}, {name: a}]\n",
+        ["model.quantization={bits: 4}"],
+    )
+    joined = "\n".join(probs)
+    assert "offload_params needs zero_stage 3" in joined
+    assert "quantization" in joined and "model.lora" in joined
+    assert "repeated: a" in joined
+
+
+@pytest.mark.parametrize(
+    "world,gas", [(1, 8), (2, 4), (4, 2), (8, 1)]
+)
+def test_batch_arithmetic(tmp_path, world, gas):
+    cfg = load_config(write(tmp_path, BASE + "training: {global_batch_size: 32, micro_batch_size: 4}\n"))
+    b = batch_arithmetic(cfg.training, world, 128)
+    assert b.gradient_accumulation_steps == gas
+    assert b.micro_batch_size * b.world_size * b.gradient_accumulation_steps == 32
+    assert b.max_tokens_per_step == 32 * 128
+    assert f"world_size {world}" in b.describe()
+
+
+def test_batch_arithmetic_rejects_indivisible(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + "training: {global_batch_size: 32, micro_batch_size: 4}\n"))
+    with pytest.raises(ConfigError) as info:
+        batch_arithmetic(cfg.training, 3, 128)
+    msg = info.value.problems[0]
+    assert "global_batch_size (32)" in msg and "4 x 3 = 12" in msg and "24 or 36" in msg
+
+
+def test_resolved_config_round_trips_and_redacts_secrets(tmp_path):
+    cfg = load_config(
+        write(tmp_path, BASE),
+        ["distributed.env={HF_TOKEN: hf_secret123, NCCL_DEBUG: INFO, WANDB_API_KEY: abc}"],
+    )
+    text = dump_config(cfg)
+    assert "hf_secret123" not in text and "abc" not in text.split("WANDB_API_KEY")[1].split("\n")[0]
+    assert "NCCL_DEBUG: INFO" in text
+    data = yaml.safe_load(text)
+    data["distributed"]["env"] = {"NCCL_DEBUG": "INFO"}
+    again = Config.model_validate(data)
+    assert again.training == cfg.training and again.model == cfg.model
+
+
+def test_override_syntax():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    with pytest.raises(ValueError):
+        parse_override("novalue")
+    with pytest.raises(ValueError):
+        parse_override("a..b=1")
+
+
+def test_implicit_single_stage_and_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    stages = resolve_stages(cfg)
+    assert [s.name for s in stages] == ["main"] and stages[0].training == cfg.training
+    cfg = load_config(
+        write(
+            tmp_path,
+            BASE
+            + "training: {max_steps: 10, learning_rate: 0.1}\n"
+            + "stages:\n  - {name: one}\n  - {name: two, training: {epochs: 2, learning_rate: 0.01}}\n",
+        )
+    )
+    one, two = resolve_stages(cfg)
+    assert one.training.max_steps == 10 and one.training.learning_rate == 0.1
+    # A stage that sets epochs and not max_steps runs by epochs.
+    assert two.training.max_steps is None and two.training.epochs == 2 and two.training.learning_rate == 0.01
+
+
+def test_steps_for(tmp_path):
+    cfg = load_config(write(tmp_path, BASE + "training: {epochs: 1.5}\n"))
+    assert steps_for(10, cfg.training) == 15
+    cfg = load_config(write(tmp_path, BASE + "training: {epochs: 3, max_steps: 4}\n"))
+    assert steps_for(10, cfg.training) == 4
+
+
+def test_examples_are_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for path in sorted((root / "examples").glob("*.yaml")):
+        load_config(path)
