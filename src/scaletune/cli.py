@@ -50,6 +50,227 @@ def init_model(
     typer.echo(str(path))
 
 
+# ---------------------------------------------------------------------------------------------
+# Launching (issue 4): thin wrappers over scaletune.launch (pure builders).
+
+EnvPresetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--env-preset", help="NCCL/torch.distributed env preset, repeatable: debug, no-p2p, no-ib, no-shm, long-timeouts, socket-ifname=IFACE (docs/launch.md)."),
+]
+
+
+def _command_line() -> str:
+    import shlex
+
+    return "scaletune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def launch(
+    config: Annotated[Path, typer.Argument(help="YAML config.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides passed to every rank.")] = None,
+    nodes: Annotated[int, typer.Option(help="Number of nodes in the job.")] = 1,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs per node (default: all visible); 0 for CPU nodes.")] = None,
+    procs_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (CPU nodes; default: the GPU count).")] = None,
+    node_rank: Annotated[int, typer.Option(help="This node's index, 0..nodes-1 (0 hosts the rendezvous).")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option(help="Address of node 0, reachable from every node.")] = None,
+    master_port: Annotated[Optional[int], typer.Option(help="Rendezvous port on node 0 (default 29500; one node: a free port).")] = None,
+    launcher: Annotated[str, typer.Option(help="torchrun or deepspeed.")] = "torchrun",
+    max_restarts: Annotated[int, typer.Option(help="torchrun: restart the workers up to K times after a failure.")] = 0,
+    rdzv_id: Annotated[Optional[str], typer.Option(help="Rendezvous id, the same on every node (default: scaletune-PORT).")] = None,
+    env_preset: EnvPresetOpt = None,
+    python: Annotated[str, typer.Option(help="Interpreter with scaletune installed, on every node.")] = sys.executable,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and its environment; run nothing.")] = False,
+    script: Annotated[Optional[Path], typer.Option(help="Write a runnable shell script for this node instead of running.")] = None,
+) -> None:
+    """Build the torchrun (or deepspeed launcher) command for this node and run it."""
+    import os
+    import tempfile
+
+    from scaletune.config import load_config
+    from scaletune.launch.commands import LaunchOptions, build_launch, render_script
+
+    cfg = load_config(config, overrides or [])
+    opts = LaunchOptions(
+        config=str(config), overrides=tuple(overrides or ()), nodes=nodes, gpus_per_node=gpus_per_node,
+        procs_per_node=procs_per_node, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+        launcher=launcher, max_restarts=max_restarts, rdzv_id=rdzv_id, env_presets=tuple(env_preset or ()),
+        config_env=dict(cfg.distributed.env), python=python,
+    )  # fmt: skip
+    if dry_run or script is not None:
+        cmd = build_launch(opts)
+        if script is not None:
+            script.write_text(render_script(cmd, workdir=os.getcwd(), command_line=_command_line()))
+            script.chmod(0o755)
+            typer.echo(str(script))
+        else:
+            typer.echo(cmd.dry_run_text(), nl=False)
+        return
+    hostfile = None
+    if launcher == "deepspeed" and nodes > 1:
+        fd, hostfile = tempfile.mkstemp(prefix="scaletune-hostfile-")
+        os.close(fd)
+    from dataclasses import replace
+
+    cmd = build_launch(replace(opts, hostfile=hostfile))
+    for path, text in cmd.files.items():
+        Path(path).write_text(text)
+    typer.echo(f"[scaletune] {cmd.summary}\n[scaletune] {cmd.shell_command()}", err=True)
+    os.execvpe(cmd.argv[0], cmd.argv, {**os.environ, **cmd.env})
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def slurm(
+    config: Annotated[Path, typer.Argument(help="YAML config.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides passed to every rank.")] = None,
+    nodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    gpus_per_node: Annotated[Optional[int], typer.Option(help="GPUs per node (required); 0 for CPU nodes, with --procs-per-node.")] = None,
+    procs_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (default: the GPU count).")] = None,
+    cpus_per_task: Annotated[Optional[int], typer.Option(help="CPU cores per node for the ranks (default: one per rank).")] = None,
+    mem_per_gpu: Annotated[Optional[str], typer.Option(help="Memory per GPU, e.g. 80G.")] = None,
+    mem: Annotated[Optional[str], typer.Option(help="Memory per node, e.g. 64G (instead of --mem-per-gpu).")] = None,
+    time: Annotated[Optional[str], typer.Option(help="Time limit: MINUTES, HH:MM:SS, D-HH:MM:SS or UNLIMITED.")] = None,
+    partition: Annotated[Optional[str], typer.Option(help="SLURM partition.")] = None,
+    account: Annotated[Optional[str], typer.Option(help="SLURM account.")] = None,
+    job_name: Annotated[str, typer.Option(help="Job name.")] = "scaletune",
+    log: Annotated[str, typer.Option(help="Job log file (sbatch --output pattern, relative to the working directory).")] = "%x-%j.out",
+    max_restarts: Annotated[int, typer.Option(help="torchrun restarts of the workers after a failure.")] = 0,
+    env_preset: EnvPresetOpt = None,
+    python: Annotated[str, typer.Option(help="Interpreter with scaletune installed on the nodes.")] = sys.executable,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the script here (default: print it).")] = None,
+    submit: Annotated[bool, typer.Option("--submit", help="Hand the script to sbatch and print the job id.")] = False,
+) -> None:
+    """Write an sbatch script that runs the config across the nodes (one torchrun per node)."""
+    import os
+
+    from scaletune.config import load_config
+    from scaletune.launch.slurm import SlurmOptions, render_sbatch
+    from scaletune.launch.slurm import submit as sbatch_submit
+
+    cfg = load_config(config, overrides or [])
+    text = render_sbatch(
+        SlurmOptions(
+            config=str(config), overrides=tuple(overrides or ()), nodes=nodes, gpus_per_node=gpus_per_node,
+            procs_per_node=procs_per_node, cpus_per_task=cpus_per_task, mem_per_gpu=mem_per_gpu, mem=mem,
+            time=time, partition=partition, account=account, job_name=job_name, output=log,
+            env_presets=tuple(env_preset or ()), config_env=dict(cfg.distributed.env), max_restarts=max_restarts,
+            python=python, workdir=os.getcwd(),
+        ),  # fmt: skip
+        command_line=_command_line(),
+    )
+    if output is None and submit:
+        output = Path(f"{job_name}.sbatch")
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    output.write_text(text)
+    output.chmod(0o755)
+    if submit:
+        typer.echo(sbatch_submit(str(output)))
+    else:
+        typer.echo(str(output))
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def modal(
+    config: Annotated[Path, typer.Argument(help="YAML config.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, applied to the embedded config.")] = None,
+    gpu_count: Annotated[int, typer.Option(help="GPUs in the container (1-8); more than 1 runs torchrun.")] = 1,
+    gpu_type: Annotated[str, typer.Option(help="Modal GPU type: H100, A100-80GB, L40S, ...")] = "H100",
+    app_name: Annotated[Optional[str], typer.Option(help="Modal app name (default: scaletune-CONFIGNAME).")] = None,
+    volume: Annotated[str, typer.Option(help="Modal volume for the run directory.")] = "scaletune-runs",
+    secret: Annotated[Optional[list[str]], typer.Option("--secret", help="Modal secret to attach (e.g. huggingface), repeatable.")] = None,
+    timeout_hours: Annotated[float, typer.Option(help="Function timeout in hours (Modal allows up to 24).")] = 24.0,
+    env_preset: EnvPresetOpt = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the app here (default: print it).")] = None,
+) -> None:
+    """Write a Modal app that runs the config on Modal GPUs."""
+    import re
+
+    from scaletune.config import load_config
+    from scaletune.launch.modal_app import ModalOptions, plan_inputs, render_modal_app, scaletune_requirements
+
+    cfg = load_config(config, overrides or [])
+    plan = plan_inputs(cfg.model_dump(mode="json"), Path.cwd())
+    name = app_name or "scaletune-" + (re.sub(r"[^A-Za-z0-9._-]+", "-", config.stem).strip("-.") or "run")
+    opts = ModalOptions(
+        gpu_count=gpu_count, gpu_type=gpu_type, app_name=name[:64], volume=volume, secrets=tuple(secret or ()),
+        timeout_hours=timeout_hours, env_presets=tuple(env_preset or ()), overrides=tuple(overrides or ()),
+        requirements=tuple(scaletune_requirements(deepspeed=cfg.distributed.strategy in ("auto", "deepspeed"))),
+        source=str(config),
+    )  # fmt: skip
+    dirs = frozenset(p for p in plan.mounts if Path(p).is_dir())
+    text = render_modal_app(opts, plan, filename=output.name if output else "modal_app.py", local_dirs=dirs)
+    if plan.secret_env_names and not secret:
+        typer.echo(
+            f"warning: distributed.env names {', '.join(plan.secret_env_names)}: they are not written into the app; "
+            "put them in a Modal secret and pass --secret NAME",
+            err=True,
+        )
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(str(output))
+
+
+config_app = typer.Typer(help="Standalone DeepSpeed / FSDP configs for other trainers.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("deepspeed")
+def config_deepspeed(
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the JSON here (default: print it).")] = None,
+    zero_stage: Annotated[int, typer.Option(help="ZeRO stage 0-3.")] = 2,
+    offload_optimizer: Annotated[bool, typer.Option("--offload-optimizer", help="Optimizer state and step on the CPU.")] = False,
+    offload_params: Annotated[bool, typer.Option("--offload-params", help="Parameters on the CPU (ZeRO-3).")] = False,
+    bf16: Annotated[bool, typer.Option("--bf16", help="bf16 mixed precision (default: auto).")] = False,
+    fp16: Annotated[bool, typer.Option("--fp16", help="fp16 mixed precision with dynamic loss scaling (default: auto).")] = False,
+    fp32: Annotated[bool, typer.Option("--fp32", help="No mixed precision (default: auto).")] = False,
+    gradient_accumulation_steps: Annotated[Optional[int], typer.Option(help="Default: auto.")] = None,
+    gradient_clipping: Annotated[Optional[float], typer.Option(help="Default: auto.")] = None,
+    micro_batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro batch (default: auto).")] = None,
+) -> None:
+    """DeepSpeed JSON (`auto` where the Hugging Face Trainer fills the value)."""
+    import json
+
+    from scaletune.launch.configs import deepspeed_config
+
+    if bf16 + fp16 + fp32 > 1:
+        raise UserError("give at most one of --bf16, --fp16, --fp32", title="invalid deepspeed options")
+    precision = "bf16" if bf16 else "fp16" if fp16 else "fp32" if fp32 else "auto"
+    cfg = deepspeed_config(zero_stage, offload_optimizer, offload_params, precision, gradient_accumulation_steps,
+                           gradient_clipping, micro_batch_size)  # fmt: skip
+    text = json.dumps(cfg, indent=2) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(str(output))
+
+
+@config_app.command("fsdp")
+def config_fsdp(
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the config here (default: print it).")] = None,
+    reshard_after_forward: Annotated[bool, typer.Option("--reshard-after-forward/--no-reshard-after-forward", help="Free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).")] = True,
+    mixed_precision: Annotated[str, typer.Option(help="bf16, fp16 or no.")] = "bf16",
+    cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Parameters, gradients and optimizer state on the CPU.")] = False,
+    state_dict_type: Annotated[str, typer.Option(help="Checkpoints: sharded or full.")] = "sharded",
+    activation_checkpointing: Annotated[bool, typer.Option("--activation-checkpointing", help="FSDP's own activation checkpointing.")] = False,
+    format: Annotated[str, typer.Option("--format", help="trainer (JSON for TrainingArguments.fsdp_config) or accelerate (YAML for accelerate launch).")] = "trainer",
+) -> None:
+    """FSDP2 config for the Hugging Face Trainer or `accelerate launch`."""
+    from scaletune.launch.configs import fsdp_config
+
+    text, _ = fsdp_config(reshard_after_forward, mixed_precision, cpu_offload, state_dict_type,  # type: ignore[arg-type]
+                          activation_checkpointing, format)  # type: ignore[arg-type]  # fmt: skip
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(str(output))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps UserError to exit code 2 without a traceback."""
     try:

@@ -1,0 +1,250 @@
+"""Modal apps that run one config on Modal GPUs: options in, Python source out.
+
+The written app (Modal SDK) builds an image with scaletune and its dependencies, adds the
+local files the config names (model folder, data files) to it, mounts a `modal.Volume` for the
+run directory, and runs `scaletune train` with the config embedded in the app: directly on one
+GPU, under torchrun with one rank per GPU on several. Secrets come from Modal secrets
+(`modal.Secret.from_name`), never from the file.
+
+Run it with `modal run APP.py` (or `modal deploy`); the run directory lands in the volume.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import jinja2
+import yaml
+
+from scaletune.config import is_secret_name
+from scaletune.errors import UserError
+from scaletune.launch.commands import single_node_torchrun_argv
+from scaletune.launch.presets import merged_env, split_secrets
+
+# GPU types Modal documents (https://modal.com/docs/guide/gpu); others are refused so a typo
+# does not surface only at deploy time. Compared case-insensitively.
+MODAL_GPU_TYPES = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!", "H200", "B200", "B200+")
+MAX_GPUS_PER_CONTAINER = 8
+REMOTE_ROOT = "/root/scaletune-run"
+REMOTE_INPUTS = "/root/scaletune-inputs"
+RUNS_MOUNT = "/runs"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class ModalOptions:
+    gpu_count: int
+    gpu_type: str
+    app_name: str = "scaletune"
+    volume: str = "scaletune-runs"
+    secrets: tuple[str, ...] = ()
+    timeout_hours: float = 24.0
+    python_version: str = f"{sys.version_info.major}.{sys.version_info.minor}"
+    requirements: tuple[str, ...] = ()
+    env_presets: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()  # recorded in the file's header; already applied to the config
+    source: str = ""  # the config file it was written from (header only)
+
+
+@dataclass(frozen=True)
+class ModalPlan:
+    """What the app carries: the config to embed and the local paths to add to the image."""
+
+    config: dict[str, Any]
+    mounts: dict[str, str] = field(default_factory=dict)  # local absolute path -> remote path
+    secret_env_names: list[str] = field(default_factory=list)
+
+
+def validate(opts: ModalOptions) -> None:
+    p = []
+    if not 1 <= opts.gpu_count <= MAX_GPUS_PER_CONTAINER:
+        p.append(f"--gpu-count must be 1..{MAX_GPUS_PER_CONTAINER} (Modal's GPUs per container), got {opts.gpu_count}")
+    if opts.gpu_type.upper() not in {t.upper() for t in MODAL_GPU_TYPES}:
+        p.append(f"--gpu-type {opts.gpu_type!r} is not a Modal GPU type; one of {', '.join(MODAL_GPU_TYPES)}")
+    for what, v in (("--app-name", opts.app_name), ("--volume", opts.volume), *(("--secret", s) for s in opts.secrets)):
+        if not _NAME.match(v):
+            p.append(f"{what} {v!r}: use letters, digits, '.', '_' and '-' (at most 64)")
+    if not 0 < opts.timeout_hours <= 24:
+        p.append(f"--timeout-hours must be in (0, 24] (Modal's limit), got {opts.timeout_hours}")
+    if p:
+        raise UserError(p, title="invalid modal options")
+
+
+def plan_inputs(config: dict[str, Any], cwd: Path) -> ModalPlan:
+    """Find the local files the config names, give each a path in the image, and rewrite the
+    config to use those paths; `output_dir` moves into the volume. Hub ids (no local file of
+    that name) stay as they are. Secret-looking `distributed.env` entries are dropped (a Modal
+    secret provides them)."""
+    cfg = yaml.safe_load(yaml.safe_dump(config))  # deep copy of plain data
+    mounts: dict[str, str] = {}
+
+    def localize(holder: dict | None, key: str) -> None:
+        if not isinstance(holder, dict) or not isinstance(holder.get(key), str):
+            return
+        p = Path(holder[key]).expanduser()
+        p = p if p.is_absolute() else cwd / p
+        if not p.exists():
+            return
+        local = str(p.resolve())
+        if local not in mounts:
+            mounts[local] = str(PurePosixPath(REMOTE_INPUTS) / f"{len(mounts)}-{p.name}")
+        holder[key] = mounts[local]
+
+    localize(cfg.get("model"), "name_or_path")
+    localize(cfg.get("model"), "tokenizer")
+    localize(cfg.get("distributed"), "deepspeed_config")
+    datas = [cfg.get("data")] + [s.get("data") for s in cfg.get("stages") or [] if isinstance(s, dict)]
+    for d in datas:
+        if isinstance(d, dict):
+            localize(d.get("train"), "path")
+            localize(d.get("eval"), "path")
+    out = PurePosixPath(str(cfg.get("output_dir") or "runs/default"))
+    cfg["output_dir"] = str(PurePosixPath(RUNS_MOUNT) / (out.name or "run"))
+    env = (cfg.get("distributed") or {}).get("env") or {}
+    secrets = sorted(k for k in env if is_secret_name(k))
+    for k in secrets:
+        del env[k]
+    return ModalPlan(config=cfg, mounts=mounts, secret_env_names=secrets)
+
+
+_TEMPLATE = '''\
+"""Modal app written by `scaletune modal`{% if source %} from {{ source }}{% endif %}.
+
+Runs `scaletune train` on {{ gpu_count }} x {{ gpu_type }} ({{ how }}).
+The config is embedded below (paths rewritten to the files added to the image); the run
+directory, {{ output_dir }}, is in the Modal volume {{ volume | py }}.
+
+    modal run {{ filename }}                        # run once (the volume keeps the results)
+    modal volume get {{ volume }} {{ output_dir_rel }} .   # fetch the run directory
+{% if secret_env_names %}
+Secrets are never written here. The config's distributed.env named {{ secret_env_names | join(", ") }}:
+put them in a Modal secret (`modal secret create NAME {{ secret_env_names[0] }}=...`) and pass
+`--secret NAME` to `scaletune modal`.
+{% endif %}"""
+
+import modal
+
+APP_NAME = {{ app_name | py }}
+GPU_TYPE = {{ gpu_type | py }}
+GPU_COUNT = {{ gpu_count | py }}
+GPU = f"{GPU_TYPE}:{GPU_COUNT}"
+RUNS = {{ runs | py }}
+WORKDIR = {{ workdir | py }}
+CONFIG_PATH = {{ config_path | py }}
+# The resolved config (scaletune's config.yaml format), paths pointing into the image.
+CONFIG_YAML = {{ config_yaml | py }}
+# Each rank runs `python -m scaletune train CONFIG`; with several GPUs torchrun starts one per GPU.
+COMMAND = {{ command | py }}
+
+image = (
+    modal.Image.debian_slim(python_version={{ python_version | py }})
+    .pip_install({% for r in requirements %}{{ r | py }}{% if not loop.last %}, {% endif %}{% endfor %})
+{%- if env %}
+    .env({{ env | py }})
+{%- endif %}
+{%- for local, remote in mounts %}
+    .{{ "add_local_dir" if local_is_dir[local] else "add_local_file" }}({{ local | py }}, {{ remote | py }})
+{%- endfor %}
+    .add_local_python_source("scaletune")
+)
+volume = modal.Volume.from_name({{ volume | py }}, create_if_missing=True)
+app = modal.App(APP_NAME)
+
+
+@app.function(
+    image=image,
+    gpu=GPU,
+    volumes={RUNS: volume},
+    secrets=[{% for s in secrets %}modal.Secret.from_name({{ s | py }}){% if not loop.last %}, {% endif %}{% endfor %}],
+    timeout={{ timeout_s | py }},
+)
+def train() -> None:
+    import os
+    import subprocess
+
+    os.makedirs(WORKDIR, exist_ok=True)
+    with open(CONFIG_PATH, "w") as f:
+        f.write(CONFIG_YAML)
+    try:
+        subprocess.run(COMMAND, cwd=WORKDIR, check=True)
+    finally:
+        volume.commit()  # keep checkpoints and logs even when the run fails
+
+
+@app.local_entrypoint()
+def main() -> None:
+    train.remote()
+'''
+
+
+def render_modal_app(opts: ModalOptions, plan: ModalPlan, filename: str = "modal_app.py", local_dirs: frozenset[str] = frozenset()) -> str:
+    """The Modal app's source.
+
+    Args:
+        local_dirs: which of `plan.mounts` are directories (added with `add_local_dir`).
+
+    Raises:
+        UserError: invalid options, unknown env preset.
+    """
+    validate(opts)
+    env = merged_env((plan.config.get("distributed") or {}).get("env"), opts.env_presets)
+    public, _ = split_secrets(env)
+    config_path = f"{REMOTE_ROOT}/config.yaml"
+    if opts.gpu_count > 1:
+        command = single_node_torchrun_argv("python", opts.gpu_count, [config_path])
+        how = f"torchrun, {opts.gpu_count} ranks"
+    else:
+        command = ["python", "-m", "scaletune", "train", config_path]
+        how = "one process"
+    gpu_type = next(t for t in MODAL_GPU_TYPES if t.upper() == opts.gpu_type.upper())
+    env_ = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env_.filters["py"] = repr
+    output_dir = plan.config["output_dir"]
+    return env_.from_string(_TEMPLATE).render(
+        source=opts.source + (" " + " ".join(opts.overrides) if opts.overrides else ""),
+        gpu_count=opts.gpu_count,
+        gpu_type=gpu_type,
+        how=how,
+        output_dir=output_dir,
+        output_dir_rel=output_dir[len(RUNS_MOUNT) + 1 :],
+        volume=opts.volume,
+        filename=filename,
+        secret_env_names=plan.secret_env_names if not opts.secrets else [],
+        app_name=opts.app_name,
+        runs=RUNS_MOUNT,
+        workdir=REMOTE_ROOT,
+        config_path=config_path,
+        config_yaml=yaml.safe_dump(plan.config, sort_keys=False),
+        command=command,
+        python_version=opts.python_version,
+        requirements=list(opts.requirements),
+        env=public,
+        mounts=sorted(plan.mounts.items()),
+        local_is_dir={k: k in local_dirs for k in plan.mounts},
+        secrets=list(opts.secrets),
+        timeout_s=int(opts.timeout_hours * 3600),
+    )
+
+
+def scaletune_requirements(deepspeed: bool = False) -> list[str]:
+    """scaletune's own dependencies (from its installed metadata), for the image."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("scaletune") or []
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        reqs = []
+    out = []
+    for r in reqs:
+        spec, _, marker = r.partition(";")
+        if "extra" in marker:
+            if deepspeed and "extra == \"deepspeed\"" in marker:
+                out.append(spec.strip())
+            continue
+        out.append(spec.strip())
+    return out

@@ -1,0 +1,142 @@
+"""`scaletune config deepspeed|fsdp`: accepted by DeepSpeed's own config parser, by
+transformers.TrainingArguments, and by accelerate's config loader."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from scaletune.errors import UserError
+from scaletune.launch.configs import deepspeed_config, fsdp_config
+
+
+def test_defaults_are_auto_where_the_trainer_fills():
+    c = deepspeed_config()
+    assert c["train_batch_size"] == c["train_micro_batch_size_per_gpu"] == c["gradient_accumulation_steps"] == "auto"
+    assert c["gradient_clipping"] == "auto" and c["bf16"]["enabled"] == "auto" and c["fp16"]["enabled"] == "auto"
+    assert c["zero_optimization"]["stage"] == 2 and "optimizer" not in c
+
+
+def test_stage3_offload():
+    c = deepspeed_config(3, offload_optimizer=True, offload_params=True, precision="bf16", gradient_accumulation_steps=4, gradient_clipping=1.0)
+    z = c["zero_optimization"]
+    assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert c["optimizer"]["type"] == "AdamW" and c["bf16"]["enabled"] is True and c["fp16"]["enabled"] is False
+    assert c["gradient_accumulation_steps"] == 4 and c["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(zero_stage=4), "--zero-stage"),
+        (dict(zero_stage=2, offload_params=True), "needs --zero-stage 3"),
+        (dict(gradient_accumulation_steps=0), "--gradient-accumulation-steps"),
+        (dict(precision="fp8"), "precision"),
+    ],
+)
+def test_bad_deepspeed_options(kw, message):
+    with pytest.raises(UserError, match=message):
+        deepspeed_config(**kw)
+
+
+# DeepSpeed and transformers are imported in a child process: TrainingArguments(deepspeed=...)
+# sets up torch.distributed state that must not leak into the rest of the test session.
+CHECK = textwrap.dedent(
+    """
+    import json, sys
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from transformers import TrainingArguments
+    path, precision, concrete = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    args = TrainingArguments(output_dir=sys.argv[4], deepspeed=path, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, max_grad_norm=1.0, bf16=precision == "bf16",
+                             use_cpu=True, report_to=[])
+    filled = args.hf_deepspeed_config.config
+    assert "auto" not in json.dumps(filled), filled
+    ds = DeepSpeedConfig(filled)
+    out = {"stage": ds.zero_optimization_stage, "train_batch_size": ds.train_batch_size,
+           "gas": ds.gradient_accumulation_steps}
+    if concrete:
+        direct = DeepSpeedConfig(path)  # no HF involved: the file as written
+        out["direct_train_batch_size"] = direct.train_batch_size
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "cli_args, precision, concrete, stage",
+    [
+        ([], "auto", False, 2),
+        (["--zero-stage", "1"], "auto", False, 1),
+        (["--zero-stage", "3", "--offload-optimizer", "--offload-params", "--bf16"], "bf16", False, 3),
+        (["--zero-stage", "2", "--offload-optimizer", "--fp32", "--micro-batch-size", "2",
+          "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"], "fp32", True, 2),
+    ],
+)  # fmt: skip
+def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path, cli_args, precision, concrete, stage):
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", *cli_args, "-o", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    json.loads(path.read_text())
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK, str(path), precision, "1" if concrete else "0", str(tmp_path / "o")],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
+    assert result["stage"] == stage and result["train_batch_size"] == 8 and result["gas"] == 4
+    if concrete:
+        assert result["direct_train_batch_size"] == 8
+
+
+def test_cli_rejects_two_precisions_with_exit_2():
+    r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", "--bf16", "--fp16"], capture_output=True, text=True)
+    assert r.returncode == 2 and "at most one of" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fsdp_trainer_json_accepted_by_training_arguments(tmp_path):
+    text, suffix = fsdp_config(reshard_after_forward=False, cpu_offload=True, state_dict_type="full")
+    assert suffix == ".json"
+    path = tmp_path / "fsdp.json"
+    path.write_text(text)
+    code = textwrap.dedent(
+        """
+        import sys
+        from transformers import TrainingArguments
+        a = TrainingArguments(output_dir=sys.argv[2], fsdp=True, fsdp_config=sys.argv[1], use_cpu=True, report_to=[])
+        p = a.fsdp_plugin_args
+        assert p["fsdp_version"] == 2 and p["reshard_after_forward"] is False and p["cpu_offload"] is True, p
+        assert p["state_dict_type"] == "FULL_STATE_DICT", p
+        print("OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_fsdp_accelerate_yaml_loads_in_accelerate(tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    text, suffix = fsdp_config(mixed_precision="bf16", fmt="accelerate")
+    assert suffix == ".yaml"
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(text)
+    cfg = load_config_from_file(str(path))
+    assert str(cfg.distributed_type).endswith("FSDP") and cfg.mixed_precision == "bf16"
+    assert cfg.fsdp_config["fsdp_version"] == 2 and cfg.fsdp_config["fsdp_reshard_after_forward"] is True
+
+
+def test_bad_fsdp_options():
+    with pytest.raises(UserError, match="--mixed-precision"):
+        fsdp_config(mixed_precision="fp8")  # type: ignore[arg-type]
