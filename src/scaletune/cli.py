@@ -272,25 +272,13 @@ def config_fsdp(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: maps UserError to exit code 2 without a traceback."""
+    """Console entry point. Usage errors exit 2 (click's standalone mode); a UserError raised by a
+    verb exits 2 with every problem and no traceback; anything else exits 1 with the traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, standalone_mode=True)
     except UserError as exc:
         typer.echo(f"error: {exc.format()}", err=True)
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except SystemExit:
-        raise
-    except Exception as exc:  # click usage errors are bad input too
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(2)
-        raise
 
 
 if __name__ == "__main__":

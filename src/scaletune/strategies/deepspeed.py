@@ -1,0 +1,223 @@
+"""DeepSpeed ZeRO stages 1-3 (Rajbhandari et al. 2020, arXiv:1910.02054), with optimizer and
+parameter offload (ZeRO-Offload, Ren et al. 2021), through `deepspeed.initialize`.
+
+ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The
+DeepSpeed config is generated from scaletune's config (:func:`deepspeed_config`); a user's own JSON
+(`distributed.deepspeed_config`) is merged under it and checked for agreement. The model stays on
+the CPU until DeepSpeed places it. On a CPU-only machine run with `DS_ACCELERATOR=cpu` (gloo).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from scaletune.config import BatchArithmetic, DistributedConfig, TrainingConfig
+from scaletune.errors import ConfigError
+from scaletune.strategies.base import Precision, Strategy
+
+# Keys scaletune derives from the YAML; a user's JSON that sets them differently is an error
+# (accepted when equal or "auto", as in HF Trainer's DeepSpeed integration).
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def deepspeed_config(
+    dist_cfg: DistributedConfig,
+    training: TrainingConfig,
+    batch: BatchArithmetic,
+    precision: Precision,
+    user: dict | None = None,
+) -> dict:
+    """The DeepSpeed config for this run.
+
+    Args:
+        user: a user's DeepSpeed JSON (already parsed). Its other keys are kept; batch sizes,
+            accumulation, clipping and precision must agree with the YAML or be "auto".
+
+    Returns:
+        A config dict for `deepspeed.initialize(config=...)`.
+
+    Raises:
+        ConfigError: naming every key where the user's JSON and the YAML disagree.
+    """
+    cfg: dict[str, Any] = json.loads(json.dumps(user)) if user else {}
+    derived: dict[str, Any] = {
+        "train_batch_size": batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.gradient_accumulation_steps,
+        "gradient_clipping": training.max_grad_norm or 0.0,
+    }
+    problems = []
+    source = dist_cfg.deepspeed_config or "deepspeed_config"
+    for key, value in derived.items():
+        theirs = cfg.get(key, "auto")
+        if theirs != "auto" and theirs != value:
+            problems.append(f"{source}: {key} is {theirs} but the YAML gives {value}")
+        cfg[key] = value
+
+    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(precision.compute)
+    for name in ("bf16", "fp16"):
+        enabled = cfg.get(name, {}).get("enabled", "auto") if isinstance(cfg.get(name), dict) else "auto"
+        want = name == half
+        if enabled != "auto" and bool(enabled) != want:
+            problems.append(
+                f"{source}: {name}.enabled is {enabled} but model.dtype is {str(precision.compute).removeprefix('torch.')}"
+            )
+        cfg.setdefault(name, {})
+        cfg[name]["enabled"] = want
+    if half == "fp16":
+        cfg["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
+        cfg["fp16"].setdefault("initial_scale_power", 16)
+
+    zero = cfg.setdefault("zero_optimization", {})
+    theirs = zero.get("stage", "auto")
+    if user and theirs != "auto" and theirs != dist_cfg.zero_stage:
+        problems.append(f"{source}: zero_optimization.stage is {theirs} but distributed.zero_stage is {dist_cfg.zero_stage}")
+    zero["stage"] = dist_cfg.zero_stage
+    zero.setdefault("overlap_comm", False)
+    zero.setdefault("contiguous_gradients", True)
+    zero.setdefault("reduce_bucket_size", int(5e8))
+    if dist_cfg.zero_stage <= 2:
+        zero.setdefault("allgather_bucket_size", int(5e8))
+    if dist_cfg.zero_stage == 3:
+        zero.setdefault("stage3_prefetch_bucket_size", int(5e7))
+        zero.setdefault("stage3_param_persistence_threshold", int(1e5))
+        # Needed so the exported model holds every weight, not rank 0's partition.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if dist_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if dist_cfg.offload_params:
+        zero["offload_param"] = {**zero.get("offload_param", {}), "device": "cpu", "pin_memory": torch.cuda.is_available()}
+    cfg.setdefault("steps_per_print", 10**9)  # scaletune logs; keep DeepSpeed's own step lines out
+    cfg.setdefault("wall_clock_breakdown", False)
+    if problems:
+        raise ConfigError(problems, title="distributed.deepspeed_config disagrees with the YAML")
+    return cfg
+
+
+def read_user_config(path: str | None) -> dict | None:
+    """Parse a user's DeepSpeed JSON.
+
+    Raises:
+        ConfigError: missing file or invalid JSON (with its line).
+    """
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"distributed.deepspeed_config: {path} does not exist", title="invalid config")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}", title="invalid config") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object", title="invalid config")
+    return data
+
+
+class DeepSpeedStrategy(Strategy):
+    name = "deepspeed"
+    engine_places_model = True
+
+    def __init__(self, env, dist_cfg, model_cfg, training, batch) -> None:
+        super().__init__(env, dist_cfg, model_cfg, training, batch)
+        self.ds_config = deepspeed_config(dist_cfg, training, batch, self.precision, read_user_config(dist_cfg.deepspeed_config))
+        self.engine: Any = None
+
+    def setup(self) -> None:
+        if not self.env.cuda_available:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        super().setup()
+        import deepspeed
+
+        # Uses the group made above; at world size 1 DeepSpeed starts a group of one itself.
+        if not torch.distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            deepspeed.init_distributed(dist_backend="nccl" if self.env.cuda_available else "gloo")
+            self._owns_group = True
+
+    def wrap(self, model: nn.Module) -> None:
+        import deepspeed
+
+        optimizer = self._optimizer(model)
+        self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        self.module = model
+        self.model = self.engine
+        # The scheduler drives the client optimizer: ZeRO's wrapper shares its param_groups (and
+        # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
+        self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
+        self.log.info(
+            f"deepspeed: ZeRO-{self.dist_cfg.zero_stage}"
+            f"{', optimizer offload' if self.dist_cfg.offload_optimizer else ''}"
+            f"{', parameter offload' if self.dist_cfg.offload_params else ''}"
+        )
+
+    def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        if not self.dist_cfg.offload_optimizer:
+            return self.build_optimizer(model)
+        # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is the
+        # optimizer it is built for (adamw_mode=True: decoupled weight decay as torch's AdamW).
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        from scaletune.strategies.base import param_groups
+
+        t = self.training
+        return DeepSpeedCPUAdam(
+            param_groups(model, t.weight_decay),
+            lr=t.learning_rate,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_epsilon,
+            adamw_mode=True,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device if self.engine is not None else self.env.device
+
+    def forward_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()  # DeepSpeed casts the module to bf16/fp16 itself
+
+    @property
+    def grad_divisor(self) -> float:
+        return float(self.env.world_size)  # ZeRO averages gradients over data-parallel ranks
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # scale_wrt_gas=False: the loss is already normalised over the whole global batch.
+        self.engine.backward(loss * self.grad_divisor, scale_wrt_gas=False)
+        # DeepSpeed counts micro-steps in step(); it updates only at the accumulation boundary.
+        self.engine.step()
+
+    def step(self) -> torch.Tensor:
+        if self.scheduler is not None:
+            self.scheduler.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else float(norm))
+
+    def train_mode(self, on: bool) -> None:
+        self.engine.train(on)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.dist_cfg.zero_stage == 3:
+            # A collective: gathers every partition into one state dict on rank 0.
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            return state if self.env.is_main else None
+        return self.module.state_dict() if self.env.is_main else None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,101 @@
+"""Fully sharded data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Each decoder layer is one FSDP unit (all-gathered just before its forward, resharded after it
+when `reshard_after_forward`), and the root holds the embeddings, final norm and head. Parameters,
+gradients and optimizer state live as DTensor shards, 1/world_size per rank.
+
+Loading is memory-efficient: rank 0 reads the weights on the CPU, every other rank builds the
+architecture on the meta device (no storage); after sharding, rank 0 broadcasts each tensor and
+every rank keeps only its shard (`set_model_state_dict(..., broadcast_from_rank0=True)`), as
+torchtune does. No rank other than 0 ever holds a full copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scaletune.strategies.base import Strategy
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    # Rank 0 loads on the CPU; the shards are materialised on each rank's device in `wrap`.
+    engine_places_model = True
+
+    def load_meta(self) -> bool:
+        return not self.env.is_main
+
+    def wrap(self, model: nn.Module) -> None:  # model: the CausalLMLoss; it becomes the FSDP root
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        from scaletune.models import decoder_layer_classes
+
+        if not dist.is_initialized():
+            raise RuntimeError("strategy fsdp needs a process group: start it with torchrun or num_processes")
+        device = self.device
+        full_state = model.state_dict() if self.env.is_main else {}
+        # Non-persistent buffers (rotary inv_freq) are not in the state dict: keep rank 0's to broadcast.
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if self.env.is_main else {}
+        if self.env.is_main:
+            full_state = {k: v.detach() for k, v in full_state.items()}
+            model.to("meta")
+
+        kwargs: dict = {"reshard_after_forward": self.dist_cfg.reshard_after_forward}
+        compute = self.precision.compute
+        if compute != torch.float32:
+            # bf16/fp16 all-gathers and compute, fp32 gradient reduction and fp32 sharded master weights.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        if self.dist_cfg.offload_params:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.env.cuda_available)
+        layer_classes = tuple(decoder_layer_classes(model))
+        if not layer_classes:
+            raise RuntimeError("fsdp: found no decoder layer class to shard (model._no_split_modules is empty)")
+        layers = [m for m in model.modules() if isinstance(m, layer_classes)]
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.log.info(
+            f"fsdp: sharded {len(layers)} x {', '.join(c.__name__ for c in layer_classes)} and the root "
+            f"over {self.env.world_size} ranks (reshard_after_forward={self.dist_cfg.reshard_after_forward}"
+            f"{', CPU offload' if self.dist_cfg.offload_params else ''})"
+        )
+
+        model.to_empty(device="cpu" if self.dist_cfg.offload_params else device)
+        set_model_state_dict(
+            model,
+            full_state,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+        )
+        del full_state
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                src = buffers[name].to(buf.device) if self.env.is_main else buf
+                dist.broadcast(src, src=0)
+                if self.env.is_main:
+                    buf.copy_(src)
+        self.module = self.model = model
+        self.optimizer = self.build_optimizer(model)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts
+
+    @property
+    def grad_divisor(self) -> float:
+        return float(self.env.world_size)  # reduce-scatter averages over ranks
+
+    def step(self) -> torch.Tensor:
+        norm = super().step()
+        # The norm over DTensor gradients is a replicated DTensor: every rank has the total.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # A collective: every rank gathers, only rank 0 keeps the result (on the CPU).
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.env.is_main else None

@@ -1,0 +1,160 @@
+"""`scaletune train` end to end through the CLI on real data: full and LoRA fine-tuning, the run
+directory, the accumulation identity, and every bad input (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import ALPACA_5000
+from tests.helpers import assert_close, base_config, losses, metrics, run_cli, train
+
+DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
+
+
+def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
+    cfg["data"]["eval_fraction"] = 0.1
+    cfg["training"]["eval_every"] = 3
+    train(cfg, tmp_path)
+    run = tmp_path / "run"
+    rows = metrics(run)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for r in steps:
+        assert DESIGN_FIELDS <= set(r), set(r) ^ DESIGN_FIELDS
+        assert r["stage"] == "main" and r["tokens"] > 0 and r["tokens_per_s"] > 0
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    # warmup 2 then cosine: lr rises, then falls
+    lrs = [r["lr"] for r in steps]
+    assert lrs[0] < lrs[1] and lrs[2] > lrs[-1]
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    assert resolved["training"]["global_batch_size"] == 8 and resolved["model"]["trust_remote_code"] is False
+    assert (run / "loss.png").stat().st_size > 1000
+    assert any((run / "tensorboard").iterdir())
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    assert model.config.model_type == "olmo2" and tok.eos_token is not None
+    # The exported weights are the trained ones, not the initial ones.
+    init = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(model.lm_head.weight, init.lm_head.weight)
+
+
+def test_lora_adapter_trains_saves_and_loads(tiny_model_dir, tmp_path):
+    cfg = base_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        model={"lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "gradient_checkpointing": True},
+    )
+    train(cfg, tmp_path)
+    final = tmp_path / "run" / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
+    assert not (final / "model.safetensors").exists()
+    from peft import AutoPeftModelForCausalLM
+    from safetensors.torch import load_file
+
+    model = AutoPeftModelForCausalLM.from_pretrained(final)
+    adapter = load_file(final / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "lora_B starts at zero; training must move it"
+    assert sorted(json.loads((final / "adapter_config.json").read_text())["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert model.peft_config["default"].r == 4
+
+
+def test_accumulation_identity_4x1_equals_1x4(tiny_model_dir, tmp_path):
+    """Four micro-batches of one and one micro-batch of four make the same optimizer step."""
+    runs = {}
+    for micro in (1, 4):
+        cfg = base_config(tiny_model_dir, tmp_path / f"m{micro}", training={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 4})
+        train(cfg, tmp_path, name=f"m{micro}.yaml")
+        runs[micro] = losses(tmp_path / f"m{micro}")
+    assert_close(runs[4], runs[1], 1e-5, "1x4 vs 4x1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: exit code 2, one message naming every problem, no traceback, nothing written.
+
+
+def _bad(cfg, tmp_path):
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be written before validation passes"
+    return proc.stderr
+
+
+def test_bad_config_keys(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run")
+    cfg["training"]["learnig_rate"] = 0.1
+    cfg["model"]["lora"] = {"rank": 4}
+    err = _bad(cfg, tmp_path)
+    assert "training.learnig_rate" in err and "did you mean 'learning_rate'" in err
+    assert "model.lora.rank" in err and "allowed here: r, alpha" in err
+
+
+def test_batch_not_divisible_by_world_size(tiny_model_dir, tmp_path):
+    """Checked in the parent before torchrun starts the ranks, so the user gets exit 2, not a crash."""
+    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"global_batch_size": 6, "micro_batch_size": 2},
+                      distributed={"strategy": "ddp", "num_processes": 2})
+    err = _bad(cfg, tmp_path)
+    assert "global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)" in err
+
+
+def test_missing_and_malformed_data(tiny_model_dir, tmp_path):
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n{"instruction": "x"}\n')
+    cfg = base_config(tiny_model_dir, tmp_path / "run")
+    cfg["data"]["train"] = {"path": str(bad_jsonl), "format": "alpaca"}
+    cfg["data"]["eval"] = {"path": str(tmp_path / "missing.json"), "format": "alpaca"}
+    err = _bad(cfg, tmp_path)
+    assert f"{bad_jsonl}:2" in err  # the malformed line
+    assert "output" in err and "3" in err  # the record missing its field
+    assert "missing.json" in err
+
+
+def test_empty_after_filtering(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 8})
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "max_seq_length" in proc.stderr
+
+
+def test_sequence_longer_than_model_positions(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 100_000})
+    err = _bad(cfg, tmp_path)
+    assert "data.max_seq_length (100000)" in err and "positions" in err
+
+
+def test_finished_run_is_not_overwritten(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 1})
+    train(cfg, tmp_path)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2 and "holds a finished run" in proc.stderr and "overwrite: true" in proc.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    cfg["overwrite"] = True
+    train(cfg, tmp_path)
+    assert len(losses(tmp_path / "run")) == 1
+
+
+def test_unknown_preset_and_usage_errors(tmp_path):
+    proc = run_cli(["init-model", "no-such-preset", "-o", str(tmp_path / "m")])
+    assert proc.returncode == 2 and "olmo2-tiny" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(["train"])
+    assert proc.returncode == 2
+
+
+def test_alpaca_full_example_reads_shared_data():
+    from scaletune.config import load_config
+    from tests.conftest import REPO_ROOT
+
+    cfg = load_config(REPO_ROOT / "examples" / "alpaca-full.yaml")
+    assert (REPO_ROOT / cfg.data.train.path).resolve() == ALPACA_5000.resolve()

@@ -1,0 +1,84 @@
+"""Running the real CLI in a subprocess and reading what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.conftest import ALPACA_5000, REPO_ROOT
+
+
+def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
+    """A small fp32 config on real Alpaca records: 8 sequences per step, 6 steps, seq 64."""
+    cfg: dict[str, Any] = {
+        "output_dir": str(out),
+        "seed": 1234,
+        "model": {
+            "name_or_path": str(model_dir),
+            "dtype": "float32",
+            "attn_implementation": "sdpa",
+            "gradient_checkpointing": False,
+        },
+        "data": {
+            "train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 64},
+            "max_seq_length": 64,
+        },
+        "training": {
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "max_steps": 6,
+            "learning_rate": 1.0e-3,
+            "lr_scheduler": "cosine",
+            "warmup_steps": 2,
+            "max_grad_norm": 1.0,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_every": 1,
+        },
+        "distributed": {"strategy": "single", "num_processes": 1},
+        "logging": {"tensorboard": False},
+    }
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    return cfg
+
+
+def run_cli(args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU)."""
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "scaletune", *args],
+        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT,
+    )
+
+
+def train(cfg: dict, tmp_path: Path, *, name: str = "config.yaml", expect_ok: bool = True, **kw) -> subprocess.CompletedProcess:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli(["train", str(path)], **kw)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"scaletune train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path | str) -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def losses(run_dir: Path | str) -> list[float]:
+    return [m["loss"] for m in metrics(run_dir) if "loss" in m]
+
+
+def assert_close(actual: list[float], expected: list[float], rel: float, what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} steps vs {len(expected)}"
+    worst = max(abs(a - e) / max(abs(e), 1e-12) for a, e in zip(actual, expected))
+    assert worst <= rel, f"{what}: worst relative difference {worst:.2e} > {rel:.0e}\n actual   {actual}\n expected {expected}"
