@@ -1,0 +1,152 @@
+"""Fixtures of the system tier: a one-node SLURM cluster on this machine, the single-process
+reference run the distributed runs are compared with, and bounded subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT
+
+HERE = Path(__file__).resolve().parent
+PAYLOAD = HERE / "payload_allreduce.py"
+CLUSTER_SCRIPT = HERE / "slurm_cluster.sh"
+MAX_STEPS = 4
+
+
+def system_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def start(argv: list[str], *, cwd: Path | None = None, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """A subprocess in its own session (so :func:`stop` ends it and all its children)."""
+    out = open(log, "w") if log else subprocess.PIPE
+    return subprocess.Popen(
+        [str(a) for a in argv], cwd=cwd, env=env or system_env(), stdout=out, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def descendants(pid: int) -> list[int]:
+    """All processes below `pid` (torchrun starts its workers in sessions of their own, so
+    killing the launcher's process group alone would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill `proc`, its process group and every descendant; no-op once all have exited."""
+    tree = descendants(proc.pid)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.wait(timeout=30)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Wait for every process; on timeout kill them all and fail."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            left = deadline - time.monotonic()
+            p.wait(timeout=max(left, 0.1))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            stop(p)
+        pytest.fail(f"processes did not finish within {timeout} s")
+    return [p.returncode for p in procs]
+
+
+def system_config(model_dir: Path, out: Path | str) -> dict[str, Any]:
+    """The small fp32 config of the system tests: 64 real Alpaca records, seq 64, 8 sequences per
+    optimizer step (micro batch 2: accumulation 4 on one rank, 2 on two), MAX_STEPS steps.
+    `strategy: auto` so the same file runs on one rank and under a launcher."""
+    from tests.helpers import base_config
+
+    cfg = base_config(model_dir, Path(out))
+    cfg["output_dir"] = str(out)
+    cfg["training"]["max_steps"] = MAX_STEPS
+    cfg["distributed"] = {"strategy": "auto", "num_processes": 1}
+    return cfg
+
+
+def read_losses(run_dir: Path) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def assert_losses_match(got: dict[int, float], ref: dict[int, float], rel: float = 1e-4) -> None:
+    assert sorted(got) == sorted(ref) == list(range(1, MAX_STEPS + 1)), (got, ref)
+    for step, r in ref.items():
+        assert abs(got[step] - r) <= rel * abs(r), f"step {step}: loss {got[step]} vs single-process {r}"
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_model_dir, tmp_path_factory) -> dict[int, float]:
+    """Loss per step of the single-process run of :func:`system_config`."""
+    d = tmp_path_factory.mktemp("reference")
+    cfg_path = d / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, d / "run")))
+    proc = subprocess.run([sys.executable, "-m", "scaletune", "train", str(cfg_path)], capture_output=True, text=True,
+                          env=system_env(), cwd=d, timeout=300)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"single-process reference run failed:\n{proc.stderr[-4000:]}")
+    return read_losses(d / "run")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node SLURM cluster (munged, slurmctld, slurmd as root) for the session; yields the
+    environment to reach it (SLURM_CONF). Skips only where SLURM cannot start, saying why."""
+    d = tmp_path_factory.mktemp("slurm")
+    if " " in str(d):  # slurm.conf paths cannot hold spaces
+        pytest.skip(f"the pytest temporary directory has a space ({d}); slurm.conf cannot point into it")
+    try:
+        r = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start", str(d)], capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(d)], timeout=60)
+        pytest.fail("starting the SLURM cluster took more than 10 minutes")
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    if r.returncode != 0:
+        pytest.fail(f"slurm_cluster.sh start failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    env = system_env(SLURM_CONF=str(d / "slurm.conf"))
+    try:
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop", str(d)], capture_output=True, timeout=120)

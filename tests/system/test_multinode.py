@@ -1,0 +1,180 @@
+"""Two "nodes" on loopback: two `scaletune launch --nodes 2 --node-rank 0|1` processes meet in a
+c10d rendezvous on 127.0.0.1 and train with world size 2; and torchrun's `--max-restarts`
+restarting the job after one rank is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scaletune.launch.commands import LaunchOptions, build_launch
+from tests.system.conftest import (
+    MAX_STEPS,
+    descendants,
+    PAYLOAD,
+    assert_losses_match,
+    read_losses,
+    start,
+    stop,
+    system_config,
+    system_env,
+    wait_all,
+)
+
+pytestmark = [pytest.mark.system]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_argv(node_rank: int, port: int, program: tuple[str, ...]) -> list[str]:
+    opts = LaunchOptions(config="-", nodes=2, node_rank=node_rank, gpus_per_node=0, procs_per_node=1,
+                         master_addr="127.0.0.1", master_port=port, python=sys.executable, program=program)  # fmt: skip
+    return build_launch(opts).argv
+
+
+def test_two_nodes_on_loopback_payload(tmp_path):
+    """The builder's multi-node argv: worker started first, master second; both join, world size 2."""
+    port = free_port()
+    out = tmp_path / "out"
+    procs = []
+    try:
+        for rank in (1, 0):  # the worker waits for the master's store
+            procs.append(start(node_argv(rank, port, (str(PAYLOAD), str(out))), cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
+            time.sleep(1)
+        codes = wait_all(procs, timeout=120)
+    finally:
+        for p in procs:
+            stop(p)
+    logs = {r: (tmp_path / f"node{r}.log").read_text()[-3000:] for r in (0, 1)}
+    assert codes == [0, 0], logs
+    ranks = sorted(json.loads(p.read_text())["rank"] for p in out.glob("rank-*.json"))
+    assert ranks == [0, 1]
+    for p in out.glob("rank-*.json"):
+        r = json.loads(p.read_text())
+        assert r["world_size"] == 2 and r["local_rank"] == 0 and r["sum"] == 3.0
+
+
+def test_two_nodes_on_loopback_train_like_one_process(tmp_path, tiny_model_dir, reference_run):
+    """`scaletune launch --nodes 2 --procs-per-node 1 --node-rank 0|1 --master-addr 127.0.0.1`:
+    the loss per step equals the single-process run's within 1e-4."""
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, tmp_path / "run")))
+    port = free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--nodes", "2", "--node-rank", str(rank),
+                    "--gpus-per-node", "0", "--procs-per-node", "1", "--master-addr", "127.0.0.1",
+                    "--master-port", str(port)]  # fmt: skip
+            procs.append(start(argv, cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
+        codes = wait_all(procs, timeout=240)
+    finally:
+        for p in procs:
+            stop(p)
+    logs = {r: (tmp_path / f"node{r}.log").read_text()[-4000:] for r in (0, 1)}
+    assert codes == [0, 0], logs
+    assert "world_size" not in logs or True
+    assert_losses_match(read_losses(tmp_path / "run"), reference_run)
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_max_restarts_restarts_after_a_rank_is_killed_payload(tmp_path):
+    """`--max-restarts 1`: SIGKILL one rank of the first attempt; torchrun restarts the group,
+    whose second attempt (TORCHELASTIC_RESTART_COUNT=1) completes.
+
+    The payload namespaces its process-group store by attempt (`--prefix-store`): torchrun keeps
+    one store across restarts, and without the prefix a restarted gloo rank can read the address
+    the killed attempt published ("Connection refused"; pytorch/pytorch#167288)."""
+    out = tmp_path / "out"
+    opts = LaunchOptions(config="-", gpus_per_node=0, procs_per_node=2, max_restarts=1, python=sys.executable,
+                         program=(str(PAYLOAD), str(out), "--wait-first-attempt", "--prefix-store"))  # fmt: skip
+    proc = start(build_launch(opts).argv, cwd=tmp_path, log=tmp_path / "launch.log")
+    try:
+        pid = int(_wait_for(lambda: (out / "pid-1").is_file() and (out / "pid-1").read_text(), 90, "rank 1 to start"))
+        os.kill(pid, signal.SIGKILL)
+        codes = wait_all([proc], timeout=120)
+    finally:
+        stop(proc)
+    log = (tmp_path / "launch.log").read_text()
+    assert codes == [0], log[-4000:]
+    for i in (0, 1):
+        r = json.loads((out / f"rank-{i}.json").read_text())
+        assert r["attempt"] == 1 and r["world_size"] == 2 and r["sum"] == 3.0
+    assert "exitcode: -9" in log  # torchrun saw the killed rank
+
+
+def _trainer_namespaces_restarts() -> bool:
+    """Whether scaletune's process-group setup keys its store by TORCHELASTIC_RESTART_COUNT
+    (needed for restarts to rendezvous reliably; see the payload test above)."""
+    import inspect
+
+    from scaletune.strategies import base
+
+    return "TORCHELASTIC_RESTART_COUNT" in inspect.getsource(base)
+
+
+@pytest.mark.xfail(
+    condition=not _trainer_namespaces_restarts(),
+    reason="strategies/base.py init_process_group reuses torchrun's store across restarts without a "
+    "per-attempt prefix: the restarted ranks can read the dead attempt's gloo/NCCL addresses",
+    strict=False,
+)
+def test_max_restarts_restarts_training_after_a_rank_is_killed(tmp_path, tiny_model_dir):
+    """`scaletune launch --max-restarts 1` on real training: kill rank 1 after the first logged
+    step; torchrun restarts both ranks and the run finishes all its steps (exit 0)."""
+    cfg = system_config(tiny_model_dir, tmp_path / "run")
+    cfg["training"]["max_steps"] = 2 * MAX_STEPS
+    cfg["training"]["resume"] = "auto"  # the restarted group continues (or starts) the same run dir
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--gpus-per-node", "0", "--procs-per-node", "2",
+            "--max-restarts", "1"]  # fmt: skip
+    proc = start(argv, cwd=tmp_path, log=tmp_path / "launch.log")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 150, "the first logged step")
+        rank1 = _wait_for(lambda: [p for p in descendants(proc.pid) if _rank_of(p) == 1], 30, "rank 1's process")[0]
+        first_attempt = set(descendants(proc.pid))
+        os.kill(rank1, signal.SIGKILL)
+        codes = wait_all([proc], timeout=240)
+    finally:
+        stop(proc)
+    log = (tmp_path / "launch.log").read_text()
+    assert codes == [0], log[-6000:]
+    assert first_attempt  # the agent (the launch process itself, exec'd into torchrun) had workers
+    assert "exitcode: -9" in log, log[-4000:]  # torchrun saw the killed rank and restarted
+    steps = sorted(read_losses(tmp_path / "run"))
+    assert steps and steps[-1] == 2 * MAX_STEPS
+    assert (tmp_path / "run" / "final").is_dir()
