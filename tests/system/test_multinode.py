@@ -85,7 +85,6 @@ def test_two_nodes_on_loopback_train_like_one_process(tmp_path, tiny_model_dir, 
             stop(p)
     logs = {r: (tmp_path / f"node{r}.log").read_text()[-4000:] for r in (0, 1)}
     assert codes == [0, 0], logs
-    assert "world_size" not in logs or True
     assert_losses_match(read_losses(tmp_path / "run"), reference_run)
 
 
@@ -178,3 +177,26 @@ def test_max_restarts_restarts_training_after_a_rank_is_killed(tmp_path, tiny_mo
     steps = sorted(read_losses(tmp_path / "run"))
     assert steps and steps[-1] == 2 * MAX_STEPS
     assert (tmp_path / "run" / "final").is_dir()
+
+
+def test_two_nodes_on_loopback_with_the_deepspeed_launcher(tmp_path, tiny_model_dir, reference_run):
+    """`scaletune launch --launcher deepspeed --nodes 2 ...`: each node runs DeepSpeed's launcher
+    with --no_ssh, --node_rank and the hostfile scaletune writes; same loss as one process."""
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, tmp_path / "run")))
+    port = free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--launcher", "deepspeed", "--nodes", "2",
+                    "--node-rank", str(rank), "--gpus-per-node", "0", "--procs-per-node", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+            procs.append(start(argv, cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
+        codes = wait_all(procs, timeout=240)
+    finally:
+        for p in procs:
+            stop(p)
+    logs = {r: (tmp_path / f"node{r}.log").read_text()[-4000:] for r in (0, 1)}
+    assert codes == [0, 0], logs
+    assert "deepspeed.launcher.runner" in logs[0] or "launch.py" in logs[0]
+    assert_losses_match(read_losses(tmp_path / "run"), reference_run)
