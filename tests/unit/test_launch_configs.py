@@ -46,57 +46,63 @@ def test_bad_deepspeed_options(kw, message):
         deepspeed_config(**kw)
 
 
-# DeepSpeed and transformers are imported in a child process: TrainingArguments(deepspeed=...)
+# DeepSpeed and transformers are imported in one child process: TrainingArguments(deepspeed=...)
 # sets up torch.distributed state that must not leak into the rest of the test session.
 CHECK = textwrap.dedent(
     """
     import json, sys
     from deepspeed.runtime.config import DeepSpeedConfig
     from transformers import TrainingArguments
-    path, precision, concrete = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    args = TrainingArguments(output_dir=sys.argv[4], deepspeed=path, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=4, max_grad_norm=1.0, bf16=precision == "bf16",
-                             use_cpu=True, report_to=[])
-    filled = args.hf_deepspeed_config.config
-    assert "auto" not in json.dumps(filled), filled
-    ds = DeepSpeedConfig(filled)
-    out = {"stage": ds.zero_optimization_stage, "train_batch_size": ds.train_batch_size,
-           "gas": ds.gradient_accumulation_steps}
-    if concrete:
-        direct = DeepSpeedConfig(path)  # no HF involved: the file as written
-        out["direct_train_batch_size"] = direct.train_batch_size
-    print("RESULT " + json.dumps(out))
+    out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+    for path, precision, concrete in cases:
+        args = TrainingArguments(output_dir=out_dir, deepspeed=path, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=4, max_grad_norm=1.0, bf16=precision == "bf16",
+                                 use_cpu=True, report_to=[])
+        filled = args.hf_deepspeed_config.config
+        assert "auto" not in json.dumps(filled), filled
+        ds = DeepSpeedConfig(filled)
+        out = {"path": path, "stage": ds.zero_optimization_stage, "train_batch_size": ds.train_batch_size,
+               "gas": ds.gradient_accumulation_steps}
+        if concrete:
+            direct = DeepSpeedConfig(path)  # no HF involved: the file as written
+            out["direct_train_batch_size"] = direct.train_batch_size
+        print("RESULT " + json.dumps(out), flush=True)
     """
 )
 
+VARIANTS = [
+    ([], "auto", False, 2),
+    (["--zero-stage", "1"], "auto", False, 1),
+    (["--zero-stage", "3", "--offload-optimizer", "--offload-params", "--bf16"], "bf16", False, 3),
+    (["--zero-stage", "2", "--offload-optimizer", "--fp32", "--micro-batch-size", "2",
+      "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"], "fp32", True, 2),
+]  # fmt: skip
 
-@pytest.mark.parametrize(
-    "cli_args, precision, concrete, stage",
-    [
-        ([], "auto", False, 2),
-        (["--zero-stage", "1"], "auto", False, 1),
-        (["--zero-stage", "3", "--offload-optimizer", "--offload-params", "--bf16"], "bf16", False, 3),
-        (["--zero-stage", "2", "--offload-optimizer", "--fp32", "--micro-batch-size", "2",
-          "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"], "fp32", True, 2),
-    ],
-)  # fmt: skip
-def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path, cli_args, precision, concrete, stage):
+
+def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path):
+    """Each variant `scaletune config deepspeed` writes is accepted by TrainingArguments(deepspeed=)
+    (which fills the `auto` values) and the result by DeepSpeed's own DeepSpeedConfig; a fully
+    concrete file is accepted by DeepSpeedConfig as written."""
     pytest.importorskip("deepspeed")
-    path = tmp_path / "ds.json"
-    r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", *cli_args, "-o", str(path)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    json.loads(path.read_text())
+    cases = []
+    for i, (cli_args, precision, concrete, _) in enumerate(VARIANTS):
+        path = tmp_path / f"ds{i}.json"
+        r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", *cli_args, "-o", str(path)],
+                           capture_output=True, text=True)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        json.loads(path.read_text())
+        cases.append([str(path), precision, concrete])
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
-    r = subprocess.run(
-        [sys.executable, "-c", CHECK, str(path), precision, "1" if concrete else "0", str(tmp_path / "o")],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+    r = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path / "o"), json.dumps(cases)],
+                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    result = json.loads(next(l for l in r.stdout.splitlines() if l.startswith("RESULT "))[7:])
-    assert result["stage"] == stage and result["train_batch_size"] == 8 and result["gas"] == 4
-    if concrete:
-        assert result["direct_train_batch_size"] == 8
+    results = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(results) == len(VARIANTS)
+    for res, (_, _, concrete, stage) in zip(results, VARIANTS):
+        assert res["stage"] == stage and res["train_batch_size"] == 8 and res["gas"] == 4, res
+        if concrete:
+            assert res["direct_train_batch_size"] == 8
 
 
 def test_cli_rejects_two_precisions_with_exit_2():
