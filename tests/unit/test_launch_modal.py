@@ -84,6 +84,7 @@ def test_written_app_imports_and_declares_gpus(workdir, count, gpu, torchrun):
     cfg = yaml.safe_load(m.CONFIG_YAML)
     assert cfg["output_dir"] == "/runs/demo" and "HF_TOKEN" not in cfg["distributed"]["env"]
     assert "add_local_dir(" in text and "add_local_file(" in text
+    assert 'add_local_python_source("scaletune", ignore=' in text  # assets too, not only .py files
 
 
 def test_hostile_strings_are_python_literals(workdir):

@@ -150,7 +150,8 @@ image = (
 {%- for local, remote in mounts %}
     .{{ "add_local_dir" if local_is_dir[local] else "add_local_file" }}({{ local | py }}, {{ remote | py }})
 {%- endfor %}
-    .add_local_python_source("scaletune")
+    # scaletune itself, with its bundled assets (Modal adds only .py files by default).
+    .add_local_python_source("scaletune", ignore=["**/__pycache__", "**/*.pyc"])
 )
 volume = modal.Volume.from_name({{ volume | py }}, create_if_missing=True)
 app = modal.App(APP_NAME)
@@ -170,8 +171,10 @@ def train() -> None:
     os.makedirs(WORKDIR, exist_ok=True)
     with open(CONFIG_PATH, "w") as f:
         f.write(CONFIG_YAML)
+    # add_local_python_source puts scaletune in /root; the ranks are new interpreters.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["/root", os.environ.get("PYTHONPATH")])))
     try:
-        subprocess.run(COMMAND, cwd=WORKDIR, check=True)
+        subprocess.run(COMMAND, cwd=WORKDIR, env=env, check=True)
     finally:
         volume.commit()  # keep checkpoints and logs even when the run fails
 
