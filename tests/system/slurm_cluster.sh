@@ -72,6 +72,12 @@ PY
 ctld_port=$(free_port)
 slurmd_port=$(free_port)
 host=$(hostname -s)
+# Jobs find their master by node name (scontrol show hostnames): the name must resolve, as it does
+# on a real cluster. Sandboxes sometimes lack the entry; add it (this script only runs as root).
+if ! getent hosts "$host" >/dev/null 2>&1; then
+    echo "127.0.0.1 $host  # added by scaletune tests/system/slurm_cluster.sh" >>/etc/hosts \
+        || cannot "the host name $host does not resolve and /etc/hosts is not writable"
+fi
 # What slurmd sees on this machine (CPUs, sockets, cores, memory), as its first line.
 hw=$(slurmd -C | head -n 1 | sed -e 's/^NodeName=[^ ]* //')
 cpus=$(echo "$hw" | sed -n 's/.*CPUs=\([0-9]*\).*/\1/p')
