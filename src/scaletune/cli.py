@@ -95,7 +95,7 @@ def launch(
         config=str(config), overrides=tuple(overrides or ()), nodes=nodes, gpus_per_node=gpus_per_node,
         procs_per_node=procs_per_node, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
         launcher=launcher, max_restarts=max_restarts, rdzv_id=rdzv_id, env_presets=tuple(env_preset or ()),
-        config_env=dict(cfg.distributed.env), python=python,
+        config_env=dict(cfg.distributed.env), config_num_processes=cfg.distributed.num_processes, python=python,
     )  # fmt: skip
     if dry_run or script is not None:
         cmd = build_launch(opts)

@@ -36,6 +36,17 @@ def test_single_node_all_gpus_by_default_and_overrides_passed():
     assert cmd.argv[-5:] == ["scaletune", "train", "c.yaml", "training.max_steps=3", "seed=1"]
 
 
+def test_config_num_processes_is_the_default_rank_count():
+    def nproc(**kw):
+        argv = build_launch(LaunchOptions(config="c.yaml", **kw)).argv
+        return argv[argv.index("--nproc-per-node") + 1]
+
+    assert nproc(config_num_processes=3) == "3"
+    assert nproc(config_num_processes="auto") == "gpu"
+    assert nproc(config_num_processes=3, gpus_per_node=8) == "8"  # the command line wins
+    assert nproc(config_num_processes=3, gpus_per_node=0, procs_per_node=2) == "2"
+
+
 def test_single_node_with_port_uses_c10d_on_loopback():
     cmd = build_launch(LaunchOptions(config="c.yaml", gpus_per_node=2, master_port=29600, python=PY))
     assert cmd.argv == [

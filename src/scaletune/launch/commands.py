@@ -130,6 +130,9 @@ class LaunchOptions:
     rdzv_id: str | None = None
     env_presets: tuple[str, ...] = ()
     config_env: dict[str, str] = field(default_factory=dict)  # distributed.env of the config
+    # distributed.num_processes of the config: ranks per node when neither --gpus-per-node nor
+    # --procs-per-node is given and it is a number (`auto`: one rank per visible GPU).
+    config_num_processes: int | str = "auto"
     python: str = "python"
     hostfile: str | None = None  # deepspeed, several nodes: where the hostfile is written
     # What each rank runs after the launcher's options; default `-m scaletune train CONFIG ...`.
@@ -256,8 +259,11 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
     _, secrets = split_secrets(env)
     port = opts.master_port
     role = "master" if opts.node_rank == 0 else "worker"
-    nproc = nproc_per_node(opts.gpus_per_node, opts.procs_per_node)
-    per_node = f"{nproc} ranks per node" if nproc != "gpu" else "one rank per visible GPU"
+    procs = opts.procs_per_node
+    if procs is None and opts.gpus_per_node is None and isinstance(opts.config_num_processes, int):
+        procs = opts.config_num_processes
+    nproc = nproc_per_node(opts.gpus_per_node, procs)
+    per_node = f"{nproc} rank{'' if nproc == '1' else 's'} per node" if nproc != "gpu" else "one rank per visible GPU"
     files: dict[str, str] = {}
 
     if opts.launcher == "torchrun":
