@@ -50,7 +50,7 @@ def test_directives_come_before_the_first_command():
 
 def test_master_port_and_srun_torchrun_line():
     text = render_sbatch(opts(overrides=("training.max_steps=5",), max_restarts=2))
-    assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
+    assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1 || true)"' in text
     assert "s.bind((\"\", 0))" in text and "export MASTER_ADDR MASTER_PORT" in text
     assert text.endswith(
         'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=8 --kill-on-bad-exit=1 \\\n'

@@ -212,7 +212,9 @@ def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
     lines += [
         "",
         "# The first node of the allocation is the master; this batch step runs there.",
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "# (`|| true`: with pipefail, scontrol may get SIGPIPE once head has its line on long node lists.)",
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1 || true)"',
+        '[ -n "$MASTER_ADDR" ] || { echo "scaletune: no node in SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2; exit 1; }',
         "# A free TCP port on it for the rendezvous.",
         'MASTER_PORT="$("$PYTHON" -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
         "print(s.getsockname()[1]); s.close()')\"",
