@@ -33,7 +33,7 @@ def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
             "global_batch_size": 8,
             "micro_batch_size": 2,
             "max_steps": 6,
-            "learning_rate": 1.0e-3,
+            "learning_rate": 2.0e-3,
             "lr_scheduler": "cosine",
             "warmup_steps": 2,
             "max_grad_norm": 1.0,

@@ -222,8 +222,25 @@ def cross_field_problems(data: dict) -> list[str]:
         )
     if off_par and strategy == "deepspeed" and d.get("zero_stage", 2) != 3:
         out.append("distributed.offload_params needs zero_stage 3 (ZeRO-1/2 do not partition parameters)")
-    if m.get("quantization") is not None and m.get("lora") is None:
+    q = m.get("quantization")
+    if q is not None and m.get("lora") is None:
         out.append("model.quantization freezes the base weights: it needs model.lora (QLoRA)")
+    shards_params = strategy == "fsdp" or (strategy == "deepspeed" and d.get("zero_stage", 2) == 3)
+    if isinstance(q, dict) and shards_params:
+        name = "fsdp" if strategy == "fsdp" else "deepspeed zero_stage 3"
+        dtype = m.get("dtype", "bfloat16")
+        if q.get("bits") == 8:
+            out.append(
+                f"model.quantization bits 8 cannot be sharded by {name}; use bits: 4 with "
+                f"storage_dtype: {dtype}, or strategy ddp"
+            )
+        elif q.get("storage_dtype", "uint8") != dtype:
+            # FSDP/ZeRO-3 flatten each unit's parameters into one tensor of one dtype; 4-bit weights
+            # packed as uint8 cannot join the bf16 ones (QLoRA with FSDP, Answer.AI/HF 2024).
+            out.append(
+                f"model.quantization under {name} needs storage_dtype: {dtype} (equal to model.dtype, "
+                "bitsandbytes' bnb_4bit_quant_storage) so the 4-bit weights shard with the other parameters"
+            )
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
     names = [s.get("name") for s in stages if isinstance(s, dict)]
     dupes = sorted({str(n) for n in names if n is not None and names.count(n) > 1})

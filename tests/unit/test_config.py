@@ -207,3 +207,19 @@ def test_examples_are_valid():
     root = Path(__file__).resolve().parents[2]
     for path in sorted((root / "examples").glob("*.yaml")):
         load_config(path)
+
+
+def test_quantization_with_sharded_strategies(tmp_path):
+    lora = "model.lora={r: 8}"
+    probs = problems_of(tmp_path, BASE + "distributed: {strategy: fsdp}\n", [lora, "model.quantization={bits: 4}"])
+    assert any("storage_dtype: bfloat16" in p and "fsdp" in p for p in probs)
+    probs = problems_of(
+        tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n", [lora, "model.quantization={bits: 8}"]
+    )
+    assert any("bits 8 cannot be sharded by deepspeed zero_stage 3" in p for p in probs)
+    ok = load_config(
+        write(tmp_path, BASE + "distributed: {strategy: fsdp}\n"),
+        [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"],
+    )
+    assert ok.model.quantization.storage_dtype == "bfloat16"
+    load_config(write(tmp_path, BASE + "distributed: {strategy: ddp}\n"), [lora, "model.quantization={bits: 8}"])

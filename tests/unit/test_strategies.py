@@ -1,0 +1,158 @@
+"""The strategy layer's pure parts: DeepSpeed config generation and merging, the device check,
+precision, strategy choice and the number of processes a plain `train` starts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from scaletune.config import Config, batch_arithmetic
+from scaletune.env import DistributedEnv
+from scaletune.errors import ConfigError, UserError
+from scaletune.strategies import choose_strategy
+from scaletune.strategies.base import check_devices, param_groups, resolve_precision
+from scaletune.strategies.deepspeed import deepspeed_config, read_user_config
+from scaletune.train import wanted_processes
+
+
+def cfg(**dist) -> Config:
+    return Config.model_validate(
+        {
+            "model": {"name_or_path": "m", "dtype": dist.pop("dtype", "float32"), "lora": dist.pop("lora", None)},
+            "data": {"dummy": {"num_samples": 8}},
+            "training": {"global_batch_size": 16, "micro_batch_size": 2, "max_grad_norm": 0.5},
+            "distributed": dist,
+        }
+    )
+
+
+def env(world=1, cuda=0, launcher="none") -> DistributedEnv:
+    return DistributedEnv(launcher=launcher, world_size=world, cuda_available=cuda > 0, cuda_device_count=cuda)
+
+
+def ds(c: Config, world=2, user=None):
+    e = env(world)
+    return deepspeed_config(c.distributed, c.training, batch_arithmetic(c.training, world, 64), resolve_precision(c.model, e), user)
+
+
+def test_deepspeed_config_from_yaml():
+    out = ds(cfg(strategy="deepspeed", zero_stage=3, offload_params=True, offload_optimizer=True, dtype="bfloat16"))
+    assert out["train_batch_size"] == 16
+    assert out["train_micro_batch_size_per_gpu"] == 2
+    assert out["gradient_accumulation_steps"] == 4
+    assert out["gradient_clipping"] == 0.5
+    assert out["bf16"] == {"enabled": True} and out["fp16"]["enabled"] is False
+    z = out["zero_optimization"]
+    assert z["stage"] == 3 and z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert z["offload_param"]["device"] == "cpu" and z["offload_optimizer"]["device"] == "cpu"
+    # DeepSpeed's own parser accepts it (without a process group it checks the batch arithmetic
+    # at world size 1).
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    one = ds(cfg(strategy="deepspeed", zero_stage=3, offload_params=True, dtype="bfloat16"), world=1)
+    parsed = DeepSpeedConfig(json.loads(json.dumps(one)))
+    assert parsed.zero_optimization_stage == 3 and parsed.train_batch_size == 16
+    assert parsed.gradient_accumulation_steps == 8 and parsed.bfloat16_config.enabled
+
+
+def test_user_deepspeed_json_merged_keeps_its_own_keys(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "communication_data_type": "fp32"}))
+    c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
+    out = ds(c, user=read_user_config(str(path)))
+    assert out["train_batch_size"] == 16
+    assert out["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert out["communication_data_type"] == "fp32"
+
+
+def test_user_deepspeed_json_disagreeing_is_one_error_naming_every_key(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+    }))
+    c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
+    with pytest.raises(ConfigError) as info:
+        ds(c, user=read_user_config(str(path)))
+    text = "\n".join(info.value.problems)
+    assert "train_batch_size is 64 but the YAML gives 16" in text
+    assert "gradient_accumulation_steps is 8 but the YAML gives 4" in text
+    assert "bf16.enabled is True but model.dtype is float32" in text
+    assert "zero_optimization.stage is 3 but distributed.zero_stage is 2" in text
+    assert "train_micro_batch_size_per_gpu" not in text  # it agrees
+
+
+def test_user_deepspeed_json_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_user_config(str(tmp_path / "none.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "a": 1,\n  oops\n}')
+    with pytest.raises(ConfigError, match=r"bad.json:3: not valid JSON"):
+        read_user_config(str(bad))
+
+
+def test_check_devices_names_offenders():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    check_devices(m, "cpu", strategy="ddp")
+    m[1].weight = nn.Parameter(torch.zeros(2, 2, device="meta"))
+    m.register_buffer("scale", torch.ones(1, device="meta"))
+    with pytest.raises(RuntimeError) as info:
+        check_devices(m, "cpu", strategy="ddp")
+    msg = str(info.value)
+    assert "parameter 1.weight on meta" in msg and "buffer scale on meta" in msg
+    assert "strategy ddp expects every parameter and buffer on cpu" in msg
+    assert "device_map" in msg  # the fix
+
+
+def test_precision_keeps_trainable_master_weights_in_fp32():
+    full = resolve_precision(cfg(dtype="bfloat16").model, env())
+    assert full.compute == torch.bfloat16 and full.storage == torch.float32 and full.mixed
+    lora = resolve_precision(cfg(dtype="bfloat16", lora={"r": 4}).model, env())
+    assert lora.storage == torch.bfloat16 and not lora.mixed
+    assert resolve_precision(cfg(dtype="auto").model, env()).compute == torch.float32  # no GPU here
+
+
+def test_param_groups_exclude_norms_and_biases_from_decay():
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = param_groups(m, 0.1)
+    assert groups[0]["weight_decay"] == 0.1 and [p.shape for p in groups[0]["params"]] == [torch.Size([4, 4])]
+    assert groups[1]["weight_decay"] == 0.0 and len(groups[1]["params"]) == 3
+
+
+def test_choose_strategy():
+    assert choose_strategy(cfg(), env(1)) == "single"
+    assert choose_strategy(cfg(), env(2, launcher="torchrun")) == "ddp"
+    assert choose_strategy(cfg(strategy="fsdp"), env(1)) == "fsdp"
+
+
+def test_wanted_processes():
+    assert wanted_processes(cfg(), env(cuda=0)) == 1
+    assert wanted_processes(cfg(), env(cuda=4)) == 4  # auto: four GPUs, four processes
+    assert wanted_processes(cfg(num_processes=2), env(cuda=0)) == 2  # CPU ranks with gloo
+    with pytest.raises(UserError, match="num_processes is 8 but only 4 GPU"):
+        wanted_processes(cfg(num_processes=8), env(cuda=4))
+
+
+def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_path):
+    """`strategy: deepspeed` where DeepSpeed cannot be imported: one clear problem, what to do."""
+    import sys
+
+    from scaletune.train import preflight
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
+    c = Config.model_validate({
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name_or_path": str(tiny_model_dir)},
+        "data": {"dummy": {"num_samples": 8}, "max_seq_length": 32},
+        "training": {"global_batch_size": 4, "micro_batch_size": 2},
+        "distributed": {"strategy": "deepspeed"},
+    })
+    with pytest.raises(UserError) as info:
+        preflight(c, env())
+    assert info.value.problems == [
+        "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' (or choose ddp or fsdp)"
+    ]
+    assert not (tmp_path / "run").exists()
