@@ -134,7 +134,9 @@ def test_cli_init_model_verb(tmp_path, tiny_model_dir, capsys):
         main(["init-model", "nope", "-o", str(tmp_path / "m")])
     assert exit_.value.code == 2
     assert "unknown model preset 'nope'" in capsys.readouterr().err
-    main(["init-model", "olmo2-tiny", "-o", str(tiny_model_dir)])  # idempotent: returns at once
+    with pytest.raises(SystemExit) as exit_:  # click's standalone mode exits 0 on success
+        main(["init-model", "olmo2-tiny", "-o", str(tiny_model_dir)])  # idempotent: returns at once
+    assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == str(tiny_model_dir)
 
 

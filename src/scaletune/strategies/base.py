@@ -85,11 +85,19 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig) -> bool:
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = env.device  # binds the communicator to this rank's GPU up front
+    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun keeps one store across restarts: without a per-attempt prefix, restarted ranks
+        # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
+        # Connection refused" (pytorch#167288).
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
     dist.init_process_group(
         backend=backend,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
+        timeout=timeout,
         **kwargs,
     )
     return True
