@@ -11,6 +11,7 @@ normalisation, transformers#34191, done across ranks).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch.utils.data import DistributedSampler
 
 from scaletune.config import (
     BatchArithmetic,
@@ -36,6 +38,15 @@ from scaletune.config import (
 )
 from scaletune.env import DistributedEnv, get_logger, print0, set_rank
 from scaletune.errors import UserError
+from scaletune.checkpoint import (
+    Progress,
+    check_shapes,
+    latest_checkpoint,
+    load_rng,
+    read_progress,
+    resolve_resume,
+    save_checkpoint,
+)
 from scaletune.loss import CausalLMLoss, target_index
 
 
@@ -49,6 +60,10 @@ def run_from_cli(config_path: Path | str, overrides: list[str]) -> Path:
     env = DistributedEnv.from_environ()
     set_rank(env.rank)
     cfg = load_config(config_path, overrides)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and cfg.training.resume is None:
+        # torchrun restarted the job after a failure: continue from the latest checkpoint.
+        cfg.training.resume = "auto"
+        print0("[scaletune] restarted by torchrun: resuming from the latest checkpoint")
     nproc = wanted_processes(cfg, env)
     if not env.launched and nproc > 1:
         # Bad input is reported here, once, with exit 2, rather than by every rank under torchrun.
@@ -98,6 +113,7 @@ class Preflight:
     stages: list[Stage]
     run_dir: Path
     max_positions: int | None
+    resume_from: Path | None = None
 
 
 def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
@@ -150,10 +166,15 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
     run_dir = Path(cfg.output_dir)
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += _run_dir_problems(cfg, run_dir)
+    resume_from = None
+    try:
+        resume_from = resolve_resume(cfg, run_dir)
+    except UserError as exc:
+        problems += exc.problems
     if problems:
         raise UserError(problems, title="cannot start training")
     assert batch is not None
-    return Preflight(strategy, batch, stages, run_dir, positions)
+    return Preflight(strategy, batch, stages, run_dir, positions, resume_from)
 
 
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "final")
@@ -174,10 +195,14 @@ def _run_dir_problems(cfg: Config, run_dir: Path) -> list[str]:
     return []
 
 
-def prepare_run_dir(cfg: Config, run_dir: Path, env: DistributedEnv) -> None:
+def prepare_run_dir(cfg: Config, run_dir: Path, env: DistributedEnv, *, resuming: bool = False) -> None:
     """Rank 0 creates the run directory (clearing a previous run only under `overwrite: true`)
-    and writes the resolved config."""
+    and writes the resolved config. A fresh start under `resume: auto` keeps an earlier run's
+    metrics as `metrics.jsonl.prev` rather than mixing the two curves."""
     if env.is_main:
+        metrics = run_dir / "metrics.jsonl"
+        if not resuming and cfg.training.resume == "auto" and metrics.exists():
+            os.replace(metrics, run_dir / "metrics.jsonl.prev")
         if cfg.overwrite and run_dir.exists() and cfg.training.resume is None:
             for m in (*_RUN_MARKERS, "loss.png", "tensorboard", "checkpoints", "plan.json", "memory.json"):
                 target = run_dir / m
@@ -216,6 +241,20 @@ def seed_everything(seed: int) -> None:
         pass
 
 
+class ResumableSampler(DistributedSampler):
+    """`DistributedSampler` that can skip the samples of this rank already consumed in the epoch
+    a run resumes in (the permutation does not depend on world size, so neither does the skip).
+
+    `skip` applies to the next iteration only.
+    """
+
+    skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
 def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: DistributedEnv, seed: int, num_workers: int):
     """A DataLoader of micro-batches for this rank.
 
@@ -223,9 +262,9 @@ def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: Distri
     every world size) and gives rank r rows r, r+W, r+2W, ...; so the first global batch is
     permutation[0:global_batch_size] whatever W is, split across ranks and micro-batches.
     """
-    from torch.utils.data import DataLoader, DistributedSampler
+    from torch.utils.data import DataLoader
 
-    sampler = DistributedSampler(
+    sampler = ResumableSampler(
         dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(
@@ -241,15 +280,18 @@ def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: Distri
     return loader, sampler
 
 
-def global_batches(loader: Any, sampler: Any, gas: int, steps_per_epoch: int, first_epoch: int = 0) -> Iterator[tuple[int, int, list]]:
-    """Yield (epoch, step_in_epoch, micro_batches) forever, `gas` micro-batches per step."""
-    epoch = first_epoch
+def global_batches(loader: Any, sampler: Any, batch: BatchArithmetic, steps_per_epoch: int, first_epoch: int = 0, first_step: int = 0) -> Iterator[tuple[int, int, list]]:
+    """Yield (epoch, step_in_epoch, micro_batches) forever, one global batch per step, starting at
+    step `first_step` of epoch `first_epoch` (a resumed run)."""
+    gas = batch.gradient_accumulation_steps
+    epoch, start = first_epoch, first_step
     while True:
         sampler.set_epoch(epoch)
+        sampler.skip = start * gas * batch.micro_batch_size
         it = iter(loader)
-        for i in range(steps_per_epoch):
+        for i in range(start, steps_per_epoch):
             yield epoch, i, [next(it) for _ in range(gas)]
-        epoch += 1
+        epoch, start = epoch + 1, 0
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, stage: Stage, total_steps: int):
@@ -358,7 +400,7 @@ class RunLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def start_progress(self, total: int, description: str) -> None:
+    def start_progress(self, total: int, description: str, completed: int = 0) -> None:
         if not self.active:
             return
         from rich.console import Console
@@ -375,7 +417,7 @@ class RunLogger:
                 console=Console(stderr=True),
             )
             self._progress.start()
-        self._task = self._progress.add_task(description, total=total, loss="-", tps="-")
+        self._task = self._progress.add_task(description, total=total, completed=completed, loss="-", tps="-")
 
     def log(self, record: dict) -> None:
         if not self.active:
@@ -434,13 +476,21 @@ def plot_losses(history: list[dict], path: Path) -> None:
 class RunState:
     step: int = 0  # optimizer steps since the run began
     start_time: float = field(default_factory=time.perf_counter)
+    resume: Progress | None = None  # where a resumed run continues
+    resume_path: Path | None = None
+    resume_scheduler: dict | None = None
+
+
+class DivergenceError(RuntimeError):
+    """A non-finite loss or gradient norm: the run stops before any checkpoint of that state."""
 
 
 def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
     """Train per `cfg` as this rank; returns the run directory.
 
     Raises:
-        UserError: bad config or data (before anything is written).
+        UserError: bad config or data (before anything is written), or a checkpoint that cannot resume.
+        DivergenceError: the loss or gradient norm became NaN or infinite.
         RuntimeError: a wrong environment (no GPU for quantization, missing launcher variables).
     """
     from scaletune.strategies import make_strategy
@@ -457,11 +507,19 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
         print0(f"[scaletune] {pre.batch.describe()}")
         seed_everything(cfg.seed)
         tokenizer, model = _load(cfg, strategy, env)
-        prepare_run_dir(cfg, pre.run_dir, env)
+        if pre.resume_from is None and cfg.training.resume == "auto":
+            print0(f"[scaletune] training.resume auto: no checkpoint in {pre.run_dir / 'checkpoints'}, starting fresh")
+        prepare_run_dir(cfg, pre.run_dir, env, resuming=pre.resume_from is not None)
         strategy.barrier()
+        if pre.resume_from is not None:
+            strategy.prepare_resume(pre.resume_from, read_progress(pre.resume_from).world_size)
         strategy.wrap(CausalLMLoss(model))
-        logger = RunLogger(cfg, pre.run_dir, env)
         state = RunState()
+        if pre.resume_from is not None:
+            _resume(strategy, pre.resume_from, state, env)
+            if env.is_main:
+                _truncate_metrics(pre.run_dir / "metrics.jsonl", state.step)
+        logger = RunLogger(cfg, pre.run_dir, env)
         try:
             for stage in pre.stages:
                 _run_stage(cfg, stage, strategy, tokenizer, pre, state, logger, env)
@@ -475,6 +533,40 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
             logger.close()
         strategy.barrier()
     return pre.run_dir
+
+
+def _resume(strategy: Any, path: Path, state: RunState, env: DistributedEnv) -> None:
+    """Load model, optimizer and progress from `path`; say what was resharded."""
+    progress = read_progress(path)
+    if progress.checkpoint_format != strategy.checkpoint_format:
+        raise UserError(
+            f"{path} was written by strategy {progress.strategy} ({progress.checkpoint_format} format) and "
+            f"cannot resume under {strategy.name}; export it (scaletune export) and fine-tune from the export",
+            title="cannot resume",
+        )
+    if progress.checkpoint_format == "dcp":
+        check_shapes(path, strategy.state_shapes())
+    strategy.load_state(path)
+    state.step = progress.step
+    state.resume, state.resume_path = progress, path
+    state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
+    if progress.world_size != env.world_size:
+        print0(
+            f"[scaletune] resharded {path.name}: written by {progress.world_size} rank(s) ({progress.strategy}), "
+            f"now {env.world_size}; model and optimizer state re-split by "
+            f"{'torch.distributed.checkpoint' if progress.checkpoint_format == 'dcp' else "DeepSpeed's universal checkpoint"}, "
+            f"data resumes at sample {progress.sample_offset} of epoch {progress.epoch}"
+        )
+    else:
+        print0(f"[scaletune] resumed from {path} at step {progress.step} (stage {progress.stage_name})")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines past the checkpoint's step that a crashed run logged, so the curve continues."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _load(cfg: Config, strategy: Any, env: DistributedEnv):
@@ -503,6 +595,10 @@ def _build_data(stage: Stage, tokenizer: Any, cfg: Config, strategy: Any, env: D
 def _run_stage(cfg: Config, stage: Stage, strategy: Any, tokenizer: Any, pre: Preflight, state: RunState, logger: RunLogger, env: DistributedEnv) -> None:
     from scaletune.data import Collator
 
+    start = state.resume
+    if start is not None and (start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)):
+        return  # finished before the checkpoint
+    resuming_here = start is not None and start.stage_index == stage.index
     batch = batch_arithmetic(stage.training, env.world_size, stage.data.max_seq_length)
     bundle = _build_data(stage, tokenizer, cfg, strategy, env, pre.max_positions)
     steps_per_epoch = len(bundle.train) // batch.global_batch_size
@@ -520,38 +616,65 @@ def _run_stage(cfg: Config, stage: Stage, strategy: Any, tokenizer: Any, pre: Pr
     collator = Collator(tokenizer.pad_token_id)
     loader, sampler = make_loader(bundle.train, collator, batch, env, cfg.seed, stage.data.num_workers)
     eval_loader = make_eval_loader(bundle.eval, collator, batch, env) if bundle.eval is not None else None
-    if strategy.scheduler is None or not stage.continue_schedule:
+    if strategy.scheduler is None or not stage.continue_schedule or resuming_here:
         strategy.scheduler = make_scheduler(strategy.optimizer, stage, total)
+    first_step, first_epoch, done = 0, 0, 0
+    if resuming_here:
+        assert start is not None and state.resume_scheduler is not None
+        strategy.scheduler.load_state_dict(state.resume_scheduler)
+        for group, lr in zip(strategy.optimizer.param_groups, strategy.scheduler.get_last_lr()):
+            group["lr"] = lr
+        first_epoch, first_step, done = start.epoch, start.step_in_epoch, start.stage_step
+        load_rng(state.resume_path, env.rank)  # after data building, right before the next step
+    state.resume = None
     strategy.train_mode(True)
-    logger.start_progress(total, f"{stage.name}")
+    logger.start_progress(total, f"{stage.name}", completed=done)
     t = stage.training
     window_start, window_tokens = time.perf_counter(), 0.0
-    for stage_step, (epoch, i, micro) in enumerate(global_batches(loader, sampler, batch.gradient_accumulation_steps, steps_per_epoch), 1):
+    batches = global_batches(loader, sampler, batch, steps_per_epoch, first_epoch, first_step)
+    for stage_step, (epoch, i, micro) in enumerate(batches, done + 1):
+        if stage_step > total:
+            break
         lr = strategy.lr()
         result = train_step(strategy, micro)
         state.step += 1
         window_tokens += float(result.tokens)
-        if stage_step % t.log_every == 0 or stage_step == total:
-            loss = float(result.loss)
+        last = stage_step == total
+        will_save = last or bool(t.save_every and state.step % t.save_every == 0)
+        if stage_step % t.log_every == 0 or last or will_save:
+            loss, grad_norm = float(result.loss), float(result.grad_norm)
             now = time.perf_counter()
-            record = {
+            logger.log({
                 "step": state.step,
                 "stage": stage.name,
                 "stage_step": stage_step,
                 "epoch": round(epoch + (i + 1) / steps_per_epoch, 4),
                 "loss": loss,
                 "lr": lr,
-                "grad_norm": float(result.grad_norm),
+                "grad_norm": grad_norm,
                 "tokens": int(result.tokens),
                 "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                 "elapsed_s": round(now - state.start_time, 3),
-            }
-            logger.log(record)
-            if not math.isfinite(loss):
-                raise RuntimeError(f"loss is {loss} at step {state.step}: training diverged")
+            })
             window_start, window_tokens = now, 0.0
-        if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or stage_step == total):
+            # NaN grad norms are DeepSpeed's "no norm computed"; an infinite or NaN loss is not.
+            if not math.isfinite(loss) or math.isinf(grad_norm):
+                good = latest_checkpoint(pre.run_dir)
+                raise DivergenceError(
+                    f"training diverged at step {state.step}: loss {loss}, grad_norm {grad_norm}; "
+                    f"no checkpoint was written for it. Last good checkpoint: {good or 'none'} "
+                    "(lower training.learning_rate or raise warmup_steps, then resume from it)"
+                )
+        if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
             logger.log({"step": state.step, "stage": stage.name, "eval_loss": evaluate(strategy, eval_loader),
                         "elapsed_s": round(time.perf_counter() - state.start_time, 3)})
-        if stage_step >= total:
-            break
+        if will_save:
+            next_epoch, next_step = (epoch, i + 1) if i + 1 < steps_per_epoch else (epoch + 1, 0)
+            progress = Progress(
+                step=state.step, stage_index=stage.index, stage_name=stage.name, stage_step=stage_step,
+                epoch=next_epoch, step_in_epoch=next_step, sample_offset=next_step * batch.global_batch_size,
+                world_size=env.world_size, strategy=strategy.name, checkpoint_format=strategy.checkpoint_format,
+                stage_complete=last,
+            )
+            path = save_checkpoint(strategy, pre.run_dir, progress, cfg, strategy.scheduler.state_dict(), keep_last=t.keep_last)
+            print0(f"[scaletune] saved checkpoint {path}")

@@ -62,16 +62,26 @@ def resolve_precision(model: ModelConfig, env: DistributedEnv) -> Precision:
     return Precision(compute=compute, storage=storage)
 
 
-def init_process_group(env: DistributedEnv, cfg: DistributedConfig) -> bool:
+def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alone: bool = False) -> bool:
     """Start the default process group for a launched multi-rank job: NCCL on CUDA, gloo on CPU.
+
+    `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
+    group at world size 1), on a free loopback port.
 
     Returns True if this call created it (and so must destroy it).
 
     Raises:
         RuntimeError: the launcher did not set MASTER_ADDR/MASTER_PORT.
     """
-    if not env.is_distributed or dist.is_initialized():
+    if dist.is_initialized() or not (env.is_distributed or even_alone):
         return False
+    if not env.is_distributed and not env.launched:
+        # What a launcher would have set; DeepSpeed reads LOCAL_RANK itself.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        for var in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(var, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
     backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if env.cuda_available else "gloo"
@@ -101,6 +111,15 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig) -> bool:
         **kwargs,
     )
     return True
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def check_devices(module: nn.Module, expected: torch.device | str, *, strategy: str, limit: int = 5) -> None:
@@ -151,6 +170,8 @@ class Strategy(ABC):
     name: ClassVar[str]
     #: True if the engine moves the model itself (DeepSpeed): load it on the CPU.
     engine_places_model: ClassVar[bool] = False
+    #: True if the engine needs a process group even for one process (FSDP, DeepSpeed).
+    needs_process_group: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -175,7 +196,7 @@ class Strategy(ABC):
 
     # -- process group ---------------------------------------------------------------------
     def setup(self) -> None:
-        self._owns_group = init_process_group(self.env, self.dist_cfg)
+        self._owns_group = init_process_group(self.env, self.dist_cfg, even_alone=self.needs_process_group)
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -275,6 +296,54 @@ class Strategy(ABC):
     def train_mode(self, on: bool) -> None:
         assert self.model is not None
         self.model.train(on)
+
+    # -- checkpoint state ------------------------------------------------------------------
+    #: How `save_state` writes: "dcp" (torch.distributed.checkpoint) or "deepspeed".
+    checkpoint_format: ClassVar[str] = "dcp"
+
+    def _state_options(self, **kw: Any) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # Frozen weights (a LoRA base) come from model.name_or_path, not from the checkpoint.
+        return StateDictOptions(ignore_frozen_params=True, **kw)
+
+    def prepare_resume(self, path: Path, world_size: int) -> None:
+        """Called before `wrap` when resuming from `path`, written by `world_size` ranks."""
+
+    def save_state(self, path: Path) -> None:
+        """Write model (trainable weights) and optimizer state under `path`, sharded as the
+        engine shards: every rank writes its own shard (a collective).
+
+        DCP stores each tensor with its global shape, so `load_state` reshards to any world size.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.module is not None and self.optimizer is not None
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "state"))
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Global shapes of the trainable weights as `save_state` names them (for resume checks)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.module is not None
+        sd = get_model_state_dict(self.module, options=self._state_options())
+        return {f"model.{k}": tuple(v.shape) for k, v in sd.items()}
+
+    def load_state(self, path: Path) -> None:
+        """Read what `save_state` wrote (possibly at another world size) into model and optimizer."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        assert self.module is not None and self.optimizer is not None
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(path / "state"))
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            options=self._state_options(strict=False),
+        )
 
     # -- export ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -123,6 +123,8 @@ def read_user_config(path: str | None) -> dict | None:
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     engine_places_model = True
+    needs_process_group = True
+    checkpoint_format = "deepspeed"
 
     def __init__(self, env, dist_cfg, model_cfg, training, batch) -> None:
         super().__init__(env, dist_cfg, model_cfg, training, batch)
@@ -132,18 +134,7 @@ class DeepSpeedStrategy(Strategy):
     def setup(self) -> None:
         if not self.env.cuda_available:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        super().setup()
-        import deepspeed
-
-        # Uses the group made above; at world size 1 DeepSpeed starts a group of one itself.
-        if not torch.distributed.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("LOCAL_RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            deepspeed.init_distributed(dist_backend="nccl" if self.env.cuda_available else "gloo")
-            self._owns_group = True
+        super().setup()  # DeepSpeed uses this group (one of one at world size 1)
 
     def wrap(self, model: nn.Module) -> None:
         import deepspeed
@@ -214,10 +205,51 @@ class DeepSpeedStrategy(Strategy):
             return state if self.env.is_main else None
         return self.module.state_dict() if self.env.is_main else None
 
+    # -- checkpoint state: DeepSpeed's own format (each rank writes its ZeRO partition) ------
+    _resume_tag = "state"
 
-def _free_port() -> int:
-    import socket
+    def prepare_resume(self, path: Path, world_size: int) -> None:
+        """ZeRO partitions are per data-parallel rank; at another world size convert the checkpoint
+        once to DeepSpeed's universal format (per-parameter fp32 weights and optimizer moments,
+        `deepspeed.checkpoint.ds_to_universal`) and load that, which DeepSpeed re-partitions."""
+        if world_size == self.env.world_size:
+            return
+        universal = path / "deepspeed" / "universal"
+        if self.env.is_main and not universal.is_dir():
+            import argparse
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            tmp = path / "deepspeed" / ".universal.tmp"
+            ds_to_universal(argparse.Namespace(
+                input_folder=str(path / "deepspeed" / "state"), output_folder=str(tmp),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                inject_missing_state=True,  # plain (non-Megatron) models carry no universal_checkpoint_info
+            ))
+            os.replace(tmp, universal)
+        self.barrier()
+        self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+        self._resume_tag = "universal"
+
+    def save_state(self, path: Path) -> None:
+        self.engine.save_checkpoint(
+            str(path / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
+        )
+
+    def load_state(self, path: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(
+            str(path / "deepspeed"),
+            tag=self._resume_tag,
+            load_module_strict=False,  # a LoRA checkpoint holds only the adapter
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,  # scaletune saves its scheduler itself
+        )
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint under {path / 'deepspeed'}")
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                out[f"model.{name}"] = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions report ds_shape
+        return out

@@ -25,6 +25,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     # Rank 0 loads on the CPU; the shards are materialised on each rank's device in `wrap`.
     engine_places_model = True
+    needs_process_group = True
 
     def load_meta(self) -> bool:
         return not self.env.is_main
