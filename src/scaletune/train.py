@@ -551,10 +551,10 @@ def _resume(strategy: Any, path: Path, state: RunState, env: DistributedEnv) -> 
     state.resume, state.resume_path = progress, path
     state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
     if progress.world_size != env.world_size:
+        how = "torch.distributed.checkpoint" if progress.checkpoint_format == "dcp" else "DeepSpeed's universal checkpoint"
         print0(
             f"[scaletune] resharded {path.name}: written by {progress.world_size} rank(s) ({progress.strategy}), "
-            f"now {env.world_size}; model and optimizer state re-split by "
-            f"{'torch.distributed.checkpoint' if progress.checkpoint_format == 'dcp' else "DeepSpeed's universal checkpoint"}, "
+            f"now {env.world_size}; model and optimizer state re-split by {how}, "
             f"data resumes at sample {progress.sample_offset} of epoch {progress.epoch}"
         )
     else:
