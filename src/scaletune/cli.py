@@ -271,6 +271,24 @@ def config_fsdp(
         typer.echo(str(output))
 
 
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoints/step-N folder, or a run directory (its latest checkpoint).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the Hugging Face model to (must be empty).")],
+    merge_lora: Annotated[bool, typer.Option("--merge-lora", help="Fold a LoRA adapter into the base weights.")] = False,
+    dtype: Annotated[Optional[str], typer.Option(help="Weights dtype: bfloat16, float16 or float32 (default: as trained).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file, e.g. 5GB.")] = "5GB",
+) -> None:
+    """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
+    from scaletune.checkpoint import export_checkpoint
+
+    if dtype is not None and dtype not in ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+        raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32", title="invalid arguments")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype or "", dtype)
+    out = export_checkpoint(checkpoint, output, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size)
+    typer.echo(str(out))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 2 (click's standalone mode); a UserError raised by a
     verb exits 2 with every problem and no traceback; anything else exits 1 with the traceback."""

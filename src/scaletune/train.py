@@ -300,6 +300,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, stage: Stage, total_steps: 
     from transformers import get_scheduler
 
     t = stage.training
+    for group in optimizer.param_groups:
+        # LambdaLR scales `initial_lr`, which the first stage's scheduler fixed: a stage sets its own peak.
+        group["lr"] = group["initial_lr"] = t.learning_rate
     warmup = min(t.warmup_steps, total_steps)
     if t.lr_scheduler == "cosine" and t.min_lr_ratio > 0:
         return get_scheduler(

@@ -158,3 +158,24 @@ def test_alpaca_full_example_reads_shared_data():
 
     cfg = load_config(REPO_ROOT / "examples" / "alpaca-full.yaml")
     assert (REPO_ROOT / cfg.data.train.path).resolve() == ALPACA_5000.resolve()
+
+
+def test_divergence_stops_without_a_poisoned_checkpoint(tiny_model_dir, tmp_path):
+    """An absurd learning rate without clipping drives the loss to inf/NaN: the run stops naming
+    the step and the last good checkpoint, and writes no checkpoint of the diverged state."""
+    cfg = base_config(tiny_model_dir, tmp_path / "run", training={
+        "learning_rate": 1.0e30, "max_grad_norm": None, "warmup_steps": 0, "lr_scheduler": "constant",
+        "save_every": 1, "max_steps": 8,
+    })
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 1
+    assert "training diverged at step" in proc.stderr, proc.stderr[-3000:]
+    step = int(proc.stderr.split("training diverged at step ")[1].split(":")[0])
+    good = step - 1
+    assert f"Last good checkpoint: {tmp_path / 'run' / 'checkpoints' / f'step-{good}'}" in proc.stderr
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert f"step-{step}" not in names and not any(n.startswith(".tmp") for n in names)
+    import math
+
+    logged = {m["step"]: m["loss"] for m in metrics(tmp_path / "run") if "loss" in m}
+    assert all(math.isfinite(logged[s]) for s in range(1, step)) and not math.isfinite(logged[step])

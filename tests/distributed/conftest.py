@@ -1,0 +1,32 @@
+"""Runs shared by the distributed tests: each configuration trains once per session, and the
+parity, resume, resharding and export tests read its metrics, checkpoints and final/."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from tests.helpers import base_config, train
+
+LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}, "gradient_checkpointing": True}
+
+RunFn = Callable[..., tuple[Path, subprocess.CompletedProcess]]
+
+
+@pytest.fixture(scope="session")
+def run_once(tiny_model_dir, tmp_path_factory) -> RunFn:
+    """`run_once(name, model={...}, distributed={...}, training={...})` -> (run_dir, process):
+    trains the base config with those sections updated, once per name and session."""
+    cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(name: str, **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
+        if name not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            cfg = base_config(tiny_model_dir, tmp / "run", **sections)
+            cache[name] = (tmp / "run", train(cfg, tmp))
+        return cache[name]
+
+    return run

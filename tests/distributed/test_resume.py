@@ -1,0 +1,151 @@
+"""Resume exactly, reshard to another world size, export from sharded checkpoints.
+
+Every run here is the 8-step base config saving at step 4; the runs it resumes from are the
+parity runs (tests/distributed/conftest.py trains each once per session)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.distributed.conftest import LORA
+from tests.distributed.test_parity import SINGLE, assert_same_logits, logits
+from tests.helpers import assert_close, base_config, losses, run_cli, train
+
+pytestmark = pytest.mark.distributed
+
+STRATEGIES = {
+    "single": SINGLE,
+    "ddp": {"strategy": "ddp", "num_processes": 2},
+    "fsdp": {"strategy": "fsdp", "num_processes": 2},
+    "zero2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
+}
+
+
+def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", **training):
+    cfg = base_config(tiny_model_dir, tmp_path / name, distributed=dist, training={"resume": str(checkpoint), **training})
+    proc = train(cfg, tmp_path, name=f"{name}.yaml")
+    return tmp_path / name, proc
+
+
+@pytest.mark.parametrize("case", ["single", "ddp", "fsdp", "zero2"])
+def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
+    """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
+    full, _ = run_once(case, distributed=STRATEGIES[case])
+    ckpt = full / "checkpoints" / "step-4"
+    progress = json.loads((ckpt / "progress.json").read_text())
+    assert progress["step"] == 4 and progress["sample_offset"] == 32 and progress["world_size"] in (1, 2)
+    run, proc = resume_run(tiny_model_dir, tmp_path, ckpt, STRATEGIES[case])
+    assert "resumed from" in proc.stderr
+    assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [5, 6, 7, 8]
+    assert_close(losses(run), losses(full)[4:], 1e-5, f"{case}: resumed steps 5-8")
+
+
+@pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
+def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
+    """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
+    follows the uninterrupted single-process run within 1e-4."""
+    ref = losses(run_once("single", distributed=SINGLE)[0])
+    two, _ = run_once(case, distributed=STRATEGIES[case])
+    one_dist = {**STRATEGIES[case], "num_processes": 1}
+    one, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", one_dist, "one", save_every=2)
+    assert "resharded step-4: written by 2 rank(s)" in proc.stderr and "now 1" in proc.stderr
+    assert_close(losses(one), ref[4:], 1e-4, f"{case}: 2 -> 1 ranks, steps 5-8")
+    back, proc = resume_run(tiny_model_dir, tmp_path, one / "checkpoints" / "step-6", STRATEGIES[case], "back")
+    assert "resharded step-6: written by 1 rank(s)" in proc.stderr and "now 2" in proc.stderr
+    assert_close(losses(back), ref[6:], 1e-4, f"{case}: 1 -> 2 ranks, steps 7-8")
+
+
+@pytest.mark.parametrize("case", ["fsdp", "zero3"])
+def test_export_from_sharded_checkpoint(case, run_once, tmp_path):
+    """`scaletune export` of the final sharded checkpoint = the single-process model's logits."""
+    two, _ = run_once(case, distributed=STRATEGIES[case])
+    ref = run_once("single", distributed=SINGLE)[0]
+    proc = run_cli(["export", str(two / "checkpoints" / "step-8"), "-o", str(tmp_path / "export")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert_same_logits(logits(tmp_path / "export"), logits(ref / "final"), f"{case} export")
+
+
+def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
+    run, _ = run_once("single-lora", model=LORA, distributed=SINGLE)
+    proc = run_cli(["export", str(run), "-o", str(tmp_path / "merged"), "--merge-lora"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    # final/ holds the adapter over the base; the merged export folds it in: same function.
+    assert_same_logits(logits(tmp_path / "merged"), logits(run / "final", adapter=True), "merged LoRA")
+    from safetensors.torch import load_file
+
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert merged and not any("lora" in k for k in merged)
+
+
+def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
+    full, _ = run_once("single", distributed=SINGLE)
+    ckpt = full / "checkpoints" / "step-4"
+    # A path that does not exist, a folder that is not a checkpoint: exit 2, nothing written.
+    for bad, message in ((tmp_path / "nope", "does not exist"), (tiny_model_dir, "is not a checkpoint")):
+        cfg = base_config(tiny_model_dir, tmp_path / "r", training={"resume": str(bad)})
+        proc = train(cfg, tmp_path, expect_ok=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+        assert not (tmp_path / "r").exists()
+    # Another LoRA shape than the checkpoint's: a config change that cannot resume.
+    cfg = base_config(tiny_model_dir, tmp_path / "r", model=LORA, training={"resume": str(ckpt)})
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2 and "model.lora changed" in proc.stderr
+    # Another model under the same path name: the first differing tensor is named.
+    import shutil
+
+    other = tmp_path / "same-name"
+    shutil.copytree(tiny_llama_dir, other)
+    saved_cfg = (ckpt / "config.yaml").read_text()
+    fake = tmp_path / "ckpt"
+    shutil.copytree(ckpt, fake)
+    (fake / "config.yaml").write_text(saved_cfg.replace(str(tiny_model_dir), str(other)))
+    cfg = base_config(other, tmp_path / "r", training={"resume": str(fake)})
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2 and "tensor model.causal_lm." in proc.stderr, proc.stderr[-2000:]
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tiny_model_dir, tmp_path):
+    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"resume": "auto", "max_steps": 2, "save_every": 0})
+    proc = train(cfg, tmp_path)
+    assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
+    assert len(losses(tmp_path / "run")) == 2
+
+
+def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):
+    """A save that dies after writing its shards leaves `latest` on the last complete checkpoint
+    and the step-N name unused (in process, single strategy, real DCP files)."""
+    from scaletune.checkpoint import Progress, latest_checkpoint, save_checkpoint
+    from scaletune.config import Config, batch_arithmetic
+    from scaletune.env import DistributedEnv
+    from scaletune.loss import CausalLMLoss
+    from scaletune.models import DevicePlacement, prepare_model
+    from scaletune.strategies import make_strategy
+
+    cfg = Config.model_validate(base_config(tiny_model_dir, tmp_path / "run"))
+    env = DistributedEnv(launcher="none")
+    strategy = make_strategy("single", cfg, env, batch_arithmetic(cfg.training, 1, 64))
+    model = prepare_model(cfg.model, DevicePlacement(device_map=None, device="cpu", message=None))
+    strategy.wrap(CausalLMLoss(model))
+    run = tmp_path / "run"
+
+    def progress(step):
+        return Progress(step=step, stage_index=0, stage_name="main", stage_step=step, epoch=0, step_in_epoch=step,
+                        sample_offset=8 * step, world_size=1, strategy="single", checkpoint_format="dcp")
+
+    save_checkpoint(strategy, run, progress(4), cfg, {}, keep_last=2)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        save_checkpoint(strategy, run, progress(8), cfg, {}, keep_last=2, fail_after_state=True)
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-4"
+    assert not (run / "checkpoints" / "step-8").exists()
+    # The next save at that step cleans the half-written folder and completes.
+    save_checkpoint(strategy, run, progress(8), cfg, {}, keep_last=1)
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-8"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-8"]
+    # weights_only loading of the RNG file works (no pickle of arbitrary objects).
+    assert torch.load(run / "checkpoints" / "step-8" / "rng" / "rank-0.pt", weights_only=True)["torch"].dtype == torch.uint8

@@ -1,0 +1,55 @@
+"""Curriculum: two stages on two data sets in one run, one step count, a checkpoint per stage end,
+a schedule restarted per stage, and resume in the middle of stage 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import ALPACA_5000
+from tests.helpers import assert_close, base_config, losses, metrics, train
+
+
+@pytest.fixture()
+def text_data(tmp_path):
+    records = json.loads(ALPACA_5000.read_text())[1000:1100]
+    path = tmp_path / "stage2.jsonl"
+    path.write_text("".join(json.dumps({"text": f"{r['instruction']}\n{r['output']}"}) + "\n" for r in records))
+    return path
+
+
+def curriculum(tiny_model_dir, out, text_data, **training):
+    cfg = base_config(tiny_model_dir, out, training={"max_steps": 3, "warmup_steps": 0, "save_every": 4, "keep_last": 3, **training})
+    cfg["stages"] = [
+        {"name": "instructions"},
+        {"name": "plain-text", "data": {"train": {"path": str(text_data), "format": "text"}, "max_seq_length": 64},
+         "training": {"max_steps": 3, "learning_rate": 1.0e-3}},
+    ]
+    return cfg
+
+
+def test_two_stages_then_resume_mid_stage_two(tiny_model_dir, tmp_path, text_data):
+    run = tmp_path / "run"
+    train(curriculum(tiny_model_dir, run, text_data), tmp_path)
+    rows = [m for m in metrics(run) if "loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3, 4, 5, 6]
+    assert [m["stage"] for m in rows] == ["instructions"] * 3 + ["plain-text"] * 3
+    lrs = [m["lr"] for m in rows]
+    # Cosine per stage: 2e-3 falling over stage 1, restarting at stage 2's own peak 1e-3.
+    assert lrs[0] == pytest.approx(2e-3) and lrs[2] < lrs[1] < lrs[0]
+    assert lrs[3] == pytest.approx(1e-3) and lrs[5] < lrs[4] < lrs[3]
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step-3", "step-4", "step-6"]
+    stage_end = json.loads((ckpts / "step-3" / "progress.json").read_text())
+    assert stage_end["stage_name"] == "instructions" and stage_end["stage_complete"] is True
+    mid = json.loads((ckpts / "step-4" / "progress.json").read_text())
+    assert mid["stage_name"] == "plain-text" and mid["stage_step"] == 1 and not mid["stage_complete"]
+    assert (ckpts / "latest").read_text().strip() == "step-6"
+
+    resumed = tmp_path / "resumed"
+    train(curriculum(tiny_model_dir, resumed, text_data, resume=str(ckpts / "step-4")), tmp_path, name="resumed.yaml")
+    again = [m for m in metrics(resumed) if "loss" in m]
+    assert [m["step"] for m in again] == [5, 6] and {m["stage"] for m in again} == {"plain-text"}
+    assert_close(losses(resumed), losses(run)[4:], 1e-5, "resumed mid stage 2")
+    assert [m["lr"] for m in again] == pytest.approx(lrs[4:])
