@@ -246,6 +246,14 @@ def cross_field_problems(data: dict) -> list[str]:
     dupes = sorted({str(n) for n in names if n is not None and names.count(n) > 1})
     if dupes:
         out.append(f"stages: names must be unique, repeated: {', '.join(dupes)}")
+    for i, st in enumerate(stages):
+        overrides = st.get("training") if isinstance(st, dict) and isinstance(st.get("training"), dict) else {}
+        clash = sorted(k for k in ("learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio") if k in overrides)
+        if isinstance(st, dict) and st.get("continue_schedule") is True and clash:
+            out.append(
+                f"stages[{i}] continues the running schedule (continue_schedule: true), so its "
+                f"{', '.join(clash)} would be ignored; remove them or set continue_schedule: false"
+            )
     resume = t.get("resume")
     if isinstance(resume, str) and not resume.strip():
         out.append("training.resume must be null, auto or a checkpoint path")

@@ -522,10 +522,11 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
             _resume(strategy, pre.resume_from, state, env)
             if env.is_main:
                 _truncate_metrics(pre.run_dir / "metrics.jsonl", state.step)
+        plans = plan_stages(cfg, pre.stages, tokenizer, strategy, env, pre.max_positions)
         logger = RunLogger(cfg, pre.run_dir, env)
         try:
-            for stage in pre.stages:
-                _run_stage(cfg, stage, strategy, tokenizer, pre, state, logger, env)
+            for plan in plans:
+                _run_stage(cfg, plan, plans, strategy, tokenizer, pre, state, logger, env)
             final = pre.run_dir / "final"
             strategy.export(final)
             if env.is_main:
@@ -595,32 +596,67 @@ def _build_data(stage: Stage, tokenizer: Any, cfg: Config, strategy: Any, env: D
     return bundle
 
 
-def _run_stage(cfg: Config, stage: Stage, strategy: Any, tokenizer: Any, pre: Preflight, state: RunState, logger: RunLogger, env: DistributedEnv) -> None:
+@dataclass
+class StagePlan:
+    """A stage with its data built and its step counts known."""
+
+    stage: Stage
+    batch: BatchArithmetic
+    bundle: Any
+    steps_per_epoch: int
+    total: int  # optimizer steps of this stage
+    schedule_steps: int  # steps the learning-rate schedule spans (longer when later stages continue it)
+    schedule_origin: int  # index of the stage whose schedule this one runs on (itself unless continuing)
+
+
+def plan_stages(cfg: Config, stages: list[Stage], tokenizer: Any, strategy: Any, env: DistributedEnv, positions: int | None) -> list[StagePlan]:
+    """Build every stage's data before the first step (bad data fails early) and count its steps.
+
+    Raises:
+        UserError: a stage with fewer sequences than one global batch.
+    """
+    plans = []
+    for stage in stages:
+        batch = batch_arithmetic(stage.training, env.world_size, stage.data.max_seq_length)
+        bundle = _build_data(stage, tokenizer, cfg, strategy, env, positions)
+        steps_per_epoch = len(bundle.train) // batch.global_batch_size
+        if steps_per_epoch == 0:
+            raise UserError(
+                f"stage {stage.name}: {len(bundle.train)} training sequences are fewer than one global batch "
+                f"({batch.global_batch_size}); add data or lower training.global_batch_size",
+                title="cannot start training",
+            )
+        total = steps_for(steps_per_epoch, stage.training)
+        origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
+        plans.append(StagePlan(stage, batch, bundle, steps_per_epoch, total, total, origin))
+        print0(
+            f"[scaletune] stage {stage.name}: {len(bundle.train)} sequences, {steps_per_epoch} steps per epoch, "
+            f"{total} optimizer steps; data {json.dumps(bundle.stats)}"
+        )
+    # A stage that continues the schedule extends the horizon of the stage that started it.
+    for p in plans:
+        if p.schedule_origin != p.stage.index:
+            plans[p.schedule_origin].schedule_steps += p.total
+    for p in plans:
+        p.schedule_steps = plans[p.schedule_origin].schedule_steps
+    return plans
+
+
+def _run_stage(cfg: Config, plan: StagePlan, plans: list[StagePlan], strategy: Any, tokenizer: Any, pre: Preflight, state: RunState, logger: RunLogger, env: DistributedEnv) -> None:
     from scaletune.data import Collator
 
+    stage, batch, bundle, steps_per_epoch, total = plan.stage, plan.batch, plan.bundle, plan.steps_per_epoch, plan.total
     start = state.resume
     if start is not None and (start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)):
         return  # finished before the checkpoint
     resuming_here = start is not None and start.stage_index == stage.index
-    batch = batch_arithmetic(stage.training, env.world_size, stage.data.max_seq_length)
-    bundle = _build_data(stage, tokenizer, cfg, strategy, env, pre.max_positions)
-    steps_per_epoch = len(bundle.train) // batch.global_batch_size
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"stage {stage.name}: {len(bundle.train)} training sequences are fewer than one global batch "
-            f"({batch.global_batch_size}); add data or lower training.global_batch_size",
-            title="cannot start training",
-        )
-    total = steps_for(steps_per_epoch, stage.training)
-    print0(
-        f"[scaletune] stage {stage.name}: {len(bundle.train)} sequences, {steps_per_epoch} steps per epoch, "
-        f"{total} optimizer steps; data {json.dumps(bundle.stats)}"
-    )
     collator = Collator(tokenizer.pad_token_id)
     loader, sampler = make_loader(bundle.train, collator, batch, env, cfg.seed, stage.data.num_workers)
     eval_loader = make_eval_loader(bundle.eval, collator, batch, env) if bundle.eval is not None else None
-    if strategy.scheduler is None or not stage.continue_schedule or resuming_here:
-        strategy.scheduler = make_scheduler(strategy.optimizer, stage, total)
+    if strategy.scheduler is None or plan.schedule_origin == stage.index:
+        # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
+        # schedule and the saved scheduler state restores the position.
+        strategy.scheduler = make_scheduler(strategy.optimizer, plans[plan.schedule_origin].stage, plan.schedule_steps)
     first_step, first_epoch, done = 0, 0, 0
     if resuming_here:
         assert start is not None and state.resume_scheduler is not None

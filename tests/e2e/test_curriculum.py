@@ -53,3 +53,17 @@ def test_two_stages_then_resume_mid_stage_two(tiny_model_dir, tmp_path, text_dat
     assert [m["step"] for m in again] == [5, 6] and {m["stage"] for m in again} == {"plain-text"}
     assert_close(losses(resumed), losses(run)[4:], 1e-5, "resumed mid stage 2")
     assert [m["lr"] for m in again] == pytest.approx(lrs[4:])
+
+
+def test_continue_schedule_spans_both_stages(tiny_model_dir, tmp_path, text_data):
+    """`continue_schedule: true`: one cosine over both stages' 6 steps, peaking at stage 1's lr."""
+    cfg = curriculum(tiny_model_dir, tmp_path / "run", text_data, save_every=0)
+    cfg["stages"][1]["continue_schedule"] = True
+    proc = train(cfg, tmp_path, expect_ok=False)  # stage 2 sets its own learning_rate: a contradiction
+    assert proc.returncode == 2 and "stages[1] continues the running schedule" in proc.stderr
+    del cfg["stages"][1]["training"]["learning_rate"]
+    train(cfg, tmp_path)
+    import math
+
+    lrs = [m["lr"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert lrs == pytest.approx([2e-3 * 0.5 * (1 + math.cos(math.pi * s / 6)) for s in range(6)])
