@@ -289,6 +289,93 @@ def export(
     typer.echo(str(out))
 
 
+# ---------------------------------------------------------------------------------------------
+# Planning and checking (issue 5): thin wrappers over scaletune.plan and scaletune.doctor.
+
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def plan(
+    config: Annotated[Path, typer.Argument(help="YAML config (model.name_or_path may be a preset name such as llama-3-8b).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides.")] = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs per node (default: the GPUs visible here).")] = None,
+    gpu_memory: Annotated[Optional[float], typer.Option(help="Memory per GPU in GiB (default: the first visible GPU's).")] = None,
+    nodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    simulate_world_size: Annotated[Optional[int], typer.Option(help="Also shard the meta model with FSDP2 over a fake process group of W ranks and report rank 0's shard.")] = None,
+) -> None:
+    """Memory per rank of every strategy (parameters, gradients, optimizer state, activations) and
+    the chosen strategy, from the model's config alone (meta device, no weights)."""
+    import json
+
+    from rich.console import Console
+
+    from scaletune.config import load_config
+    from scaletune.plan import cli_plan, describe_shape, render_table, simulate_fsdp
+
+    cfg = load_config(config, overrides or [])
+    result, note = cli_plan(cfg, gpus=gpus, gpu_memory_gib=gpu_memory, nodes=nodes)
+    sim = simulate_fsdp(cfg, simulate_world_size) if simulate_world_size else None
+    if json_out:
+        data = result.to_json()
+        if sim is not None:
+            data["simulation"] = {**sim, "planned_fsdp_params_bytes": _fsdp_params(cfg, simulate_world_size)}
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    assert result.shape is not None
+    console.print(describe_shape(result.shape))
+    console.print(note)
+    console.print(render_table(result))
+    console.print(f"chosen: [bold]{result.chosen}[/] - {result.reason}")
+    if sim is not None:
+        planned = _fsdp_params(cfg, simulate_world_size)
+        console.print(
+            f"simulated fsdp over a fake process group of {sim['world_size']} ranks in {sim['seconds']} s: rank 0 holds "
+            f"{sim['params_bytes']:,} parameter bytes in {sim['tensors']} shards (plan: {planned:,}; full model {sim['full_bytes']:,})"
+        )
+
+
+def _fsdp_params(cfg, world_size: int) -> int:
+    from scaletune.plan import plan as make_plan
+
+    return make_plan(cfg, world_size=world_size, gpu_memory_bytes=None).get("fsdp").params
+
+
+@app.command()
+def doctor(
+    comm_test: Annotated[bool, typer.Option("--comm-test", help="Run all_reduce / all_gather / reduce_scatter across the launched ranks (under torchrun).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    config: Annotated[Optional[Path], typer.Option(help="Also run the checks that need a config.")] = None,
+) -> None:
+    """Environment report and checks, each OK / WARN / FAIL with the fix. Exits 1 when a check fails."""
+    import json
+
+    from rich.console import Console
+
+    from scaletune.config import load_config
+    from scaletune.doctor import checks, comm_test as run_comm_test, render, render_comm, report
+    from scaletune.env import DistributedEnv
+
+    env = DistributedEnv.from_environ()
+    cfg = load_config(config) if config is not None else None
+    rep, results = report(env), checks(cfg, env)
+    comm = run_comm_test() if comm_test else None
+    failed = any(c.status == "FAIL" for c in results) or (comm is not None and not all(r["ok"] for r in comm))
+    if env.rank == 0:
+        if json_out:
+            data = {"report": rep, "checks": [c.to_json() for c in results]}
+            if comm is not None:
+                data["comm_test"] = comm
+            typer.echo(json.dumps(data, indent=2))
+        else:
+            console = Console(width=None if sys.stdout.isatty() else 160)
+            console.print(render(rep, results))
+            if comm is not None:
+                console.print(render_comm(comm))
+    if failed:
+        raise typer.Exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 2 (click's standalone mode); a UserError raised by a
     verb exits 2 with every problem and no traceback; anything else exits 1 with the traceback."""

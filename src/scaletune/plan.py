@@ -712,3 +712,44 @@ def describe_shape(shape: ModelShape) -> str:
         f"{shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads ({shape.kv_heads} kv), "
         f"MLP {shape.intermediate}, vocab {shape.vocab}"
     )
+
+
+def cli_plan(cfg: Config, *, gpus: int | None, gpu_memory_gib: float | None, nodes: int = 1) -> tuple[Plan, str]:
+    """`scaletune plan`: the world size and device memory from the options or this machine.
+
+    `--gpus` is per node (world size = gpus x nodes). Without it, the GPUs torch sees; on a
+    machine without GPUs, one process and the machine's RAM as its "device" memory (a CPU run),
+    unless `--gpu-memory` is given. `--gpu-memory` defaults to the first visible GPU's memory.
+
+    Returns:
+        (plan, a note saying where the numbers came from).
+    """
+    import torch
+
+    cuda = torch.cuda.is_available()
+    notes = []
+    if gpus is None:
+        if cuda:
+            gpus = torch.cuda.device_count()
+            notes.append(f"{gpus} visible GPU(s) per node")
+        else:
+            gpus = 1
+            notes.append("no GPU visible: planning one CPU process (pass --gpus N --gpu-memory GIB to plan for GPUs)")
+    else:
+        cuda = True if gpus > 0 else cuda
+        gpus = max(gpus, 1)
+    if gpu_memory_gib is not None:
+        mem = int(gpu_memory_gib * GiB)
+    elif torch.cuda.is_available():
+        mem = int(torch.cuda.get_device_properties(0).total_memory)
+        notes.append(f"{mem / GiB:.0f} GiB per GPU ({torch.cuda.get_device_name(0)})")
+    elif not cuda:
+        import os
+
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        notes.append(f"{mem / GiB:.0f} GiB of RAM")
+    else:
+        mem = None
+        notes.append("device memory unknown: pass --gpu-memory GIB to know what fits")
+    p = plan(cfg, world_size=gpus * nodes, gpu_memory_bytes=mem, nodes=nodes, cuda=cuda)
+    return p, "; ".join(notes)
