@@ -1,0 +1,147 @@
+"""The memory planner: exact parameter counts on the meta device, the ZeRO/LoRA/QLoRA accounting,
+the strategy choice for Llama-3 shapes, the JSON shape, and the fake-process-group simulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletune.config import DistributedConfig, load_config
+from scaletune.env import DistributedEnv
+from scaletune.plan import GiB, ORDER, activation_bytes, choose_auto_strategy, model_shape, plan, plan_name, simulate_fsdp
+
+
+def cfg_for(name: str, **model) -> object:
+    return load_config(None, data={
+        "model": {"name_or_path": name, "dtype": "bfloat16", **model},
+        "data": {"dummy": {}, "max_seq_length": 2048},
+        "training": {"global_batch_size": 32, "micro_batch_size": 1},
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    cfg = cfg_for("llama-3-8b")
+    return cfg, model_shape(cfg)
+
+
+def test_parameter_counts_match_published(llama8b):
+    _, shape = llama8b
+    assert shape.total == 8_030_261_248  # Meta-Llama-3-8B
+    assert model_shape(cfg_for("llama-3.2-1b")).total == 1_235_814_400  # tied embeddings counted once
+
+
+def test_llama3_8b_on_8x80gib_full(llama8b):
+    cfg, shape = llama8b
+    p = plan(cfg, world_size=8, gpu_memory_bytes=80 * GiB, shape=shape)
+    ddp, fsdp = p.get("ddp"), p.get("fsdp")
+    assert ddp.model_states == 16 * shape.total + 4 * len(shape.params)  # 4 + 4 + 8 bytes per parameter, + a 4-byte step per tensor
+    assert 7.9 < ddp.model_states / fsdp.model_states <= 8.01
+    assert ddp.fits is False
+    assert p.chosen != "ddp" and p.get(p.chosen).fits
+    assert p.chosen == "zero1"  # the fastest that fits
+    assert "ddp needs" in p.reason and p.reason.count(".") <= 2
+
+
+def test_llama32_1b_chooses_ddp():
+    p = plan(cfg_for("llama-3.2-1b"), world_size=8, gpu_memory_bytes=80 * GiB)
+    assert p.chosen == "ddp" and p.get("ddp").fits
+
+
+def test_json_shape(llama8b):
+    cfg, shape = llama8b
+    data = plan(cfg, world_size=8, gpu_memory_bytes=80 * GiB, shape=shape).to_json()
+    assert set(data) == {"strategies", "chosen", "reason"}
+    assert [s["name"] for s in data["strategies"]] == list(ORDER)
+    for s in data["strategies"]:
+        assert set(s) == {"name", "per_rank_bytes", "fits"}
+        b = s["per_rank_bytes"]
+        assert set(b) == {"params", "grads", "optimizer", "activations", "total"}
+        assert b["total"] >= b["params"] + b["grads"] + b["optimizer"] + b["activations"]
+    json.dumps(data)
+
+
+def test_zero_stages_partition_what_the_paper_says(llama8b):
+    cfg, shape = llama8b
+    p = plan(cfg, world_size=8, gpu_memory_bytes=None, shape=shape)
+    n = shape.total
+    z1, z3 = p.get("zero1"), p.get("zero3")
+    assert z1.params == 2 * n  # bf16 module replicated
+    assert abs(z1.optimizer - 12 * n / 8) < 1e3  # fp32 master + Adam moments, partitioned
+    assert abs(z3.params - 2 * n / 8) / (2 * n / 8) < 0.01
+    assert p.get("fsdp-offload").params == 0 and p.get("fsdp-offload").host_bytes > 0
+
+
+def test_lora_only_adapters_train(llama8b):
+    p = plan(cfg_for("llama-3-8b", lora={"r": 16}), world_size=8, gpu_memory_bytes=80 * GiB)
+    shape = p.shape
+    assert shape.trainable == 41_943_040  # r=16 on q,k,v,o,gate,up,down of 32 layers
+    ddp = p.get("ddp")
+    assert ddp.grads == 4 * shape.trainable
+    assert ddp.params == 4 * shape.trainable + 2 * shape.frozen  # frozen base in bf16
+
+
+def test_qlora_base_is_half_a_byte(llama8b):
+    _, full = llama8b
+    p = plan(cfg_for("llama-3-8b", lora={"r": 16}, quantization={"bits": 4}), world_size=1, gpu_memory_bytes=24 * GiB)
+    ddp = p.get("ddp")
+    layer_linear = sum(x.numel for x in p.shape.params if x.quantized)
+    other = p.shape.frozen - layer_linear
+    expected = layer_linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + 4 * other + 4 * p.shape.trainable
+    assert abs(ddp.params - expected) < 1e3
+    assert ddp.params < 0.5 * 2 * full.total  # far below the bf16 model
+    assert p.chosen == "ddp" and ddp.fits  # QLoRA of an 8B model fits a 24 GiB GPU
+
+
+def test_activations_checkpointing_and_attention(llama8b):
+    cfg, shape = llama8b
+    full = activation_bytes(shape, cfg, checkpointing=False)
+    ckpt = activation_bytes(shape, cfg, checkpointing=True)
+    assert ckpt < full / 3
+    eager = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attn_implementation": "eager"})})
+    s, a = cfg.data.max_seq_length, shape.heads
+    assert activation_bytes(shape, eager, checkpointing=False) - full == shape.layers * 2 * a * s * s * 2 - shape.layers * 4 * a * s
+
+
+def test_plan_names():
+    d = DistributedConfig
+    assert plan_name("single", d()) == "ddp"
+    assert plan_name("fsdp", d(offload_params=True)) == "fsdp-offload"
+    assert plan_name("deepspeed", d(zero_stage=3)) == "zero3"
+    assert plan_name("deepspeed", d(zero_stage=2, offload_optimizer=True)) == "zero2-offload"
+    assert plan_name("deepspeed", d(zero_stage=3, offload_optimizer=True, offload_params=True)) == "zero3-offload"
+
+
+def test_choose_auto_strategy(llama8b):
+    cfg, _ = llama8b
+    cpu1 = DistributedEnv("none")
+    cpu2 = DistributedEnv("torchrun", world_size=2, local_world_size=2)
+    assert choose_auto_strategy(cfg, cpu1) == ("single", {})
+    assert choose_auto_strategy(cfg, cpu2) == ("ddp", {})
+    env8 = DistributedEnv("torchrun", world_size=8, local_world_size=8)
+    assert choose_auto_strategy(cfg, env8, gpu_memory_bytes=80 * GiB) == ("deepspeed", {"zero_stage": 1})
+    small = cfg_for("llama-3.2-1b")
+    assert choose_auto_strategy(small, env8, gpu_memory_bytes=80 * GiB) == ("ddp", {})
+
+
+def test_simulated_fsdp_70b_at_64_ranks_matches_plan():
+    cfg = cfg_for("llama-3-70b")
+    sim = simulate_fsdp(cfg, 64)
+    planned = plan(cfg, world_size=64, gpu_memory_bytes=None).get("fsdp").params
+    assert sim["params_bytes"] == planned
+    assert sim["full_bytes"] == 4 * 70_553_706_496
+    assert sim["seconds"] < 30
+
+
+def test_cli_plan_json(tmp_path):
+    from typer.testing import CliRunner
+
+    from scaletune.cli import app
+
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {name_or_path: llama-3.2-1b}\ndata: {dummy: {}}\n")
+    res = CliRunner().invoke(app, ["plan", str(path), "--gpus", "8", "--gpu-memory", "80", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["chosen"] == "ddp"
