@@ -1,0 +1,229 @@
+"""Each doctor check, provoked: DistributedEnv values and environment dicts passed in, real
+sockets for the port, real disk numbers, a real DeepSpeed op builder."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+
+import pytest
+
+from scaletune import doctor
+from scaletune.config import load_config
+from scaletune.doctor import Check, checks, preflight
+from scaletune.env import DistributedEnv
+from scaletune.errors import UserError
+
+NONE = DistributedEnv("none")
+GPU8 = DistributedEnv("none", cuda_available=True, cuda_device_count=8)
+
+
+def cfg(tmp_path, **sections):
+    data = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name_or_path": "llama-3.2-1b", "dtype": "bfloat16"},
+        "data": {"dummy": {}, "max_seq_length": 128},
+        "training": {"global_batch_size": 8, "micro_batch_size": 2},
+    }
+    for k, v in sections.items():
+        data.setdefault(k, {}).update(v)
+    return load_config(None, data=data)
+
+
+def env_from(environ: dict) -> DistributedEnv:
+    return DistributedEnv.from_environ(environ, probe_cuda=False)
+
+
+def by_name(results: list[Check], name: str) -> Check:
+    return next(c for c in results if c.name == name)
+
+
+# -- distributed variables ------------------------------------------------------------------
+
+
+def test_stale_world_size_without_launcher_is_fatal():
+    environ = {"WORLD_SIZE": "4", "RANK": "0"}
+    c = doctor.check_launcher_vars(env_from(environ), environ)
+    assert c.status == "FAIL" and c.fatal and "MASTER_ADDR and MASTER_PORT" in c.message and "unset" in c.fix
+
+
+def test_world_size_disagreeing_with_slurm_is_fatal():
+    environ = {"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
+               "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}  # fmt: skip
+    c = doctor.check_launcher_vars(env_from(environ), environ)
+    assert c.status == "FAIL" and c.fatal and "SLURM" in c.message
+
+
+def test_external_launcher_with_rendezvous_is_ok_and_world1_leftover_warns():
+    environ = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
+    assert doctor.check_launcher_vars(env_from(environ), environ).status == "OK"
+    environ = {"WORLD_SIZE": "1", "RANK": "0"}
+    assert doctor.check_launcher_vars(env_from(environ), environ).status == "WARN"
+    environ = {"MASTER_PORT": "1234"}
+    assert doctor.check_launcher_vars(env_from(environ), environ).status == "WARN"
+    environ = {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert doctor.check_launcher_vars(env_from(environ), environ).status == "OK"
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def test_more_processes_than_gpus(tmp_path):
+    env = DistributedEnv("torchrun", world_size=8, local_world_size=8, cuda_available=True, cuda_device_count=4)
+    c = doctor.check_processes_vs_gpus(env, None, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert c.status == "FAIL" and c.fatal and "4 visible GPU" in c.message
+    c = doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path, distributed={"num_processes": 16}), {})
+    assert c.status == "FAIL" and "num_processes is 16" in c.message
+    assert doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path), {}).status == "OK"
+
+
+def test_device_map_with_launcher_warns(tmp_path):
+    c = cfg(tmp_path, model={"device_map": "auto"})
+    env = DistributedEnv("torchrun", world_size=2, local_world_size=2)
+    assert doctor.check_device_map(env, c).status == "WARN"
+    assert doctor.check_device_map(NONE, c).status == "OK"
+
+
+# -- quantization ----------------------------------------------------------------------------
+
+
+def test_quantization_without_gpu_is_fatal(tmp_path):
+    c = cfg(tmp_path, model={"lora": {"r": 8}, "quantization": {"bits": 4}})
+    res = doctor.check_quantization(NONE, c)
+    assert res[0].status == "FAIL" and res[0].fatal and "CUDA GPU" in res[0].message
+
+
+def _bypass(c, **quant):
+    """A config the loader would refuse (so doctor must catch it too, e.g. from the Python API)."""
+    q = c.model.quantization.model_copy(update=quant)
+    return c.model_copy(update={"model": c.model.model_copy(update={"quantization": q})})
+
+
+def test_quantization_with_sharding_strategies(tmp_path):
+    base = cfg(tmp_path, model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+               distributed={"strategy": "fsdp"})  # fmt: skip
+    assert doctor.check_quantization(GPU8, base)[1].status == "OK"
+    bad_storage = _bypass(base, storage_dtype="uint8")
+    c = doctor.check_quantization(GPU8, bad_storage)[1]
+    assert c.status == "FAIL" and c.name == "quantization storage dtype" and "storage_dtype: bfloat16" in c.fix
+    eight = _bypass(base, bits=8)
+    c = doctor.check_quantization(GPU8, eight)[1]
+    assert c.status == "FAIL" and "8-bit" in c.message
+
+
+# -- checkpointing ---------------------------------------------------------------------------
+
+
+def test_reentrant_checkpointing_under_ddp_with_lora(tmp_path, monkeypatch):
+    from scaletune import models
+
+    c = cfg(tmp_path, model={"lora": {"r": 8}, "gradient_checkpointing": True}, distributed={"strategy": "ddp"})
+    env = DistributedEnv("torchrun", world_size=2, local_world_size=2)
+    assert doctor.check_checkpointing(env, c).status == "OK"
+    original = models.enable_gradient_checkpointing
+
+    def reentrant(model, *, use_reentrant=True):  # what a regression to the reentrant default looks like
+        return original(model, use_reentrant=use_reentrant)
+
+    monkeypatch.setattr(models, "enable_gradient_checkpointing", reentrant)
+    res = doctor.check_checkpointing(env, c)
+    assert res.status == "FAIL" and res.fatal and "mark a variable ready only once" in res.message
+
+
+# -- batch -----------------------------------------------------------------------------------
+
+
+def test_batch_arithmetic(tmp_path):
+    c = cfg(tmp_path, training={"global_batch_size": 8, "micro_batch_size": 2})
+    assert doctor.check_batch(NONE, c).status == "OK"
+    res = doctor.check_batch(NONE, c, world_size=3)
+    assert res.status == "FAIL" and res.fatal and "multiple of" in res.message
+
+
+# -- DeepSpeed ops ---------------------------------------------------------------------------
+
+
+def test_deepspeed_cpu_adam_builds_here(tmp_path):
+    c = cfg(tmp_path, distributed={"strategy": "deepspeed", "offload_optimizer": True, "zero_stage": 2})
+    assert doctor.check_deepspeed_ops(c).status == "OK"
+
+
+def test_deepspeed_op_that_cannot_build(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(verbose=False):
+        pytest.skip("libaio is installed here: async_io builds")
+    c = doctor.check_deepspeed_ops(None, builders=["AsyncIOBuilder"])
+    assert c.status == "FAIL" and c.fatal and "AsyncIOBuilder" in c.message and "ds_report" in c.fix
+
+
+# -- NCCL ------------------------------------------------------------------------------------
+
+
+def test_nccl_variables():
+    env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
+    res = doctor.check_nccl_env(env, {"NCCL_SOCKET_IFNAME": "nosuchif0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+                                      "NCCL_P2P_DISABLE": "1", "CUDA_LAUNCH_BLOCKING": "1"})  # fmt: skip
+    names = {c.name: c for c in res}
+    assert names["NCCL_SOCKET_IFNAME"].status == "FAIL" and names["NCCL_SOCKET_IFNAME"].fatal
+    assert names["TORCH_NCCL_ASYNC_ERROR_HANDLING"].status == "WARN"
+    assert names["NCCL_P2P_DISABLE"].status == "WARN"
+    assert names["CUDA_LAUNCH_BLOCKING"].status == "WARN"
+    real = socket.if_nameindex()[0][1]
+    assert doctor.check_nccl_env(env, {"NCCL_SOCKET_IFNAME": real})[0].status == "OK"
+
+
+# -- disk ------------------------------------------------------------------------------------
+
+
+def test_free_disk_real_numbers(tmp_path):
+    free = shutil.disk_usage(tmp_path).free
+    small = doctor.check_disk(cfg(tmp_path))  # 1.2B parameters: ~15 GB per checkpoint
+    need_one = 1_235_814_400 * (12 + 2)
+    assert small.status == ("OK" if free > need_one + 1_235_814_400 * 12 else small.status)
+    huge = doctor.check_disk(cfg(tmp_path, model={"name_or_path": "llama-3-70b"}, training={"keep_last": 50}))
+    assert 70e9 * 12 > free, "this disk is too large for the test's model"
+    assert huge.status == "FAIL" and huge.fatal and "GB free" in huge.message
+
+
+# -- port ------------------------------------------------------------------------------------
+
+
+def test_port_taken():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        environ = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        c = doctor.check_port(env_from(environ), environ)
+        assert c.status == "FAIL" and c.fatal and str(port) in c.message
+        c = doctor.check_port(NONE, {"MASTER_PORT": str(port)})
+        assert c.status == "WARN"
+        tr = {**environ, "TORCHELASTIC_RUN_ID": "x"}
+        assert doctor.check_port(env_from(tr), tr).status == "OK"  # torchrun's agent holds it
+    assert doctor.check_port(env_from(environ), environ).status == "OK"
+
+
+# -- preflight -------------------------------------------------------------------------------
+
+
+def test_preflight_names_every_fatal_problem_fast(tmp_path):
+    c = cfg(tmp_path, model={"lora": {"r": 8}, "quantization": {"bits": 4}})
+    environ = {"WORLD_SIZE": "3", "RANK": "0"}
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as info:
+        preflight(c, env_from(environ), environ)
+    assert time.perf_counter() - t0 < 1.0
+    text = info.value.format()
+    assert "distributed variables" in text and "quantization" in text and "batch arithmetic" in text
+    ok = preflight(cfg(tmp_path), NONE, {})
+    assert all(isinstance(x, Check) for x in ok)
+
+
+def test_checks_without_config_and_report():
+    res = checks(None, NONE, {})
+    assert {c.status for c in res} <= {"OK", "WARN"}
+    rep = doctor.report(NONE, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert rep["packages"]["torch"] and rep["launcher"] == "none" and rep["CUDA_VISIBLE_DEVICES"] == "0"
