@@ -90,8 +90,9 @@ def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
         del dataclasses
 
 
-def _driver(model_dir: str, names: list[str]) -> None:
-    """Under torchrun: one process group for every case, one JSON line per case and rank."""
+def _driver(model_dir: str, out_dir: str, names: list[str]) -> None:
+    """Under torchrun: one process group for every case, one JSON line per case in
+    `out_dir/rank<R>.jsonl` (stdout of two ranks interleaves)."""
     import torch.distributed as dist
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -100,7 +101,8 @@ def _driver(model_dir: str, names: list[str]) -> None:
         for name in names:
             dist_cfg, lora = CASES[name]
             m = run_case(model_dir, dist_cfg, lora)
-            print("MEMORY " + json.dumps({"case": name, **m}), flush=True)
+            with open(Path(out_dir) / f"rank{dist.get_rank()}.jsonl", "a") as f:
+                f.write(json.dumps({"case": name, **m}) + "\n")
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -128,17 +130,18 @@ def _compare(case: str, measured: dict, entry) -> list[str]:
 
 @pytest.fixture(scope="module")
 def world2(tiny_model_dir, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("memory")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE), str(tiny_model_dir), *CASES]  # fmt: skip
+           str(HERE), str(tiny_model_dir), str(out_dir), *CASES]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     out: dict[str, list[dict]] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("MEMORY "):
-            rec = json.loads(line[7:])
+    for path in sorted(out_dir.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
             out.setdefault(rec.pop("case"), []).append(rec)
     return out
 
@@ -170,4 +173,4 @@ def test_plan_matches_measured_single(kind, tiny_model_dir, monkeypatch):
 
 if __name__ == "__main__":
     sys.path[:0] = [str(REPO), str(REPO / "src")]
-    _driver(sys.argv[1], sys.argv[2:])
+    _driver(sys.argv[1], sys.argv[2], sys.argv[3:])
