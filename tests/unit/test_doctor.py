@@ -227,3 +227,30 @@ def test_checks_without_config_and_report():
     assert {c.status for c in res} <= {"OK", "WARN"}
     rep = doctor.report(NONE, {"CUDA_VISIBLE_DEVICES": "0"})
     assert rep["packages"]["torch"] and rep["launcher"] == "none" and rep["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+# -- communication test (2 processes on CPU, gloo) -------------------------------------------
+
+
+def test_comm_test_under_torchrun(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "scaletune", "doctor", "--comm-test", "--json"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout)
+    ops = {(r["op"], r["bytes"]) for r in data["comm_test"]}
+    assert {op for op, _ in ops} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(r["ok"] and r["busbw_GBps"] > 0 for r in data["comm_test"])
+    assert data["report"]["launcher"] == "torchrun" and data["report"]["world_size"] == 2
