@@ -645,7 +645,6 @@ def simulate_fsdp(cfg: Config, world_size: int) -> dict:
     Returns:
         {"world_size", "params_bytes" (rank 0's local shards), "full_bytes", "tensors", "seconds"}.
     """
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -676,7 +675,6 @@ def simulate_fsdp(cfg: Config, world_size: int) -> dict:
         }
     finally:
         dist.destroy_process_group()
-        del torch
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,8 +52,6 @@ def config_dict(model_dir: str, dist: dict, lora: dict | None) -> dict:
 
 def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
     """Build the strategy, run one optimizer step on a dummy batch, return measure_memory."""
-    import dataclasses
-
     import torch
 
     from scaletune.config import batch_arithmetic, load_config
@@ -87,7 +85,6 @@ def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
         return measure_memory(strategy)
     finally:
         strategy.teardown()
-        del dataclasses
 
 
 def _driver(model_dir: str, out_dir: str, names: list[str]) -> None:
