@@ -48,6 +48,7 @@ from scaletune.checkpoint import (
     save_checkpoint,
 )
 from scaletune.loss import CausalLMLoss, target_index
+from scaletune.plan import track_gradients
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +109,7 @@ def _reexec_under_torchrun(nproc: int, config_path: Path | str, overrides: list[
 
 @dataclass
 class Preflight:
+    cfg: Config  # with `distributed.strategy: auto` resolved by the planner
     strategy: str
     batch: BatchArithmetic
     stages: list[Stage]
@@ -123,7 +125,24 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
     from scaletune.models import max_positions
     from scaletune.strategies import choose_strategy
 
+    from scaletune.doctor import preflight as doctor_preflight
+
     problems: list[str] = []
+    try:
+        for check in doctor_preflight(cfg, env):
+            if check.status == "WARN":
+                print0(f"[scaletune] warning: {check.name}: {check.message} (fix: {check.fix})")
+    except UserError as exc:
+        problems += exc.problems
+    if cfg.distributed.strategy == "auto":
+        from scaletune.plan import choose_auto_strategy
+
+        try:
+            name, overrides = choose_auto_strategy(cfg, env)
+            cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"strategy": name, **overrides})})
+            print0(f"[scaletune] distributed.strategy auto -> {name} {overrides or ''}".rstrip())
+        except UserError as exc:
+            problems += exc.problems
     strategy = choose_strategy(cfg, env)
     if strategy == "single" and env.world_size > 1:
         problems.append(
@@ -133,6 +152,7 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
         try:
             import deepspeed  # noqa: F401
         except ImportError:
+            problems = [p for p in problems if not p.startswith("deepspeed ops:")]  # said better here
             problems.append(
                 "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' "
                 "(or choose ddp or fsdp)"
@@ -144,7 +164,8 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
             b = batch_arithmetic(stage.training, env.world_size, stage.data.max_seq_length)
             batch = batch or b
         except UserError as exc:
-            problems += exc.problems
+            # The doctor's batch check reports the same arithmetic; keep one line of it.
+            problems = [p for p in problems if not p.startswith("batch arithmetic:")] + exc.problems
             break
     positions = None
     try:
@@ -174,7 +195,7 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
     if problems:
         raise UserError(problems, title="cannot start training")
     assert batch is not None
-    return Preflight(strategy, batch, stages, run_dir, positions, resume_from)
+    return Preflight(cfg, strategy, batch, stages, run_dir, positions, resume_from)
 
 
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "final")
@@ -482,6 +503,41 @@ class RunState:
     resume: Progress | None = None  # where a resumed run continues
     resume_path: Path | None = None
     resume_scheduler: dict | None = None
+    memory_reported: bool = False
+
+
+def report_memory(cfg: Config, strategy: Any, env: DistributedEnv, run_dir: Path) -> None:
+    """After the first optimizer step: every rank measures what it holds; rank 0 writes
+    `memory.json` (all ranks) and `plan.json` (the planner's prediction for this strategy) and
+    prints them side by side."""
+    import torch.distributed as dist
+
+    from scaletune.plan import measure_memory, plan
+
+    mine = measure_memory(strategy)
+    ranks = [mine]
+    if dist.is_initialized() and env.world_size > 1:
+        ranks = [None] * env.world_size
+        dist.all_gather_object(ranks, mine)
+    if not env.is_main:
+        return
+    (run_dir / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
+    try:
+        entry = plan(cfg, world_size=env.world_size, gpu_memory_bytes=None, cuda=env.cuda_available).for_strategy(
+            strategy.name, cfg.distributed
+        )
+    except (KeyError, UserError, ValueError) as exc:  # a layout the planner does not model
+        print0(f"[scaletune] no memory plan for this run: {exc}")
+        return
+    predicted = entry.to_json()
+    (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
+    per_rank = predicted["per_rank_bytes"]
+    lines = [f"[scaletune] memory per rank (MiB), planned ({predicted['name']}) vs measured on rank 0:"]
+    for key in ("params", "grads", "optimizer"):
+        lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
+    peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
+    lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")
+    print0("\n".join(lines))
 
 
 class DivergenceError(RuntimeError):
@@ -503,6 +559,7 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
     set_rank(env.rank)
     log = get_logger()
     pre = preflight(cfg, env)
+    cfg = pre.cfg
     strategy = make_strategy(pre.strategy, cfg, env, pre.batch)
     with torn_down(strategy):
         print0(f"[scaletune] {env.describe()}")
@@ -517,6 +574,7 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
         if pre.resume_from is not None:
             strategy.prepare_resume(pre.resume_from, read_progress(pre.resume_from).world_size)
         strategy.wrap(CausalLMLoss(model))
+        track_gradients(strategy)
         state = RunState()
         if pre.resume_from is not None:
             _resume(strategy, pre.resume_from, state, env)
@@ -677,6 +735,9 @@ def _run_stage(cfg: Config, plan: StagePlan, plans: list[StagePlan], strategy: A
         lr = strategy.lr()
         result = train_step(strategy, micro)
         state.step += 1
+        if not state.memory_reported:
+            report_memory(cfg, strategy, env, pre.run_dir)
+            state.memory_reported = True
         window_tokens += float(result.tokens)
         last = stage_step == total
         will_save = last or bool(t.save_every and state.step % t.save_every == 0)

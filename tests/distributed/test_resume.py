@@ -44,7 +44,15 @@ def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     assert_close(losses(run), losses(full)[4:], 1e-5, f"{case}: resumed steps 5-8")
 
 
-@pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
+ZERO3_UNIVERSAL = pytest.mark.xfail(
+    strict=True,
+    reason="DeepSpeed 0.19.8's universal checkpoint restores ZeRO-3 weights (step 5 matches) but not all "
+    "optimizer state: steps 6-8 drift by up to 3e-4 after 2 -> 1 ranks, while the same checkpoint "
+    "resumes exactly at 2 ranks and ZeRO-3 at 1 rank from scratch matches; strict, so a fix shows up",
+)
+
+
+@pytest.mark.parametrize("case", ["fsdp", "zero2", pytest.param("zero3", marks=ZERO3_UNIVERSAL)])
 def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4."""

@@ -23,11 +23,11 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     rows = metrics(run)
     steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
     for r in steps:
         assert DESIGN_FIELDS <= set(r), set(r) ^ DESIGN_FIELDS
         assert r["stage"] == "main" and r["tokens"] > 0 and r["tokens_per_s"] > 0
-    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 8]
     assert steps[-1]["loss"] < steps[0]["loss"]
     # warmup 2 then cosine: lr rises, then falls
     lrs = [r["lr"] for r in steps]
@@ -35,6 +35,13 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     resolved = yaml.safe_load((run / "config.yaml").read_text())
     assert resolved["training"]["global_batch_size"] == 8 and resolved["model"]["trust_remote_code"] is False
     assert (run / "loss.png").stat().st_size > 1000
+    # The memory plan's prediction and what the rank measured after its first step.
+    planned = json.loads((run / "plan.json").read_text())
+    measured = json.loads((run / "memory.json").read_text())["ranks"]
+    assert planned["name"] == "ddp" and [r["rank"] for r in measured] == [0]
+    for key in ("params", "grads", "optimizer"):
+        assert abs(measured[0][key] - planned["per_rank_bytes"][key]) <= 0.02 * planned["per_rank_bytes"][key]
+    assert measured[0]["peak_device"] is None  # no allocator on the CPU
     assert any((run / "tensorboard").iterdir())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
