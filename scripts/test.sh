@@ -3,12 +3,7 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/unit -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
-fi
-. .venv/bin/activate
-python -m pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+. scripts/venv.sh
 python -m pip install -q -e '.[dev]'
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python -m pytest -q "$@"

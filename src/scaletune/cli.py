@@ -23,6 +23,15 @@ app = typer.Typer(
 )
 
 
+def _emit(text: str, output: Path | None) -> None:
+    """Print generated text, or write it to `output` and print the path."""
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(str(output))
+
+
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config (see README: config reference).")],
@@ -207,11 +216,7 @@ def modal(
             "put them in a Modal secret and pass --secret NAME",
             err=True,
         )
-    if output is None:
-        typer.echo(text, nl=False)
-    else:
-        output.write_text(text)
-        typer.echo(str(output))
+    _emit(text, output)
 
 
 config_app = typer.Typer(help="Standalone DeepSpeed / FSDP configs for other trainers.", no_args_is_help=True)
@@ -242,11 +247,7 @@ def config_deepspeed(
     cfg = deepspeed_config(zero_stage, offload_optimizer, offload_params, precision, gradient_accumulation_steps,
                            gradient_clipping, micro_batch_size)  # fmt: skip
     text = json.dumps(cfg, indent=2) + "\n"
-    if output is None:
-        typer.echo(text, nl=False)
-    else:
-        output.write_text(text)
-        typer.echo(str(output))
+    _emit(text, output)
 
 
 @config_app.command("fsdp")
@@ -264,11 +265,7 @@ def config_fsdp(
 
     text, _ = fsdp_config(reshard_after_forward, mixed_precision, cpu_offload, state_dict_type,  # type: ignore[arg-type]
                           activation_checkpointing, format)  # type: ignore[arg-type]  # fmt: skip
-    if output is None:
-        typer.echo(text, nl=False)
-    else:
-        output.write_text(text)
-        typer.echo(str(output))
+    _emit(text, output)
 
 
 @app.command("export")
