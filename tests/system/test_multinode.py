@@ -18,7 +18,6 @@ import yaml
 from scaletune.launch.commands import LaunchOptions, build_launch
 from tests.conftest import REPO_ROOT
 from tests.system.conftest import (
-    MAX_STEPS,
     descendants,
     PAYLOAD,
     assert_losses_match,
@@ -26,7 +25,6 @@ from tests.system.conftest import (
     start,
     stop,
     system_config,
-    system_env,
     wait_all,
 )
 

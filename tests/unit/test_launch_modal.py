@@ -4,7 +4,6 @@ and declares the requested GPU type and count, volume and secrets."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 import warnings
 from pathlib import Path
 
