@@ -412,7 +412,6 @@ class RunLogger:
 
     def __init__(self, cfg: Config, run_dir: Path, env: DistributedEnv) -> None:
         self.active = env.is_main
-        self.history: list[dict] = []
         self._tb = None
         self._file = None
         self._progress = None
@@ -446,7 +445,6 @@ class RunLogger:
     def log(self, record: dict) -> None:
         if not self.active:
             return
-        self.history.append(record)
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
@@ -589,7 +587,8 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
             strategy.export(final)
             if env.is_main:
                 tokenizer.save_pretrained(str(final))
-                plot_losses(logger.history, pre.run_dir / "loss.png")
+                # From the file, not this process's records: a resumed run plots the whole curve.
+                plot_losses(_read_metrics(pre.run_dir / "metrics.jsonl"), pre.run_dir / "loss.png")
                 log.info(f"saved {final}")
         finally:
             logger.close()
@@ -623,12 +622,17 @@ def _resume(strategy: Any, path: Path, state: RunState, env: DistributedEnv) -> 
         print0(f"[scaletune] resumed from {path} at step {progress.step} (stage {progress.stage_name})")
 
 
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop lines past the checkpoint's step that a crashed run logged, so the curve continues."""
-    if not path.is_file():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in _read_metrics(path) if r.get("step", 0) <= step]
+    if path.is_file():
+        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _load(cfg: Config, strategy: Any, env: DistributedEnv):
