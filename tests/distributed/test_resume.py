@@ -46,9 +46,10 @@ def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
 
 ZERO3_UNIVERSAL = pytest.mark.xfail(
     strict=True,
-    reason="DeepSpeed 0.19.8's universal checkpoint restores ZeRO-3 weights (step 5 matches) but not all "
-    "optimizer state: steps 6-8 drift by up to 3e-4 after 2 -> 1 ranks, while the same checkpoint "
-    "resumes exactly at 2 ranks and ZeRO-3 at 1 rank from scratch matches; strict, so a fix shows up",
+    reason="DeepSpeed 0.19.8's universal checkpoint round trip for ZeRO-3 restores the weights (step 5 "
+    "matches) but not all optimizer state: steps 6-8 drift by up to 3e-4, identically when the universal "
+    "checkpoint is loaded at the same world size (2 -> 2), while the native ZeRO-3 checkpoint resumes "
+    "exactly and ZeRO-2's universal round trip is exact; strict, so a fix upstream shows up here",
 )
 
 
