@@ -65,18 +65,16 @@ def test_two_nodes_on_loopback_payload(tmp_path):
         assert r["world_size"] == 2 and r["local_rank"] == 0 and r["sum"] == 3.0
 
 
-def test_two_nodes_on_loopback_train_like_one_process(tmp_path, tiny_model_dir, reference_run):
-    """`scaletune launch --nodes 2 --procs-per-node 1 --node-rank 0|1 --master-addr 127.0.0.1`:
-    the loss per step equals the single-process run's within 1e-4."""
-    cfg_path = tmp_path / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, tmp_path / "run")))
+def _two_nodes(tmp_path: Path, cfg_path: Path, *launcher_args: str) -> dict[int, str]:
+    """Two `scaletune launch --nodes 2` processes (node ranks 0 and 1, one CPU rank each) meeting
+    on 127.0.0.1; both must exit 0. Returns the tail of each node's log."""
     port = free_port()
     procs = []
     try:
         for rank in (0, 1):
-            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--nodes", "2", "--node-rank", str(rank),
-                    "--gpus-per-node", "0", "--procs-per-node", "1", "--master-addr", "127.0.0.1",
-                    "--master-port", str(port)]  # fmt: skip
+            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, *launcher_args, "--nodes", "2",
+                    "--node-rank", str(rank), "--gpus-per-node", "0", "--procs-per-node", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
             procs.append(start(argv, cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
         codes = wait_all(procs, timeout=240)
     finally:
@@ -84,6 +82,15 @@ def test_two_nodes_on_loopback_train_like_one_process(tmp_path, tiny_model_dir, 
             stop(p)
     logs = {r: (tmp_path / f"node{r}.log").read_text()[-4000:] for r in (0, 1)}
     assert codes == [0, 0], logs
+    return logs
+
+
+def test_two_nodes_on_loopback_train_like_one_process(tmp_path, tiny_model_dir, reference_run):
+    """`scaletune launch --nodes 2 --procs-per-node 1 --node-rank 0|1 --master-addr 127.0.0.1`:
+    the loss per step equals the single-process run's within 1e-4."""
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, tmp_path / "run")))
+    _two_nodes(tmp_path, cfg_path)
     assert_losses_match(read_losses(tmp_path / "run"), reference_run)
 
 
@@ -173,19 +180,6 @@ def test_two_nodes_on_loopback_with_the_deepspeed_launcher(tmp_path, tiny_model_
     with --no_ssh, --node_rank and the hostfile scaletune writes; same loss as one process."""
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, tmp_path / "run")))
-    port = free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--launcher", "deepspeed", "--nodes", "2",
-                    "--node-rank", str(rank), "--gpus-per-node", "0", "--procs-per-node", "1",
-                    "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
-            procs.append(start(argv, cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
-        codes = wait_all(procs, timeout=240)
-    finally:
-        for p in procs:
-            stop(p)
-    logs = {r: (tmp_path / f"node{r}.log").read_text()[-4000:] for r in (0, 1)}
-    assert codes == [0, 0], logs
+    logs = _two_nodes(tmp_path, cfg_path, "--launcher", "deepspeed")
     assert "deepspeed.launcher.runner" in logs[0] or "launch.py" in logs[0]
     assert_losses_match(read_losses(tmp_path / "run"), reference_run)
