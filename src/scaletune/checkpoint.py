@@ -287,7 +287,6 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, merge_lora: bool = Fal
     Raises:
         UserError: not a checkpoint; an existing non-empty output folder.
     """
-    from scaletune.config import Config
     from scaletune.loss import CausalLMLoss
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
 

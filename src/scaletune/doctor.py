@@ -200,10 +200,9 @@ def check_device_map(env: DistributedEnv, cfg: Config | None) -> Check:
 
 
 def _strategy_of(cfg: Config, env: DistributedEnv) -> tuple[str, int]:
-    s = cfg.distributed.strategy
-    if s == "auto":
-        s = "ddp" if env.world_size > 1 else "single"
-    return s, cfg.distributed.zero_stage
+    from scaletune.strategies import choose_strategy
+
+    return choose_strategy(cfg, env), cfg.distributed.zero_stage
 
 
 def check_quantization(env: DistributedEnv, cfg: Config | None) -> list[Check]:

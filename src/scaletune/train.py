@@ -342,7 +342,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, stage: Stage, total_steps: 
 class StepResult:
     loss: torch.Tensor  # global mean token loss (0-dim, on device)
     grad_norm: torch.Tensor
-    target_tokens: torch.Tensor  # global count
     tokens: torch.Tensor  # non-padding tokens, global count
 
 
@@ -373,7 +372,7 @@ def train_step(strategy: Any, micro_batches: list[dict[str, torch.Tensor]]) -> S
         loss_total += loss.detach()
     grad_norm = strategy.step()
     loss_global = strategy.all_reduce_sum(loss_total)
-    return StepResult(loss_global, grad_norm, counts[0], counts[1])
+    return StepResult(loss_global, grad_norm, counts[1])
 
 
 @torch.no_grad()
@@ -569,13 +568,14 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
             print0(f"[scaletune] training.resume auto: no checkpoint in {pre.run_dir / 'checkpoints'}, starting fresh")
         prepare_run_dir(cfg, pre.run_dir, env, resuming=pre.resume_from is not None)
         strategy.barrier()
-        if pre.resume_from is not None:
-            strategy.prepare_resume(pre.resume_from, read_progress(pre.resume_from).world_size)
+        progress = read_progress(pre.resume_from) if pre.resume_from is not None else None
+        if progress is not None:
+            strategy.prepare_resume(pre.resume_from, progress.world_size)
         strategy.wrap(CausalLMLoss(model))
         track_gradients(strategy)
         state = RunState()
-        if pre.resume_from is not None:
-            _resume(strategy, pre.resume_from, state, env)
+        if progress is not None:
+            _resume(strategy, pre.resume_from, progress, state, env)
             if env.is_main:
                 _truncate_metrics(pre.run_dir / "metrics.jsonl", state.step)
         plans = plan_stages(cfg, pre.stages, tokenizer, strategy, env, pre.max_positions)
@@ -596,9 +596,8 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
     return pre.run_dir
 
 
-def _resume(strategy: Any, path: Path, state: RunState, env: DistributedEnv) -> None:
-    """Load model, optimizer and progress from `path`; say what was resharded."""
-    progress = read_progress(path)
+def _resume(strategy: Any, path: Path, progress: Progress, state: RunState, env: DistributedEnv) -> None:
+    """Load model and optimizer from `path` (whose `progress` was read); say what was resharded."""
     if progress.checkpoint_format != strategy.checkpoint_format:
         raise UserError(
             f"{path} was written by strategy {progress.strategy} ({progress.checkpoint_format} format) and "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import yaml
 
 from scaletune.launch.commands import LaunchOptions, build_launch
+from scaletune.strategies.base import free_port
 from tests.conftest import REPO_ROOT
 from tests.system.conftest import (
     descendants,
@@ -29,12 +29,6 @@ from tests.system.conftest import (
 )
 
 pytestmark = [pytest.mark.system]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_argv(node_rank: int, port: int, program: tuple[str, ...]) -> list[str]:

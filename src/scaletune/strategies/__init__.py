@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from scaletune.config import BatchArithmetic, Config
 from scaletune.env import DistributedEnv
-from scaletune.strategies.base import Strategy
+
+if TYPE_CHECKING:  # choose_strategy stays importable without torch (doctor uses it)
+    from scaletune.strategies.base import Strategy
 
 
 def choose_strategy(cfg: Config, env: DistributedEnv) -> str:
@@ -16,7 +20,7 @@ def choose_strategy(cfg: Config, env: DistributedEnv) -> str:
     return "ddp" if env.world_size > 1 else "single"
 
 
-def make_strategy(name: str, cfg: Config, env: DistributedEnv, batch: BatchArithmetic) -> Strategy:
+def make_strategy(name: str, cfg: Config, env: DistributedEnv, batch: BatchArithmetic) -> "Strategy":
     """Instantiate the engine `name`, importing only what it needs."""
     args = (env, cfg.distributed, cfg.model, cfg.training, batch)
     if name == "single":
