@@ -44,16 +44,7 @@ def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     assert_close(losses(run), losses(full)[4:], 1e-5, f"{case}: resumed steps 5-8")
 
 
-ZERO3_UNIVERSAL = pytest.mark.xfail(
-    strict=True,
-    reason="DeepSpeed 0.19.8's universal checkpoint round trip for ZeRO-3 restores the weights (step 5 "
-    "matches) but not all optimizer state: steps 6-8 drift by up to 3e-4, identically when the universal "
-    "checkpoint is loaded at the same world size (2 -> 2), while the native ZeRO-3 checkpoint resumes "
-    "exactly and ZeRO-2's universal round trip is exact; strict, so a fix upstream shows up here",
-)
-
-
-@pytest.mark.parametrize("case", ["fsdp", "zero2", pytest.param("zero3", marks=ZERO3_UNIVERSAL)])
+@pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
 def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4."""

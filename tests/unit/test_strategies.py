@@ -156,3 +156,23 @@ def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_p
         "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' (or choose ddp or fsdp)"
     ]
     assert not (tmp_path / "run").exists()
+
+
+def test_unshare_step_counters_gives_each_group_its_own_adam_step():
+    """DeepSpeed's ZeRO-3 universal load leaves one `step` tensor in every group's state; AdamW then
+    counts each optimizer step once per group. After unsharing, every group counts it once."""
+    from scaletune.strategies.deepspeed import unshare_step_counters
+
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([{"params": [a]}, {"params": [b], "weight_decay": 0.0}], lr=0.1)
+    (a.sum() + b.sum()).backward()
+    opt.step()
+    shared = opt.state[a]["step"]
+    opt.state[b]["step"] = shared  # what load_hp_checkpoint_state_from_checkpoint_dir_stage3 does
+    opt.step()
+    assert float(shared) == 3.0  # counted twice in one step: the drift
+    shared.fill_(1.0)
+    assert unshare_step_counters(opt) == 1
+    assert unshare_step_counters(opt) == 0
+    opt.step()
+    assert float(opt.state[a]["step"]) == 2.0 and float(opt.state[b]["step"]) == 2.0

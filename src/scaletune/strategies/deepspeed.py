@@ -120,6 +120,27 @@ def read_user_config(path: str | None) -> dict | None:
     return data
 
 
+def unshare_step_counters(optimizer: torch.optim.Optimizer) -> int:
+    """Give every optimizer state its own `step` tensor; returns how many were shared.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal loader (`load_hp_checkpoint_state_from_checkpoint_dir_stage3`)
+    assigns one `step` tensor to the state of every sub-group. torch's Adam/AdamW increment
+    `state["step"]` in place, so with two parameter groups (decay / no decay) the shared counter
+    advanced twice per optimizer step and Adam's bias correction drifted (3e-4 in the loss after three
+    steps). Cloning restores one counter per group, as a native checkpoint load has."""
+    seen: set[int] = set()
+    shared = 0
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if not torch.is_tensor(step):
+            continue
+        if id(step) in seen:
+            state["step"] = step.clone()
+            shared += 1
+        seen.add(id(step))
+    return shared
+
+
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     engine_places_model = True
@@ -246,6 +267,8 @@ class DeepSpeedStrategy(Strategy):
         )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {path / 'deepspeed'}")
+        if self._resume_tag == "universal" and unshare_step_counters(self.optimizer):
+            self.log.info("deepspeed: gave each parameter group its own Adam step counter after the universal load")
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         out = {}
