@@ -61,6 +61,12 @@ class ModelConfig(_Strict):
     gradient_checkpointing: bool = True
     lora: LoraConfig | None = None
     quantization: QuantizationConfig | None = None
+    # Keep the decoder's saved activations in host memory between forward and backward
+    # (torch.autograd.graph.save_on_cpu): device memory for long sequences, paid in PCIe copies.
+    activation_offload: bool = False
+    # Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): CUDA and the
+    # liger-kernel package (`pip install 'scaletune[liger]'`); not under DeepSpeed ZeRO-3.
+    liger: bool = False
 
     @field_validator("device_map")
     @classmethod
@@ -241,6 +247,15 @@ def cross_field_problems(data: dict) -> list[str]:
                 f"model.quantization under {name} needs storage_dtype: {dtype} (equal to model.dtype, "
                 "bitsandbytes' bnb_4bit_quant_storage) so the 4-bit weights shard with the other parameters"
             )
+    if m.get("liger") is True and strategy == "deepspeed" and d.get("zero_stage", 2) == 3:
+        # Liger's fused linear cross-entropy takes lm_head.weight as a tensor and multiplies it
+        # outside lm_head's forward; ZeRO-3 gathers a partitioned weight only inside the forward
+        # of the module that owns it, so there the weight is an empty placeholder.
+        out.append(
+            "model.liger cannot run under deepspeed zero_stage 3: Liger's fused linear cross-entropy "
+            "reads lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned "
+            "(an empty placeholder); use zero_stage 1 or 2, strategy fsdp, or model.liger: false"
+        )
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
     names = [s.get("name") for s in stages if isinstance(s, dict)]
     dupes = sorted({str(n) for n in names if n is not None and names.count(n) > 1})

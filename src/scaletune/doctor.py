@@ -61,7 +61,7 @@ def _ok(name: str, message: str) -> Check:
 # Report
 
 
-_PACKAGES = ("torch", "transformers", "peft", "datasets", "accelerate", "deepspeed", "bitsandbytes", "safetensors")
+_PACKAGES = ("torch", "transformers", "peft", "datasets", "accelerate", "deepspeed", "bitsandbytes", "liger-kernel", "safetensors")
 
 
 def _version(dist: str) -> str | None:
@@ -237,6 +237,22 @@ def check_quantization(env: DistributedEnv, cfg: Config | None) -> list[Check]:
     else:
         out.append(_ok("quantization strategy", f"{q.bits}-bit weights with strategy {strategy}"))
     return out
+
+
+def check_liger(env: DistributedEnv, cfg: Config | None) -> Check:
+    """`model.liger` needs a CUDA GPU (Liger's kernels are Triton GPU kernels) and liger-kernel;
+    checked without importing it. Its clash with ZeRO-3 is a config error (config.cross_field_problems)."""
+    name = "liger"
+    if cfg is None or not cfg.model.liger:
+        return _ok(name, "model.liger off")
+    if not env.cuda_available:
+        return Check(name, "FAIL", "model.liger (Liger's Triton kernels) needs a CUDA GPU and none is visible",
+                     "set model.liger: false (the built-in chunked loss runs on any device) or run on a GPU machine",
+                     fatal=True)  # fmt: skip
+    if _version("liger-kernel") is None:
+        return Check(name, "FAIL", "model.liger needs liger-kernel, which is not installed",
+                     "pip install 'scaletune[liger]'", fatal=True)  # fmt: skip
+    return _ok(name, f"Liger kernels on GPU with liger-kernel {_version('liger-kernel')}")
 
 
 def check_checkpointing(env: DistributedEnv, cfg: Config | None) -> Check:
@@ -468,6 +484,7 @@ def checks(cfg: Config | None, env: DistributedEnv, environ: Mapping[str, str] |
         check_processes_vs_gpus(env, cfg, e),
         check_device_map(env, cfg),
         *check_quantization(env, cfg),
+        check_liger(env, cfg),
         check_checkpointing(env, cfg),
         check_batch(env, cfg, world_size),
         check_deepspeed_ops(cfg),

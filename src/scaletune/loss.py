@@ -8,9 +8,18 @@ never materialised (in fp32 or at all), which dominates memory and time for larg
 
 It sits inside the DDP/FSDP/DeepSpeed wrapper, so the head's parameters are gathered and its
 gradients reduced by the engine's own forward hooks.
+
+Two options (`model.activation_offload`, `model.liger`), both off by default:
+
+* activation offload: the decoder runs under `torch.autograd.graph.save_on_cpu`, so the tensors
+  autograd saves for backward wait in host memory;
+* Liger (CUDA only): the head and loss are Liger's fused linear cross-entropy kernel instead of
+  the chunked PyTorch path (the model-level Liger kernels are applied by `models.prepare_model`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +65,10 @@ def chunked_head_cross_entropy(
     """
     n = hidden.size(0)
     if n == 0:
-        return hidden.sum().float() * 0.0
+        # Run the head on the empty batch rather than skipping it: its forward hooks still fire
+        # (ZeRO-3 gathers the weight on every rank together, or the others would wait forever) and
+        # its weight gets a zero gradient, so DDP sees every parameter used.
+        return _head_ce_sum(hidden, head, targets)
     total = None
     for start in range(0, n, chunk):
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
@@ -66,6 +78,53 @@ def chunked_head_cross_entropy(
             part = _head_ce_sum(h, head, y)
         total = part if total is None else total + part
     return total
+
+
+def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    """sum_i CE(head(hidden[i]), targets[i]) by Liger's fused linear cross-entropy (CUDA, Triton).
+
+    Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989; https://github.com/linkedin/Liger-Kernel)
+    `LigerFusedLinearCrossEntropyLoss(ignore_index=-100, reduction="sum")`: the head's matmul and
+    the loss run chunk by chunk in one kernel, gradients computed during the forward, so neither
+    the logits nor their gradient are held whole.
+
+    The kernel takes `head.weight` as a tensor, outside the head's forward: fine where the weight
+    is whole there (single, DDP, ZeRO-1/2, and FSDP2, whose root unit here holds the head), not
+    under DeepSpeed ZeRO-3 (rejected by the config check and again here).
+
+    Args:
+        hidden: [n, hidden_size] final hidden states at target positions (on a CUDA device).
+        head: the output projection (`lm_head`), an `nn.Linear` hidden_size -> vocab.
+        targets: [n] int64 token ids.
+
+    Returns:
+        0-dim float32 sum of the token losses.
+
+    Raises:
+        RuntimeError: the head's weight is partitioned by DeepSpeed ZeRO-3.
+    """
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if hasattr(weight, "ds_id"):
+        raise RuntimeError(
+            "model.liger cannot run under DeepSpeed ZeRO-3: Liger's fused linear cross-entropy reads "
+            "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps it partitioned; use zero_stage "
+            "1 or 2, strategy fsdp, or model.liger: false"
+        )
+    if hidden.size(0) == 0:
+        return _head_ce_sum(hidden, head, targets)  # as the chunked path: hooks fire, zero gradient
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    # Do what autocast does to a Linear (both operands in the autocast dtype), then run the kernel
+    # with autocast off: Liger releases have failed on mixed bf16/fp32 operands under AMP
+    # (linkedin/Liger-Kernel#305, #501). The casts are differentiable, so fp32 master weights train.
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    with torch.autocast(device_type, enabled=False):
+        out = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(
+            weight.to(dtype), hidden.to(dtype), targets, None if bias is None else bias.to(dtype)
+        )
+    loss = out if isinstance(out, torch.Tensor) else out[0]  # newer releases may return (loss, extras)
+    return loss.float()
 
 
 def _decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -81,16 +140,58 @@ class CausalLMLoss(nn.Module):
     next-token cross-entropy over every target position.
 
     LoRA layers are injected in place by peft, so running the decoder of the base model runs them.
+
+    Args:
+        causal_lm: the model (`AutoModelForCausalLM`, or a peft model around one).
+        chunk: target positions per head+loss chunk of the PyTorch path.
+        activation_offload: run the model's forward under
+            `torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())` (PyTorch's
+            saved-tensor hooks; the idea of torchtune's activation offloading,
+            `torchtune.training.OffloadActivations`): every tensor autograd saves for backward is
+            copied to host memory as it is saved and back to the device when backward needs it,
+            so the device holds about one layer's saved activations at a time instead of every
+            layer's (for long sequences), paid for with host-device copies (into pinned memory
+            where CUDA is available, so they can run asynchronously). With gradient checkpointing
+            only the layer boundaries are saved, so only those move.
+            Unlike torchtune's version, save_on_cpu also copies the weights that matmuls save
+            (and, under autocast, their low-precision copies), which adds traffic per layer.
+            Results are bit-identical to running without it.
+        liger: compute head and loss with :func:`liger_head_cross_entropy` (Liger's fused linear
+            cross-entropy; CUDA and liger-kernel needed, checked here) instead of
+            :func:`chunked_head_cross_entropy`. Heads that transform logits keep the model's own
+            forward either way.
+
+    Raises:
+        RuntimeError: `liger` without a CUDA GPU or without liger-kernel installed.
     """
 
-    def __init__(self, causal_lm: nn.Module, chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        chunk: int = DEFAULT_CHUNK,
+        *,
+        activation_offload: bool = False,
+        liger: bool = False,
+    ) -> None:
         super().__init__()
         self.causal_lm = causal_lm
         self.chunk = chunk
+        self.activation_offload = activation_offload
+        self.liger = liger
+        if liger:
+            from scaletune.models import require_liger
+
+            require_liger()
         config = getattr(causal_lm, "config", None)
         # Heads that transform logits (Gemma-2 soft-capping, Cohere's logit scale) keep the
         # model's own forward: computing the head here would skip that transform.
         self.plain = bool(getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+
+    def _saved_tensors_context(self) -> contextlib.AbstractContextManager:
+        if not self.activation_offload:
+            return contextlib.nullcontext()
+        # Pinned host memory needs the CUDA runtime; without it plain host memory does the same job.
+        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
     def forward(
         self,
@@ -101,12 +202,18 @@ class CausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.plain:
-            logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+            with self._saved_tensors_context():
+                logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
             flat = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, target_index).float()
             return F.cross_entropy(flat, labels[:, 1:].reshape(-1).index_select(0, target_index), reduction="sum")
         decoder, head = _decoder_and_head(self.causal_lm)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        # Only the decoder's activations are offloaded: the head's chunks are recomputed in
+        # backward anyway, and their inputs are the few target rows gathered below.
+        with self._saved_tensors_context():
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state[:, :-1, :]
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index)
         targets = labels[:, 1:].reshape(-1).index_select(0, target_index)
+        if self.liger:
+            return liger_head_cross_entropy(hidden, head, targets)
         return chunked_head_cross_entropy(hidden, head, targets, self.chunk)

@@ -11,6 +11,7 @@ strategies wrap what this module returns).
 * :func:`resolve_device_map`: the one place where `model.device_map` is interpreted.
 * :func:`load_tokenizer`, :func:`load_model`, :func:`prepare_model`: loading through
   `from_pretrained`, so a tiny local model exercises the same path as a hub checkpoint.
+* :func:`require_liger`, :func:`apply_liger_kernels`: `model.liger` (Liger's Triton kernels, CUDA).
 * :func:`lora_target_modules`, :func:`apply_lora`, :func:`enable_gradient_checkpointing`,
   :func:`decoder_layer_classes`, :func:`max_positions`: what the strategies and the planner ask.
 """
@@ -629,6 +630,72 @@ def bnb_config(q: QuantizationConfig) -> Any:
     )
 
 
+def require_liger() -> None:
+    """Check that this environment can run Liger's kernels (`model.liger`): a CUDA GPU first, then
+    the liger-kernel package. liger_kernel is not imported here (it needs Triton).
+
+    Raises:
+        RuntimeError: no CUDA GPU is visible, or liger-kernel is not installed.
+    """
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "model.liger asks for Liger's Triton kernels, which need a CUDA GPU, and none is visible "
+            "here. Set model.liger: false (scaletune's chunked loss runs on any device) or run on a "
+            "GPU machine."
+        )
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise RuntimeError("model.liger asks for Liger's kernels, but liger-kernel is not installed: pip install 'scaletune[liger]'")
+
+
+def apply_liger_kernels(model: torch.nn.Module) -> bool:
+    """Swap a loaded model's RMSNorm, rotary embedding and SwiGLU MLP for Liger's Triton kernels.
+
+    Liger-Kernel (https://github.com/linkedin/Liger-Kernel) `_apply_liger_kernel_to_instance`
+    from `liger_kernel.transformers.monkey_patch`, its entry point for an already instantiated
+    model: it looks up the architecture's `apply_liger_kernel_to_*` by `config.model_type` and
+    rebinds the `forward` of the existing norm and MLP modules, so parameters and state-dict keys
+    are unchanged. Its cross-entropy patches are turned off: the
+    loss is `loss.CausalLMLoss`'s (Liger's fused linear cross-entropy when `model.liger`), and the
+    model's own forward keeps returning logits (evaluation, export, the Gemma-2 soft-cap path).
+
+    Liger also rebinds names in the architecture's `transformers` modeling module (the rotary
+    function, the norm and MLP classes), so models of that architecture built later in the same
+    process get the kernels too.
+
+    Args:
+        model: the `transformers` causal LM (a peft or engine wrapper around it is unwrapped),
+            before LoRA is applied.
+
+    Returns:
+        True when kernels were applied; False, with a warning, for an architecture Liger has no
+        kernels for (the loss still uses Liger's).
+
+    Raises:
+        RuntimeError: no CUDA GPU, or liger-kernel is not installed (:func:`require_liger`).
+    """
+    require_liger()
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    base = _unwrap(model)
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        # Liger itself only logs this at INFO; say it where the user looks.
+        log.warning(
+            f"model.liger: Liger has no RMSNorm/RoPE/SwiGLU kernels for architecture {model_type!r} "
+            f"(it has them for {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); only the loss uses Liger"
+        )
+        return False
+    _apply_liger_kernel_to_instance(
+        model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
+    log.info(f"model.liger: Liger's RMSNorm, RoPE and SwiGLU kernels applied to {type(base).__name__}")
+    return True
+
+
 def load_config(cfg: ModelConfig) -> PretrainedConfig:
     """The model's `transformers` config: from its folder or the hub, or a preset's by name.
 
@@ -984,16 +1051,25 @@ def parameter_counts(model: Any) -> tuple[int, int]:
 
 
 def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False) -> torch.nn.Module:
-    """:func:`load_model`, then LoRA (`cfg.lora`), then gradient checkpointing
-    (`cfg.gradient_checkpointing`); logs the trainable and total parameter counts.
+    """:func:`load_model`, then Liger's kernels (`cfg.liger`), then LoRA (`cfg.lora`), then
+    gradient checkpointing (`cfg.gradient_checkpointing`); logs the trainable and total parameter
+    counts.
 
-    LoRA comes before checkpointing so that the checkpointed layers are the ones holding the
-    adapters, and a quantized base is prepared for k-bit training before either.
+    Liger's environment (CUDA, liger-kernel) is checked before any weight is read. Its kernels
+    go in before LoRA so that they patch the model's own modules (peft then wraps the Linear
+    layers inside the patched MLPs); LoRA comes before checkpointing so that the checkpointed
+    layers are the ones holding the adapters, and a quantized base is prepared for k-bit
+    training before either.
 
     Raises:
+        RuntimeError: `cfg.liger` without a CUDA GPU or without liger-kernel.
         what :func:`load_model` and :func:`apply_lora` raise.
     """
+    if cfg.liger:
+        require_liger()
     model = load_model(cfg, placement, meta=meta)
+    if cfg.liger:
+        apply_liger_kernels(model)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:

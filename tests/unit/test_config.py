@@ -223,3 +223,28 @@ def test_quantization_with_sharded_strategies(tmp_path):
     )
     assert ok.model.quantization.storage_dtype == "bfloat16"
     load_config(write(tmp_path, BASE + "distributed: {strategy: ddp}\n"), [lora, "model.quantization={bits: 8}"])
+
+
+def test_activation_offload_and_liger_keys(tmp_path):
+    cfg = load_config(write(tmp_path, BASE))
+    assert cfg.model.activation_offload is False and cfg.model.liger is False
+    dumped = yaml.safe_load(dump_config(cfg))["model"]
+    assert dumped["activation_offload"] is False and dumped["liger"] is False
+    cfg = load_config(write(tmp_path, BASE), ["model.activation_offload=true", "model.liger=true"])
+    assert cfg.model.activation_offload is True and cfg.model.liger is True
+    probs = problems_of(tmp_path, BASE, ["model.liger=maybe"])
+    assert any("model.liger" in p for p in probs)
+
+
+def test_liger_is_rejected_under_zero3(tmp_path):
+    liger = BASE.replace("  name_or_path: some/model\n", "  name_or_path: some/model\n  liger: true\n")
+    text = liger + "distributed: {strategy: deepspeed, zero_stage: 3}\n"
+    probs = problems_of(tmp_path, text)
+    assert len(probs) == 1
+    assert "model.liger cannot run under deepspeed zero_stage 3" in probs[0]
+    assert "lm_head.weight outside lm_head's forward" in probs[0] and "partitioned" in probs[0]
+    # the same from the command line, and not for the strategies where the head's weight is whole
+    assert problems_of(tmp_path, BASE, ["model.liger=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
+    for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
+        assert load_config(write(tmp_path, liger + f"distributed: {dist}\n")).model.liger
+    load_config(write(tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n"))

@@ -94,6 +94,47 @@ def test_quantization_without_gpu_is_fatal(tmp_path):
     assert res[0].status == "FAIL" and res[0].fatal and "CUDA GPU" in res[0].message
 
 
+# -- liger -----------------------------------------------------------------------------------
+
+
+def test_liger_without_gpu_or_package_is_fatal(tmp_path):
+    assert doctor.check_liger(NONE, cfg(tmp_path)).status == "OK"
+    c = cfg(tmp_path, model={"liger": True})
+    res = doctor.check_liger(NONE, c)
+    assert res.status == "FAIL" and res.fatal and "needs a CUDA GPU" in res.message and "model.liger: false" in res.fix
+    if doctor._version("liger-kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    res = doctor.check_liger(GPU8, c)  # a GPU machine without the package (really absent here)
+    assert res.status == "FAIL" and res.fatal and "liger-kernel" in res.message and "scaletune[liger]" in res.fix
+    assert by_name(checks(c, NONE, {}), "liger").status == "FAIL"
+
+
+def test_cli_train_with_liger_on_this_cpu_exits_2_before_loading(tmp_path, tiny_model_dir):
+    """The real CLI, the real preflight: one message, exit 2, no traceback, nothing written."""
+    import yaml
+
+    from tests.helpers import base_config, run_cli
+
+    if torch_cuda_available():
+        pytest.skip("this machine has a CUDA GPU")
+    out = tmp_path / "run"
+    config = base_config(tiny_model_dir, out, model={"liger": True})
+    path = tmp_path / "liger.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = run_cli(["train", str(path)], timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot start training" in proc.stderr and "model.liger (Liger's Triton kernels) needs a CUDA GPU" in proc.stderr
+    assert "set model.liger: false" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists(), "the run directory was written before the check"
+    assert "trainable" not in proc.stdout + proc.stderr, "the model was loaded before the check"
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _bypass(c, **quant):
     """A config the loader would refuse (so doctor must catch it too, e.g. from the Python API)."""
     q = c.model.quantization.model_copy(update=quant)

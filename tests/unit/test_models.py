@@ -355,6 +355,28 @@ def test_quantization_config_is_built_as_asked(monkeypatch):
     assert models.bnb_config(QuantizationConfig(bits=8)).load_in_8bit
 
 
+def test_liger_without_a_gpu_fails_before_any_weight_is_read(tmp_path, tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    # A missing model would be a UserError from load_model: the RuntimeError shows the order.
+    for name in (str(tmp_path / "no-such-model"), str(tiny_model_dir)):
+        with pytest.raises(RuntimeError, match=r"model\.liger asks for Liger's Triton kernels, which need a CUDA GPU"):
+            prepare_model(ModelConfig(name_or_path=name, liger=True), CPU)
+    with pytest.raises(RuntimeError, match="need a CUDA GPU"):
+        models.apply_liger_kernels(nn.Linear(2, 2))
+    assert "liger_kernel" not in sys.modules
+
+
+def test_liger_without_the_package_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine without liger-kernel
+    with pytest.raises(RuntimeError, match=r"liger-kernel is not installed: pip install 'scaletune\[liger\]'"):
+        models.require_liger()
+
+
 # ---------------------------------------------------------------------------------------------
 # Meta device
 
