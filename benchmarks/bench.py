@@ -1,0 +1,554 @@
+"""Throughput of scaletune against a plain Hugging Face Trainer script and a bare PyTorch loop.
+
+One command trains the same model, data, batch, sequence length and precision three ways, each in
+its own process (so each one's peak memory is its own), and prints non-padding tokens per second,
+the ratio to HF Trainer, peak memory and MFU against a matmul timed on the same machine:
+
+    python benchmarks/bench.py --preset cpu          # the issue's CPU target (tiny OLMo-2, fp32)
+    python benchmarks/bench.py --preset gpu-1b       # Llama-3.2-1B shapes, bf16, seq 2048 (GPU)
+    python benchmarks/bench.py --preset smoke        # seconds; what CI runs
+
+The three trainers:
+
+- ``hf``: what most people would write: ``AutoModelForCausalLM`` + ``Trainer`` with
+  ``DataCollatorForSeq2Seq`` (pads each batch to its longest row), AdamW, the same schedule and
+  clipping. It trains on the same token sequences (prompt masked with -100) scaletune builds, so
+  only the trainer differs, not the tokenisation.
+- ``bare``: the floor for framework overhead: scaletune's model + loss module
+  (``scaletune.loss.CausalLMLoss``) on scaletune's batches (same sampler, same order) in a plain
+  ``forward / backward / clip / AdamW.step`` loop, no strategy, scheduler, logging or checkpoint
+  code. ``--bare-loss full`` runs the model's own loss (full ``[tokens, vocab]`` logits) instead:
+  the before/after of the chunked loss.
+- ``scaletune``: ``scaletune train`` on the equivalent YAML, in-process, through the real entry
+  point; steps are timed from ``metrics.jsonl``'s ``elapsed_s``.
+
+Timing skips ``--warmup`` steps and measures the next ``--steps``; tokens are non-padding input
+tokens of exactly those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_ALPACA = REPO / "examples" / "data" / "alpaca_400.json"
+
+TRAINERS = ("hf", "bare", "scaletune")
+
+
+@dataclass
+class Spec:
+    """Everything the three trainers share. Serialised to JSON for the worker processes."""
+
+    preset: str
+    model_preset: str  # scaletune.models preset the random-weight model is built from
+    model_dir: str = ""
+    data: str = str(BUNDLED_ALPACA)
+    dtype: str = "float32"  # float32 | bfloat16
+    max_seq_length: int = 256
+    micro_batch_size: int = 8
+    packing: bool = True
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    warmup: int = 3
+    steps: int = 20
+    learning_rate: float = 2.0e-4
+    seed: int = 1234
+    bare_loss: str = "chunked"  # chunked | full
+    scaletune_set: list[str] = field(default_factory=list)  # extra `key=value` overrides (ablations)
+    work_dir: str = ""
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The issue's CPU target: tiny OLMo-2 architecture (vocab 100k), micro 8, seq 256, fp32, full FT.
+    "cpu": dict(model_preset="olmo2-tiny", dtype="float32", max_seq_length=256, micro_batch_size=8, warmup=3, steps=20),
+    # GPU target: Llama-3.2-1B shapes with random weights, bf16, seq 2048, packing.
+    "gpu-1b": dict(
+        model_preset="llama-3.2-1b", dtype="bfloat16", max_seq_length=2048, micro_batch_size=4, warmup=5, steps=20,
+        gradient_checkpointing=False,
+    ),
+    # CI: every code path of the harness in seconds; not a timing claim.
+    "smoke": dict(model_preset="olmo2-tiny", dtype="float32", max_seq_length=64, micro_batch_size=2, warmup=1, steps=3),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and the device's measured peak
+
+
+def model_flops_per_token(config: Any, trainable: int, total: int, mean_context: float) -> float:
+    """Training FLOPs per token: 6·N + 12·L·d·s (full fine-tuning) or 4·N + 2·N_trainable (LoRA).
+
+    6·N is the forward (2·N) plus the backward (4·N: gradients of activations and of weights)
+    of a dense transformer with N parameters, Kaplan et al. 2020 (arXiv:2001.08361, sec. 2.1); the
+    attention term 12·L·d·s (L layers, width d, context s) is the PaLM paper's MFU formula
+    (Chowdhery et al. 2022, arXiv:2204.02311, appendix B). With frozen weights (LoRA) the backward
+    still computes activation gradients (2·N) but no weight gradients: 4·N, plus 2·N_trainable for
+    the adapters' own weight gradients. N excludes the input embedding table: a lookup, not a matmul.
+    The output head counts at every token, as the formula does, although scaletune runs it only at
+    positions that have a target (that work is skipped, not credited twice: MFU is model FLOPs).
+
+    Args:
+        config: the model's transformers config (num_hidden_layers, hidden_size, vocab_size).
+        trainable: trainable parameters; total: all parameters.
+        mean_context: mean attention span per token, sum(t_i^2) / sum(t_i) over the examples.
+    """
+    embed = config.vocab_size * config.hidden_size
+    n = total - embed
+    attention = 12 * config.num_hidden_layers * config.hidden_size * mean_context
+    if trainable >= total - 1:  # full fine-tuning (a tied head counts once)
+        return 6 * n + attention
+    return 4 * n + 2 * trainable + attention
+
+
+def measured_peak_flops(device: str, dtype: str, seconds: float = 3.0) -> dict:
+    """FLOP/s of the best of repeated square matmuls on `device` in `dtype`: the roofline MFU is
+    measured against (not the datasheet number). Size 2048 on CPU, 8192 on CUDA."""
+    import torch
+
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    n = 8192 if device == "cuda" else 2048
+    a = torch.randn(n, n, device=device, dtype=dt)
+    b = torch.randn(n, n, device=device, dtype=dt)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        a @ b
+    sync()
+    best, deadline = math.inf, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return {"flops_per_s": 2 * n**3 / best, "matmul_size": n, "dtype": dtype, "threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared set-up: the model and the tokenised examples
+
+
+def _scaletune_dict(spec: Spec, out: Path) -> dict:
+    """The YAML scaletune trains (and the data every trainer uses)."""
+    return {
+        "output_dir": str(out),
+        "seed": spec.seed,
+        "model": {
+            "name_or_path": spec.model_dir,
+            "dtype": spec.dtype,
+            "attn_implementation": spec.attn_implementation,
+            "gradient_checkpointing": spec.gradient_checkpointing,
+        },
+        "data": {
+            "train": {"path": spec.data, "format": "alpaca"},
+            "max_seq_length": spec.max_seq_length,
+            "packing": spec.packing,
+        },
+        "training": {
+            "global_batch_size": spec.micro_batch_size,
+            "micro_batch_size": spec.micro_batch_size,
+            "max_steps": spec.total_steps,
+            "learning_rate": spec.learning_rate,
+            "lr_scheduler": "cosine",
+            "warmup_steps": 2,
+            "max_grad_norm": 1.0,
+            "eval_every": 0,
+            "save_every": 0,
+            "log_every": 1,
+        },
+        "distributed": {"strategy": "single", "num_processes": 1},
+        "logging": {"tensorboard": False},
+    }
+
+
+def _config(spec: Spec, out: Path, *, packing: bool | None = None):
+    from scaletune.config import load_config
+
+    data = _scaletune_dict(spec, out)
+    if packing is not None:
+        data["data"]["packing"] = packing
+    return load_config(None, list(spec.scaletune_set), data=data)
+
+
+def _examples(spec: Spec, *, packing: bool):
+    """(tokenizer, train dataset) exactly as scaletune builds them for this spec."""
+    from scaletune.data import build_datasets
+    from scaletune.models import load_tokenizer
+
+    cfg = _config(spec, Path(spec.work_dir) / "unused", packing=packing)
+    tokenizer = load_tokenizer(cfg.model)
+    bundle = build_datasets(cfg.data, tokenizer, seed=cfg.seed)
+    return tokenizer, bundle.train
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory() -> dict:
+    """Peak CUDA memory allocated by this process, else its peak resident set size (bytes)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated()), "peak_memory_kind": "cuda allocated"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"peak_memory_bytes": int(rss), "peak_memory_kind": "process RSS"}
+
+
+def _seed(seed: int) -> None:
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _load_model(spec: Spec):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # fp32 weights in every case: bf16 runs autocast (fp32 master weights), as scaletune does for
+    # full fine-tuning and HF Trainer does with `bf16=True`.
+    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32, attn_implementation=spec.attn_implementation)
+    model.config.use_cache = False
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.to(_device())
+
+
+# ---------------------------------------------------------------------------------------------
+# The three trainers (each runs in its own process)
+
+
+def run_hf(spec: Spec) -> dict:
+    """A plain HF Trainer script on the same (unpacked) token sequences."""
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+
+    tokenizer, train = _examples(spec, packing=False)
+    train = train.select_columns(["input_ids", "labels"])
+    model = _load_model(spec)
+    pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    tokens: list[int] = []
+
+    def collate(rows):
+        batch = pad(rows)
+        tokens.append(int(batch["attention_mask"].sum()))  # in step order (num_workers 0)
+        return batch
+
+    ends: list[float] = []
+    losses: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            _sync()
+            ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    args = TrainingArguments(
+        output_dir=str(Path(spec.work_dir) / "hf"),
+        per_device_train_batch_size=spec.micro_batch_size,
+        gradient_accumulation_steps=1,
+        max_steps=spec.total_steps,
+        learning_rate=spec.learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused" if _device() == "cuda" else "adamw_torch",
+        bf16=spec.dtype == "bfloat16",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=spec.seed,
+        dataloader_num_workers=0,
+        use_cpu=_device() == "cpu",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock()])
+    trainer.train()
+    seconds = ends[spec.total_steps - 1] - ends[spec.warmup - 1]
+    return {"tokens": sum(tokens[spec.warmup : spec.total_steps]), "seconds": seconds, "first_loss": losses[0] if losses else None}
+
+
+def full_logits_loss(model, mb: dict, device) -> "torch.Tensor":
+    """Summed next-token loss from the model's full `[tokens, vocab]` logits, upcast to fp32: what
+    `model(..., labels=...)` computes, and what the chunked loss avoids."""
+    import torch.nn.functional as F
+
+    ids = mb["input_ids"].to(device, non_blocking=True)
+    labels = mb["labels"].to(device, non_blocking=True)
+    extra = {k: mb[k].to(device, non_blocking=True) for k in ("attention_mask", "position_ids") if k in mb}
+    logits = model(input_ids=ids, use_cache=False, **extra).logits.float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), reduction="sum")
+
+
+def run_bare(spec: Spec) -> dict:
+    """Plain loop over scaletune's batches: forward, backward, clip, AdamW; nothing else."""
+    import torch
+
+    from scaletune.config import batch_arithmetic
+    from scaletune.data import Collator, count_input_tokens, count_target_tokens
+    from scaletune.env import DistributedEnv
+    from scaletune.loss import CausalLMLoss
+    from scaletune.strategies.base import param_groups
+    from scaletune.train import global_batches, make_loader, model_inputs, seed_everything
+
+    tokenizer, train = _examples(spec, packing=spec.packing)
+    cfg = _config(spec, Path(spec.work_dir) / "bare")
+    seed_everything(cfg.seed)  # scaletune seeds before loading: same LoRA/none init, same order
+    model = _load_model(spec)
+    module = CausalLMLoss(model).train()
+    device = torch.device(_device())
+    opt = torch.optim.AdamW(param_groups(module, 0.0), lr=spec.learning_rate, fused=device.type == "cuda" or None)
+    batch = batch_arithmetic(cfg.training, 1, spec.max_seq_length)
+    env = DistributedEnv.from_environ()
+    loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
+    steps_per_epoch = len(train) // batch.global_batch_size
+    import contextlib
+
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if spec.dtype == "bfloat16" else contextlib.nullcontext
+    tokens, first_loss, t0 = 0, None, 0.0
+    batches = global_batches(loader, sampler, batch, steps_per_epoch)
+    for step in range(1, spec.total_steps + 1):
+        _, _, micro = next(batches)
+        targets = sum(count_target_tokens(mb["labels"]) for mb in micro)
+        step_loss = 0.0
+        for mb in micro:
+            with autocast():
+                if spec.bare_loss == "full":
+                    loss = full_logits_loss(model, mb, device) / targets
+                else:
+                    inputs = {k: v.to(device, non_blocking=True) for k, v in model_inputs(mb).items()}
+                    loss = module(**inputs) / targets
+            loss.backward()
+            if first_loss is None:
+                step_loss += float(loss)  # step 1 only: a host sync
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if first_loss is None:
+            first_loss = step_loss
+        if step == spec.warmup:
+            _sync()
+            t0 = time.perf_counter()
+        elif step > spec.warmup:
+            tokens += sum(count_input_tokens(mb) for mb in micro)
+    _sync()
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "first_loss": first_loss}
+
+
+def run_scaletune(spec: Spec) -> dict:
+    """`scaletune train` through its real entry point; times come from metrics.jsonl."""
+    import yaml
+
+    from scaletune.train import run_from_cli
+
+    out = Path(spec.work_dir) / "scaletune"
+    path = Path(spec.work_dir) / "scaletune.yaml"
+    path.write_text(yaml.safe_dump({**_scaletune_dict(spec, out), "overwrite": True}))
+    run_dir = run_from_cli(path, list(spec.scaletune_set))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "loss" in r]
+    by_step = {r["step"]: r for r in rows}
+    seconds = by_step[spec.total_steps]["elapsed_s"] - by_step[spec.warmup]["elapsed_s"]
+    tokens = sum(by_step[s]["tokens"] for s in range(spec.warmup + 1, spec.total_steps + 1))
+    return {"tokens": tokens, "seconds": seconds, "first_loss": rows[0]["loss"]}
+
+
+RUNNERS = {"hf": run_hf, "bare": run_bare, "scaletune": run_scaletune}
+
+
+def worker(name: str, spec_path: Path, result_path: Path) -> None:
+    spec = Spec(**json.loads(spec_path.read_text()))
+    _seed(spec.seed)
+    result = RUNNERS[name](spec)
+    result.update(_peak_memory())
+    result["tokens_per_s"] = result["tokens"] / result["seconds"]
+    result_path.write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: build the model, time the matmul, run each trainer, report
+
+
+def prepare_model(spec: Spec, cache: Path) -> Path:
+    """A random-weight model of the preset's shape, saved once and loaded with from_pretrained."""
+    from scaletune.models import get_preset, init_model, preset_config
+
+    out = cache / spec.model_preset
+    if get_preset(spec.model_preset).tiny:
+        return init_model(spec.model_preset, out, seed=0)
+    if not (out / "config.json").is_file():  # a large shape: build it here, bf16 to halve the file
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from scaletune.models import _tokenizer_from_file
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(preset_config(spec.model_preset), dtype=torch.bfloat16)
+        model.save_pretrained(out)
+        tok_file = REPO / "src" / "scaletune" / "assets" / "olmo2-dolma2.json"
+        _tokenizer_from_file(tok_file, model_max_length=spec.max_seq_length).save_pretrained(out)
+    return out
+
+
+def mean_context(spec: Spec) -> float:
+    """sum(t^2) / sum(t) over the tokenised examples (unpacked): the mean attention span of a token."""
+    _, train = _examples(spec, packing=False)
+    lengths = [len(x) for x in train["input_ids"]]
+    return sum(t * t for t in lengths) / max(sum(lengths), 1)
+
+
+def parameter_counts(model_dir: str) -> tuple[Any, int]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return config, sum(p.numel() for p in model.parameters())
+
+
+def run_all(spec: Spec, trainers: list[str]) -> dict:
+    import torch
+    import transformers
+
+    import scaletune
+
+    results: dict[str, Any] = {"spec": asdict(spec), "trainers": {}}
+    device = _device()
+    results["device"] = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    results["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "scaletune": scaletune.__version__, "python": sys.version.split()[0]}
+    results["peak"] = measured_peak_flops(device, spec.dtype)
+    config, total = parameter_counts(spec.model_dir)
+    ctx = mean_context(spec)
+    results["flops_per_token"] = model_flops_per_token(config, total, total, ctx)
+    results["mean_context"] = ctx
+    results["parameters"] = total
+    spec_path = Path(spec.work_dir) / "spec.json"
+    spec_path.write_text(json.dumps(asdict(spec)))
+    for name in trainers:
+        result_path = Path(spec.work_dir) / f"result-{name}.json"
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", name, "--spec", str(spec_path), "--result", str(result_path)],
+            env=env, capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"the {name} trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        r = json.loads(result_path.read_text())
+        r["mfu"] = r["tokens_per_s"] * results["flops_per_token"] / results["peak"]["flops_per_s"]
+        results["trainers"][name] = r
+    t = results["trainers"]
+    if "hf" in t and "scaletune" in t:
+        results["speedup_vs_hf"] = t["scaletune"]["tokens_per_s"] / t["hf"]["tokens_per_s"]
+    if "bare" in t and "scaletune" in t:
+        results["overhead_vs_bare"] = 1 - t["scaletune"]["tokens_per_s"] / t["bare"]["tokens_per_s"]
+    return results
+
+
+def report(results: dict) -> str:
+    s = results["spec"]
+    lines = [
+        f"device: {results['device']}; {', '.join(f'{k} {v}' for k, v in results['versions'].items())}",
+        f"model: {s['model_preset']} ({results['parameters']:,} parameters), {s['dtype']}, micro batch {s['micro_batch_size']}, "
+        f"seq {s['max_seq_length']}, packing {s['packing']} (scaletune, bare), {s['steps']} steps timed after {s['warmup']}",
+        f"measured peak: {results['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s ({results['peak']['dtype']} matmul "
+        f"{results['peak']['matmul_size']}^3); model FLOPs/token {results['flops_per_token'] / 1e6:,.1f} M",
+        "",
+        f"{'trainer':<10} {'tokens/s':>10} {'vs HF':>7} {'step ms':>9} {'peak mem':>10} {'MFU':>7}",
+    ]
+    hf = results["trainers"].get("hf")
+    for name, r in results["trainers"].items():
+        steps = s["steps"]
+        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "-"
+        lines.append(
+            f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratio:>7} {1000 * r['seconds'] / steps:>9,.1f} "
+            f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}%"
+        )
+    if "speedup_vs_hf" in results:
+        lines.append(f"\nscaletune / HF Trainer: {results['speedup_vs_hf']:.2f}x")
+    if "overhead_vs_bare" in results:
+        lines.append(f"scaletune overhead vs the bare loop: {100 * results['overhead_vs_bare']:+.1f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of hf,bare,scaletune")
+    p.add_argument("--steps", type=int, help="timed steps (after --warmup)")
+    p.add_argument("--warmup", type=int, help="untimed steps first")
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--max-seq-length", type=int)
+    p.add_argument("--no-packing", action="store_true", help="scaletune and the bare loop pad instead of packing")
+    p.add_argument("--attn-implementation")
+    p.add_argument("--bare-loss", choices=["chunked", "full"], default="chunked")
+    p.add_argument("--data", help=f"Alpaca JSON (default {BUNDLED_ALPACA.relative_to(REPO)})")
+    p.add_argument("--set", dest="scaletune_set", action="append", default=[], metavar="KEY=VALUE", help="scaletune override (ablations)")
+    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletune-bench"), help="where models are built")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a.worker, Path(a.spec), Path(a.result))
+        return 0
+    spec = Spec(preset=a.preset, **PRESETS[a.preset])
+    for key in ("steps", "warmup", "micro_batch_size", "max_seq_length", "attn_implementation", "data"):
+        if getattr(a, key) is not None:
+            setattr(spec, key, getattr(a, key))
+    spec.packing = not a.no_packing
+    spec.bare_loss = a.bare_loss
+    spec.scaletune_set = a.scaletune_set
+    trainers = [t for t in a.trainers.split(",") if t]
+    unknown = sorted(set(trainers) - set(TRAINERS))
+    if unknown:
+        p.error(f"unknown trainer(s) {', '.join(unknown)}; choose from {', '.join(TRAINERS)}")
+    cache = Path(a.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="bench-") as work:
+        spec.work_dir = work
+        spec.model_dir = str(prepare_model(spec, cache))
+        results = run_all(spec, trainers)
+    print(report(results))
+    if a.out:
+        Path(a.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
