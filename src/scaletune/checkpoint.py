@@ -299,7 +299,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, merge_lora: bool = Fal
         raise UserError(f"output folder {out_dir} is not empty", title="cannot export")
     progress = read_progress(checkpoint)
     cfg = Config.model_validate(yaml.safe_load((checkpoint / "config.yaml").read_text()))
-    model_cfg = cfg.model.model_copy(update={"dtype": "float32", "device_map": None, "gradient_checkpointing": False})
+    model_cfg = cfg.model.model_copy(update={"dtype": "float32", "device_map": None, "gradient_checkpointing": False, "liger": False, "activation_offload": False})
     model = prepare_model(model_cfg, DevicePlacement(device_map=None, device="cpu", message=None))
     module = CausalLMLoss(model)
     state = _full_state_from_checkpoint(checkpoint, module, progress.checkpoint_format)

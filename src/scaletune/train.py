@@ -144,6 +144,10 @@ def preflight(cfg: Config, env: DistributedEnv) -> Preflight:
         except UserError as exc:
             problems += exc.problems
     strategy = choose_strategy(cfg, env)
+    if cfg.model.liger and strategy == "deepspeed" and cfg.distributed.zero_stage == 3:
+        # The YAML check cannot see what `auto` picks: Liger's fused loss needs the whole lm_head weight.
+        problems.append("model.liger cannot run with DeepSpeed ZeRO-3 (chosen by distributed.strategy auto): "
+                        "the lm_head weight is partitioned outside its forward; set distributed.strategy fsdp or zero_stage 2")
     if strategy == "single" and env.world_size > 1:
         problems.append(
             f"distributed.strategy single cannot run on {env.world_size} ranks; use ddp, fsdp or deepspeed"
@@ -571,7 +575,7 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
         progress = read_progress(pre.resume_from) if pre.resume_from is not None else None
         if progress is not None:
             strategy.prepare_resume(pre.resume_from, progress.world_size)
-        strategy.wrap(CausalLMLoss(model))
+        strategy.wrap(CausalLMLoss(model, activation_offload=cfg.model.activation_offload, liger=cfg.model.liger))
         track_gradients(strategy)
         state = RunState()
         if progress is not None:

@@ -58,6 +58,27 @@ def test_chunked_loss_and_grads_equal_plain_cross_entropy(n):
         assert abs(chunked_head_cross_entropy(hidden, head, targets, chunk=CHUNK).item() - plain.item()) <= TOL * abs(plain.item())
 
 
+def test_default_chunk_keeps_cpu_logits_under_the_mmap_threshold():
+    from scaletune.loss import CPU_CHUNK_BYTES, default_chunk
+
+    cpu = torch.device("cpu")
+    rows = default_chunk(100_352, cpu)
+    assert rows * 100_352 * 4 <= CPU_CHUNK_BYTES < 32 * 2**20 and rows == 62
+    assert default_chunk(10**7, cpu) == 16  # never a degenerate matmul
+    assert default_chunk(100_352, torch.device("cuda")) == 1024
+
+
+def test_chunked_loss_with_the_default_chunk_equals_plain_cross_entropy():
+    """OLMo-2's vocabulary, 150 targets: three chunks of 62 (the CPU default), the last one partial."""
+    torch.manual_seed(0)
+    head = nn.Linear(HIDDEN, 100_352, bias=False)
+    hidden = torch.randn(150, HIDDEN, requires_grad=True)
+    targets = torch.randint(0, 100_352, (150,))
+    ours = chunked_head_cross_entropy(hidden, head, targets)
+    plain = F.cross_entropy(head(hidden), targets, reduction="sum")
+    assert abs(ours.item() - plain.item()) <= TOL * abs(plain.item())
+    assert_grads_close(torch.autograd.grad(ours, [hidden, head.weight]), torch.autograd.grad(plain, [hidden, head.weight]), ["hidden", "head.weight"])
+
 def test_chunked_loss_of_no_targets_is_zero_and_backward_able():
     head = nn.Linear(HIDDEN, VOCAB, bias=False)
     hidden = torch.randn(0, HIDDEN, requires_grad=True)
