@@ -69,17 +69,78 @@ def _head_ce_sum(hidden: torch.Tensor, weight_holder: nn.Module, targets: torch.
     return F.cross_entropy(logits, targets, reduction="sum")
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden_i @ weight.T, targets_i) with both gradients computed in the forward.
+
+    Chunk by chunk: logits (fp32), their log-sum-exp and the loss; then, in the same buffer,
+    d loss / d logits = softmax - one_hot(target), and from it d/d hidden (into [n, hidden]) and
+    d/d weight (accumulated in fp32). Backward only scales them by the incoming gradient. Against
+    checkpointing the chunk and running autograd's backward, this skips the recomputed head matmul
+    (a third of the head's matmul FLOPs) and the log-softmax passes over [chunk, vocab]. The scheme is
+    Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) in plain PyTorch.
+    Holds one fp32 [vocab, hidden] gradient from forward to backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, compute_dtype):  # noqa: D102 - see the class
+        need_h, need_w = hidden.requires_grad, weight.requires_grad
+        w = weight.to(compute_dtype)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk):
+            h = hidden[start : start + chunk].to(compute_dtype)
+            y = targets[start : start + chunk]
+            logits = (h @ w.t()).float()  # [c, vocab]
+            lse = torch.logsumexp(logits, dim=1)
+            total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if need_h or need_w:
+                grad = logits.sub_(lse[:, None]).exp_()  # softmax, in the logits' buffer
+                grad[torch.arange(y.numel(), device=y.device), y] -= 1.0
+                g = grad.to(compute_dtype)
+                if need_h:
+                    grad_h[start : start + chunk] = g @ w
+                if need_w:
+                    if g.dtype == torch.float32:
+                        grad_w.addmm_(g.t(), h)
+                    else:
+                        grad_w += (g.t() @ h).float()
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):  # noqa: D102
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        return (
+            None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
+            None if grad_w is None else grad_w * grad_total.to(grad_w.dtype),
+            None, None, None,
+        )
+
+
+def _fusable(head: nn.Module) -> bool:
+    """A plain Linear head without bias whose weight is whole here. Not: DeepSpeed ZeRO-3 (the weight
+    is a partition outside the head's forward), peft-wrapped or quantized heads (subclasses or
+    wrappers of Linear, whose forward is not `x @ weight.T`)."""
+    return type(head) is nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id")
+
+
 def chunked_head_cross_entropy(
     hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None
 ) -> torch.Tensor:
     """sum_i CE(head(hidden[i]), targets[i]) without holding more than `chunk` rows of logits.
 
+    A plain `nn.Linear` head goes through :class:`_LinearCrossEntropy` (gradients computed in the
+    forward); any other head (LoRA on the head, quantized) is called as a module on each chunk
+    under activation checkpointing, so its hooks and forward run as usual. A head partitioned by
+    DeepSpeed ZeRO-3 is called once on all rows (see the comment in the code).
+
     Args:
         hidden: [n, hidden_size] final hidden states at target positions.
         head: the output projection (`lm_head`), hidden_size -> vocab.
         targets: [n] int64 token ids.
-        chunk: rows per chunk (default :func:`default_chunk`); each chunk's logits are recomputed
-            in backward (checkpointing).
+        chunk: rows per chunk (default :func:`default_chunk`).
 
     Returns:
         0-dim float32 sum of the token losses (0 when n == 0, still connected to the graph).
@@ -93,6 +154,20 @@ def chunked_head_cross_entropy(
     if chunk is None:
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]  # out_features survives ZeRO-3 partitioning
         chunk = default_chunk(vocab, hidden.device)
+    if _fusable(head):
+        device_type = hidden.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
+        if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+            return _LinearCrossEntropy.apply(hidden, head.weight, targets, chunk, dtype)
+        with torch.no_grad():
+            return _LinearCrossEntropy.apply(hidden.detach(), head.weight.detach(), targets, chunk, dtype)
+    if hasattr(head.weight, "ds_id"):
+        # DeepSpeed ZeRO-3 gathers the head's weight in a collective at every call of the head, so
+        # every rank must call it equally often: once, whatever its number of targets (chunks per
+        # rank differ, and unequal calls deadlock). The logits of this rank's targets are then
+        # held whole; the checkpoint still frees them between forward and backward.
+        chunk = n
     total = None
     for start in range(0, n, chunk):
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
