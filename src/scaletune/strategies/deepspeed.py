@@ -175,7 +175,7 @@ class DeepSpeedStrategy(Strategy):
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if not self.dist_cfg.offload_optimizer:
-            return self.build_optimizer(model)
+            return self.build_optimizer(model)  # ZeRO steps it on its flat fp32 partitions
         # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is the
         # optimizer it is built for (adamw_mode=True: decoupled weight decay as torch's AdamW).
         from deepspeed.ops.adam import DeepSpeedCPUAdam
