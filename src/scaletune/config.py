@@ -67,6 +67,9 @@ class ModelConfig(_Strict):
     # Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy): CUDA and the
     # liger-kernel package (`pip install 'scaletune[liger]'`); not under DeepSpeed ZeRO-3.
     liger: bool = False
+    # torch.compile each decoder layer (torchtitan's per-block compile, which FSDP2 then wraps).
+    # Off by default: on the CPU it did not pay (docs/benchmarks.md); not under DeepSpeed ZeRO-3.
+    compile: bool = False
 
     @field_validator("device_map")
     @classmethod
@@ -255,6 +258,13 @@ def cross_field_problems(data: dict) -> list[str]:
             "model.liger cannot run under deepspeed zero_stage 3: Liger's fused linear cross-entropy "
             "reads lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned "
             "(an empty placeholder); use zero_stage 1 or 2, strategy fsdp, or model.liger: false"
+        )
+    if m.get("compile") is True and strategy == "deepspeed" and d.get("zero_stage", 2) == 3:
+        # ZeRO-3 gathers and releases each parameter from module hooks, which torch.compile
+        # cannot trace through: every layer would break into eager pieces.
+        out.append(
+            "model.compile cannot run under deepspeed zero_stage 3 (its parameter-gathering hooks break "
+            "the compiled graph); use zero_stage 1 or 2, strategy fsdp, or model.compile: false"
         )
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
     names = [s.get("name") for s in stages if isinstance(s, dict)]

@@ -1050,10 +1050,26 @@ def parameter_counts(model: Any) -> tuple[int, int]:
     return trainable, total
 
 
+def compile_decoder_layers(model: Any) -> int:
+    """`torch.compile` every decoder layer in place (`nn.Module.compile`); returns how many.
+
+    Per block, as torchtitan does (`apply_compile`): each layer compiles once and the other layers
+    reuse the graph; the model's own code around the blocks (embedding, mask building, head) stays
+    eager, and FSDP2 can still `fully_shard` each compiled block. Compilation happens at the first
+    forward; shapes that vary between batches (unpacked data) recompile once, then run dynamic.
+    """
+    classes = decoder_layer_classes(model)
+    layers = [m for m in model.modules() if type(m) in classes]
+    for layer in layers:
+        layer.compile()
+    log.info(f"torch.compile: {len(layers)} decoder layers (compiled at the first forward)")
+    return len(layers)
+
+
 def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False) -> torch.nn.Module:
     """:func:`load_model`, then Liger's kernels (`cfg.liger`), then LoRA (`cfg.lora`), then
-    gradient checkpointing (`cfg.gradient_checkpointing`); logs the trainable and total parameter
-    counts.
+    gradient checkpointing (`cfg.gradient_checkpointing`), then `torch.compile` of the decoder
+    layers (`cfg.compile`); logs the trainable and total parameter counts.
 
     Liger's environment (CUDA, liger-kernel) is checked before any weight is read. Its kernels
     go in before LoRA so that they patch the model's own modules (peft then wraps the Linear
@@ -1074,6 +1090,8 @@ def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = 
         model = apply_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if cfg.compile:
+        compile_decoder_layers(model)
     trainable, total = parameter_counts(model)
     kind = "LoRA" if cfg.lora is not None else "full fine-tuning"
     log.info(
