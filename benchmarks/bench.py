@@ -33,6 +33,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -283,7 +284,6 @@ def run_hf(spec: Spec) -> dict:
         lr_scheduler_type="cosine",
         warmup_steps=2,
         max_grad_norm=1.0,
-        optim="adamw_torch_fused" if _device() == "cuda" else "adamw_torch",
         bf16=spec.dtype == "bfloat16",
         logging_steps=1,
         save_strategy="no",
@@ -296,7 +296,11 @@ def run_hf(spec: Spec) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock()])
     trainer.train()
     seconds = ends[spec.total_steps - 1] - ends[spec.warmup - 1]
-    return {"tokens": sum(tokens[spec.warmup : spec.total_steps]), "seconds": seconds, "first_loss": losses[0] if losses else None}
+    step_seconds = [b - a for a, b in zip(ends[spec.warmup - 1 : spec.total_steps - 1], ends[spec.warmup : spec.total_steps])]
+    return {
+        "tokens": sum(tokens[spec.warmup : spec.total_steps]), "seconds": seconds, "step_seconds": step_seconds,
+        "first_loss": losses[0] if losses else None,
+    }
 
 
 def full_logits_loss(model, mb: dict, device) -> "torch.Tensor":
@@ -328,7 +332,7 @@ def run_bare(spec: Spec) -> dict:
     model = _load_model(spec)
     module = CausalLMLoss(model).train()
     device = torch.device(_device())
-    opt = torch.optim.AdamW(param_groups(module, 0.0), lr=spec.learning_rate, fused=device.type == "cuda" or None)
+    opt = torch.optim.AdamW(param_groups(module, 0.0), lr=spec.learning_rate, fused=True)  # as scaletune and HF Trainer
     batch = batch_arithmetic(cfg.training, 1, spec.max_seq_length)
     env = DistributedEnv.from_environ()
     loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
@@ -336,10 +340,13 @@ def run_bare(spec: Spec) -> dict:
     import contextlib
 
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if spec.dtype == "bfloat16" else contextlib.nullcontext
-    tokens, first_loss, t0 = 0, None, 0.0
+    tokens, first_loss, t0, last, step_seconds, data_seconds = 0, None, 0.0, 0.0, [], 0.0
     batches = global_batches(loader, sampler, batch, steps_per_epoch)
     for step in range(1, spec.total_steps + 1):
+        fetch = time.perf_counter()
         _, _, micro = next(batches)
+        if step > spec.warmup:
+            data_seconds += time.perf_counter() - fetch  # the loop waiting for its batch
         targets = sum(count_target_tokens(mb["labels"]) for mb in micro)
         step_loss = 0.0
         for mb in micro:
@@ -357,13 +364,16 @@ def run_bare(spec: Spec) -> dict:
         opt.zero_grad(set_to_none=True)
         if first_loss is None:
             first_loss = step_loss
-        if step == spec.warmup:
+        if step >= spec.warmup:
             _sync()
-            t0 = time.perf_counter()
-        elif step > spec.warmup:
-            tokens += sum(count_input_tokens(mb) for mb in micro)
-    _sync()
-    return {"tokens": tokens, "seconds": time.perf_counter() - t0, "first_loss": first_loss}
+            now = time.perf_counter()
+            if step == spec.warmup:
+                t0 = now
+            else:
+                tokens += sum(count_input_tokens(mb) for mb in micro)
+                step_seconds.append(now - last)
+            last = now
+    return {"tokens": tokens, "seconds": last - t0, "step_seconds": step_seconds, "data_seconds": data_seconds, "first_loss": first_loss}
 
 
 def run_scaletune(spec: Spec) -> dict:
@@ -380,8 +390,10 @@ def run_scaletune(spec: Spec) -> dict:
     rows = [r for r in rows if "loss" in r]
     by_step = {r["step"]: r for r in rows}
     seconds = by_step[spec.total_steps]["elapsed_s"] - by_step[spec.warmup]["elapsed_s"]
-    tokens = sum(by_step[s]["tokens"] for s in range(spec.warmup + 1, spec.total_steps + 1))
-    return {"tokens": tokens, "seconds": seconds, "first_loss": rows[0]["loss"]}
+    timed = range(spec.warmup + 1, spec.total_steps + 1)
+    tokens = sum(by_step[s]["tokens"] for s in timed)
+    step_seconds = [by_step[s]["elapsed_s"] - by_step[s - 1]["elapsed_s"] for s in timed]
+    return {"tokens": tokens, "seconds": seconds, "step_seconds": step_seconds, "first_loss": rows[0]["loss"]}
 
 
 RUNNERS = {"hf": run_hf, "bare": run_bare, "scaletune": run_scaletune}
@@ -438,7 +450,21 @@ def parameter_counts(model_dir: str) -> tuple[Any, int]:
     return config, sum(p.numel() for p in model.parameters())
 
 
-def run_all(spec: Spec, trainers: list[str]) -> dict:
+def _run_worker(name: str, spec: Spec, spec_path: Path) -> dict:
+    result_path = Path(spec.work_dir) / f"result-{name}.json"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", name, "--spec", str(spec_path), "--result", str(result_path)],
+        env=env, capture_output=True, text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {name} trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(result_path.read_text())
+
+
+def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
+    """Run each trainer `repeat` times (interleaved) and keep each one's median run."""
     import torch
     import transformers
 
@@ -456,24 +482,25 @@ def run_all(spec: Spec, trainers: list[str]) -> dict:
     results["parameters"] = total
     spec_path = Path(spec.work_dir) / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
-    for name in trainers:
-        result_path = Path(spec.work_dir) / f"result-{name}.json"
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", name, "--spec", str(spec_path), "--result", str(result_path)],
-            env=env, capture_output=True, text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"the {name} trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        r = json.loads(result_path.read_text())
+    runs: dict[str, list[dict]] = {name: [] for name in trainers}
+    for _ in range(repeat):  # interleaved, so a slow spell of the machine hits every trainer alike
+        for name in trainers:
+            runs[name].append(_run_worker(name, spec, spec_path))
+    for name, rs in runs.items():
+        r = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]  # the median run
         r["mfu"] = r["tokens_per_s"] * results["flops_per_token"] / results["peak"]["flops_per_s"]
+        r["runs_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
         results["trainers"][name] = r
     t = results["trainers"]
     if "hf" in t and "scaletune" in t:
         results["speedup_vs_hf"] = t["scaletune"]["tokens_per_s"] / t["hf"]["tokens_per_s"]
     if "bare" in t and "scaletune" in t:
         results["overhead_vs_bare"] = 1 - t["scaletune"]["tokens_per_s"] / t["bare"]["tokens_per_s"]
+        # Same batches in the same order, so step k has the same tokens in both: the median step
+        # time over every timed step of every repeat is the comparison least moved by a noisy machine.
+        med = {n: statistics.median(x for r in runs[n] for x in r["step_seconds"]) for n in ("bare", "scaletune")}
+        results["median_step_s"] = med
+        results["overhead_vs_bare_median_step"] = med["scaletune"] / med["bare"] - 1
     return results
 
 
@@ -495,11 +522,18 @@ def report(results: dict) -> str:
         lines.append(
             f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratio:>7} {1000 * r['seconds'] / steps:>9,.1f} "
             f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}%"
+            + (f"   runs: {', '.join(f'{x:,.0f}' for x in r['runs_tokens_per_s'])}" if len(r["runs_tokens_per_s"]) > 1 else "")
         )
     if "speedup_vs_hf" in results:
         lines.append(f"\nscaletune / HF Trainer: {results['speedup_vs_hf']:.2f}x")
+    if "bare" in results["trainers"]:
+        b = results["trainers"]["bare"]
+        lines.append(f"bare loop waiting for batches: {100 * b['data_seconds'] / b['seconds']:.2f}% of its step time")
     if "overhead_vs_bare" in results:
-        lines.append(f"scaletune overhead vs the bare loop: {100 * results['overhead_vs_bare']:+.1f}%")
+        lines.append(
+            f"scaletune overhead vs the bare loop: {100 * results['overhead_vs_bare']:+.1f}% (tokens/s), "
+            f"{100 * results['overhead_vs_bare_median_step']:+.1f}% (median step time)"
+        )
     return "\n".join(lines)
 
 
@@ -511,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, help="untimed steps first")
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--max-seq-length", type=int)
+    p.add_argument("--repeat", type=int, default=1, help="runs per trainer, interleaved; the median is reported")
     p.add_argument("--no-packing", action="store_true", help="scaletune and the bare loop pad instead of packing")
     p.add_argument("--attn-implementation")
     p.add_argument("--bare-loss", choices=["chunked", "full"], default="chunked")
@@ -543,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-") as work:
         spec.work_dir = work
         spec.model_dir = str(prepare_model(spec, cache))
-        results = run_all(spec, trainers)
+        results = run_all(spec, trainers, a.repeat)
     print(report(results))
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=2))
