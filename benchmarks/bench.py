@@ -199,7 +199,7 @@ def _examples(spec: Spec, *, packing: bool):
     return tokenizer, bundle.train
 
 
-def _device() -> str:
+def device_type() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,7 +241,7 @@ def _load_model(spec: Spec):
     model.config.use_cache = False
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(_device())
+    return model.to(device_type())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def run_hf(spec: Spec) -> dict:
         report_to="none",
         seed=spec.seed,
         dataloader_num_workers=0,
-        use_cpu=_device() == "cpu",
+        use_cpu=device_type() == "cpu",
         disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock()])
@@ -326,12 +326,16 @@ def run_bare(spec: Spec) -> dict:
     from scaletune.strategies.base import param_groups
     from scaletune.train import global_batches, make_loader, model_inputs, seed_everything
 
+    from scaletune.env import tune_host_allocator
+
+    if device_type() == "cpu":
+        tune_host_allocator()  # the allocator settings scaletune uses: the overhead compares like with like
     tokenizer, train = _examples(spec, packing=spec.packing)
     cfg = _config(spec, Path(spec.work_dir) / "bare")
     seed_everything(cfg.seed)  # scaletune seeds before loading: same LoRA/none init, same order
     model = _load_model(spec)
     module = CausalLMLoss(model).train()
-    device = torch.device(_device())
+    device = torch.device(device_type())
     opt = torch.optim.AdamW(param_groups(module, 0.0), lr=spec.learning_rate, fused=True)  # as scaletune and HF Trainer
     batch = batch_arithmetic(cfg.training, 1, spec.max_seq_length)
     env = DistributedEnv.from_environ()
@@ -404,6 +408,8 @@ def worker(name: str, spec_path: Path, result_path: Path) -> None:
     _seed(spec.seed)
     result = RUNNERS[name](spec)
     result.update(_peak_memory())
+    ru = resource.getrusage(resource.RUSAGE_SELF)  # whole process: set-up included
+    result["process"] = {"user_s": ru.ru_utime, "system_s": ru.ru_stime, "minor_faults": ru.ru_minflt}
     result["tokens_per_s"] = result["tokens"] / result["seconds"]
     result_path.write_text(json.dumps(result))
 
@@ -471,7 +477,7 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     import scaletune
 
     results: dict[str, Any] = {"spec": asdict(spec), "trainers": {}}
-    device = _device()
+    device = device_type()
     results["device"] = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     results["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "scaletune": scaletune.__version__, "python": sys.version.split()[0]}
     results["peak"] = measured_peak_flops(device, spec.dtype)

@@ -36,7 +36,7 @@ from scaletune.config import (
     resolve_stages,
     steps_for,
 )
-from scaletune.env import DistributedEnv, get_logger, print0, set_rank
+from scaletune.env import DistributedEnv, get_logger, print0, set_rank, tune_host_allocator
 from scaletune.errors import UserError
 from scaletune.checkpoint import (
     Progress,
@@ -559,6 +559,8 @@ def train(cfg: Config, env: DistributedEnv | None = None) -> Path:
     env = env or DistributedEnv.from_environ()
     set_rank(env.rank)
     log = get_logger()
+    if env.device.type == "cpu":
+        tune_host_allocator()  # before the model and data are allocated
     pre = preflight(cfg, env)
     cfg = pre.cfg
     strategy = make_strategy(pre.strategy, cfg, env, pre.batch)
