@@ -248,3 +248,12 @@ def test_liger_is_rejected_under_zero3(tmp_path):
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
         assert load_config(write(tmp_path, liger + f"distributed: {dist}\n")).model.liger
     load_config(write(tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n"))
+
+
+def test_compile_is_off_by_default_and_rejected_under_zero3(tmp_path):
+    assert load_config(write(tmp_path, BASE)).model.compile is False
+    assert load_config(write(tmp_path, BASE), ["model.compile=true"]).model.compile is True
+    probs = problems_of(tmp_path, BASE, ["model.compile=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
+    assert len(probs) == 1 and "model.compile cannot run under deepspeed zero_stage 3" in probs[0]
+    for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
+        assert load_config(write(tmp_path, BASE + f"distributed: {dist}\n"), ["model.compile=true"]).model.compile
