@@ -317,16 +317,16 @@ def full_logits_loss(model, mb: dict, device) -> "torch.Tensor":
 
 def run_bare(spec: Spec) -> dict:
     """Plain loop over scaletune's batches: forward, backward, clip, AdamW; nothing else."""
+    import contextlib
+
     import torch
 
     from scaletune.config import batch_arithmetic
     from scaletune.data import Collator, count_input_tokens, count_target_tokens
-    from scaletune.env import DistributedEnv
+    from scaletune.env import DistributedEnv, tune_host_allocator
     from scaletune.loss import CausalLMLoss
     from scaletune.strategies.base import param_groups
     from scaletune.train import global_batches, make_loader, model_inputs, seed_everything
-
-    from scaletune.env import tune_host_allocator
 
     if device_type() == "cpu":
         tune_host_allocator()  # the allocator settings scaletune uses: the overhead compares like with like
@@ -341,8 +341,6 @@ def run_bare(spec: Spec) -> dict:
     env = DistributedEnv.from_environ()
     loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
     steps_per_epoch = len(train) // batch.global_batch_size
-    import contextlib
-
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if spec.dtype == "bfloat16" else contextlib.nullcontext
     tokens, first_loss, t0, last, step_seconds, data_seconds = 0, None, 0.0, 0.0, [], 0.0
     batches = global_batches(loader, sampler, batch, steps_per_epoch)
