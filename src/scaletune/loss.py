@@ -76,7 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     d loss / d logits = softmax - one_hot(target), and from it d/d hidden (into [n, hidden]) and
     d/d weight (accumulated in fp32). Backward only scales them by the incoming gradient. Against
     checkpointing the chunk and running autograd's backward, this skips the recomputed head matmul
-    (a third of the head's matmul FLOPs) and the log-softmax passes over [chunk, vocab]. The scheme is
+    (a quarter of the head's matmul FLOPs) and the log-softmax passes over [chunk, vocab]. The scheme is
     Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) in plain PyTorch.
     Holds one fp32 [vocab, hidden] gradient from forward to backward.
     """
