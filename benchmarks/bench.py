@@ -444,14 +444,17 @@ def mean_context(spec: Spec) -> float:
     return sum(t * t for t in lengths) / max(sum(lengths), 1)
 
 
-def parameter_counts(model_dir: str) -> tuple[Any, int]:
+def config_and_size(model_dir: str) -> tuple[Any, int]:
+    """The model's config and its total parameter count, built on the meta device."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletune.models import parameter_counts
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return config, sum(p.numel() for p in model.parameters())
+    return config, parameter_counts(model)[1]
 
 
 def _run_worker(name: str, spec: Spec, spec_path: Path) -> dict:
@@ -479,7 +482,7 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     results["device"] = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     results["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "scaletune": scaletune.__version__, "python": sys.version.split()[0]}
     results["peak"] = measured_peak_flops(device, spec.dtype)
-    config, total = parameter_counts(spec.model_dir)
+    config, total = config_and_size(spec.model_dir)
     ctx = mean_context(spec)
     results["flops_per_token"] = model_flops_per_token(config, total, total, ctx)
     results["mean_context"] = ctx
