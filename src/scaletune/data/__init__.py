@@ -1,0 +1,79 @@
+"""Data: sources, templates and tokenisation, packing, batching and samplers.
+
+* :mod:`.sources`: reading and checking records, the train/eval split.
+* :mod:`.templates`: prompt formats, chat templates, the encoder.
+* :mod:`.packing`: packing rows, and the attention implementations that keep packs apart.
+* :mod:`.build`: :func:`~.build.build_datasets` (read, split, tokenize, pack, cache).
+* :mod:`.batching`: the :class:`~.batching.Collator`, token counts, samplers and loaders.
+
+Every row this package produces has three integer columns of equal length:
+
+- ``input_ids``: token ids.
+- ``labels``: Hugging Face convention, *unshifted*: ``labels[i] == input_ids[i]`` where token ``i``
+  is trained and ``-100`` where it is not; the loss shifts (logits at ``i`` predict ``labels[i+1]``).
+  The first token of every example is always ``-100``: nothing before it can predict it, so this
+  changes no loss, makes ``(labels != -100).sum()`` the exact number of predicted tokens, and lets
+  packing be plain concatenation (no prediction crosses from one example into the next).
+- ``position_ids``: ``0, 1, 2, ...`` restarting at 0 at the start of every example.
+
+Formats (``DataSource.format``):
+
+- ``alpaca``: ``instruction``, ``input`` (optional), ``output``. The prompt is the Stanford Alpaca
+  prompt (:data:`ALPACA_PROMPT`, :data:`ALPACA_PROMPT_NO_INPUT`), untrained; the target is
+  ``output`` followed by the tokenizer's eos token. Prompt and target are tokenized separately, as
+  at inference the prompt is tokenized alone.
+- ``messages``: a list of ``{role, content}`` (roles system, user, assistant) rendered with a chat
+  template: ``data.chat_template`` if given, else the tokenizer's own, else :data:`CHATML_TEMPLATE`.
+  Only the content of assistant turns and the template's end-of-turn text after it (``<|im_end|>``
+  for ChatML) are trained.
+- ``text``: the field ``text`` (or ``DataSource.field``), all of it trained, eos appended.
+
+Packing and attention: see :class:`Collator`.
+"""
+
+from scaletune.data.batching import (
+    Collator,
+    ResumableSampler,
+    count_input_tokens,
+    count_target_tokens,
+    global_batches,
+    make_eval_loader,
+    make_loader,
+)
+from scaletune.data.build import DataBundle, _cache_root, build_datasets
+from scaletune.data.packing import check_packing_support, pack_rows
+from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
+from scaletune.data.templates import (
+    ALPACA_PROMPT,
+    ALPACA_PROMPT_NO_INPUT,
+    CHATML_TEMPLATE,
+    _Encoder,
+    resolve_chat_template,
+    tokenizer_fingerprint,
+)
+
+_pack = pack_rows  # the name before the split into a package
+
+__all__ = [
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_NO_INPUT",
+    "CHATML_TEMPLATE",
+    "IGNORE_INDEX",
+    "ROLES",
+    "Collator",
+    "DataBundle",
+    "ResumableSampler",
+    "build_datasets",
+    "check_packing_support",
+    "count_input_tokens",
+    "count_target_tokens",
+    "global_batches",
+    "load_records",
+    "make_eval_loader",
+    "make_loader",
+    "pack_rows",
+    "resolve_chat_template",
+    "split_records",
+    "tokenizer_fingerprint",
+    "validate_data",
+]

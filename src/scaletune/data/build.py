@@ -1,0 +1,226 @@
+"""Building the train and eval data sets: read, split, tokenize, mask, truncate, pack and cache
+(the row format is described in :mod:`scaletune.data`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from scaletune.config import DataConfig, DataSource
+from scaletune.data.packing import _PACK_CHUNK, pack_rows
+from scaletune.data.sources import IGNORE_INDEX, load_records, split_records
+from scaletune.data.templates import _Encoder, resolve_chat_template, tokenizer_fingerprint
+from scaletune.errors import DataError
+
+if TYPE_CHECKING:
+    import datasets
+
+# Bump when tokenization or packing changes, so that stale cache files are not reused.
+_CACHE_VERSION = "1"
+
+
+@dataclass
+class DataBundle:
+    """What the training loop consumes.
+
+    Attributes:
+        train: columns ``input_ids``, ``labels``, ``position_ids`` (lists of int, equal lengths, at most
+            ``max_seq_length``); one row is one training sequence (a packed row when packing).
+        eval: the same columns, or None without ``data.eval`` / ``data.eval_fraction``.
+        stats: counts: ``train_records`` (records after the eval split), ``dropped_empty``
+            (examples left without a trained token by truncation, dropped), ``truncated`` (examples
+            cut at max_seq_length and kept), ``train_examples`` (kept), ``train_rows`` (after packing),
+            ``train_tokens``, ``train_target_tokens`` (labels != -100); with eval data the same
+            with an ``eval_`` prefix (``eval_dropped_empty``, ``eval_truncated``, ...).
+    """
+
+    train: "datasets.Dataset"
+    eval: "datasets.Dataset | None"
+    stats: dict = field(default_factory=dict)
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("SCALETUNE_CACHE"):
+        return Path(os.environ["SCALETUNE_CACHE"]).expanduser() / "datasets"
+    return Path("~/.cache/scaletune/datasets").expanduser()
+
+
+def _tokenize(
+    records: list[dict], source: DataSource, data_cfg: DataConfig, tokenizer, tok_hash: str, cache: Path, name: str
+) -> tuple["datasets.Dataset", dict]:
+    import datasets
+    import pyarrow.compute as pc
+
+    template = resolve_chat_template(data_cfg, tokenizer) if source.format == "messages" else ""
+    h = hashlib.sha256()
+    for part in (_CACHE_VERSION, source.format, tok_hash, str(data_cfg.max_seq_length), template):
+        h.update(part.encode() + b"\0")
+    h.update(json.dumps(records, sort_keys=True, ensure_ascii=False).encode())
+    key = h.hexdigest()[:32]
+    cache.mkdir(parents=True, exist_ok=True)
+    num_proc = data_cfg.num_workers or None
+    encoder = _Encoder(tokenizer, source.format, data_cfg.max_seq_length, template)
+    # Fail here, in this process, on what would fail for every record (no eos, a template that
+    # cannot be split into turns): worker processes would re-raise it less legibly.
+    encoder({k: [v] for k, v in records[0].items()})
+    raw = datasets.Dataset.from_list(records)
+    ints = datasets.Sequence(datasets.Value("int32"))
+    ds = raw.map(
+        encoder,
+        batched=True,
+        remove_columns=raw.column_names,
+        features=datasets.Features(
+            {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
+        ),
+        cache_file_name=str(cache / f"{key}-tokens.arrow"),
+        new_fingerprint=f"{key}-tokens",
+        num_proc=num_proc,
+        desc=f"tokenizing {name}",
+    )
+    if len(ds) == 0:
+        raise DataError(
+            f"data.{name} ({source.path}): all {len(records)} records were dropped: none has a token "
+            f"to train on within data.max_seq_length ({data_cfg.max_seq_length}) tokens (every response "
+            "was truncated away, or the targets are empty); raise data.max_seq_length",
+            title="invalid data",
+        )
+    stats = _prefixed(
+        name,
+        records=len(records),
+        examples=len(ds),
+        dropped_empty=len(records) - len(ds),
+        truncated=int(pc.sum(ds.data.column("truncated")).as_py() or 0),
+    )
+    ds = ds.remove_columns("truncated")
+    if data_cfg.packing:
+        ds = ds.map(
+            pack_rows,
+            batched=True,
+            batch_size=_PACK_CHUNK,
+            fn_kwargs={"max_len": data_cfg.max_seq_length},
+            cache_file_name=str(cache / f"{key}-packed.arrow"),
+            new_fingerprint=f"{key}-packed",
+            num_proc=num_proc,
+            desc=f"packing {name}",
+        )
+    return ds, stats
+
+
+def _prefixed(name: str, **counts: int) -> dict:
+    # train's dropped/truncated counts go unprefixed (the trainer logs them); records, rows,
+    # tokens are always prefixed.
+    bare = ("dropped_empty", "truncated") if name == "train" else ()
+    return {(k if k in bare else f"{name}_{k}"): v for k, v in counts.items()}
+
+
+def _row_stats(ds: "datasets.Dataset", name: str) -> dict:
+    import pyarrow.compute as pc
+
+    labels = pc.list_flatten(ds.data.column("labels"))
+    return {
+        f"{name}_rows": len(ds),
+        f"{name}_tokens": len(labels),
+        f"{name}_target_tokens": int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0),
+    }
+
+
+def _dummy_rows(data_cfg: DataConfig, vocab_size: int, seed: int) -> list[dict]:
+    n = data_cfg.dummy.num_samples
+    length = data_cfg.dummy.seq_length or data_cfg.max_seq_length
+    if length > data_cfg.max_seq_length:
+        raise DataError(
+            f"data.dummy.seq_length ({length}) is larger than data.max_seq_length ({data_cfg.max_seq_length})",
+            title="invalid data",
+        )
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
+    return [
+        {"input_ids": row, "labels": [IGNORE_INDEX] + row[1:], "position_ids": list(range(length))} for row in ids
+    ]
+
+
+def build_datasets(
+    data_cfg: DataConfig,
+    tokenizer,
+    *,
+    seed: int,
+    max_positions: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> DataBundle:
+    """Read, split, tokenize, mask, truncate and (optionally) pack the train and eval data.
+
+    Args:
+        data_cfg: the ``data`` section.
+        tokenizer: a Hugging Face tokenizer (fast for ``messages``) with an eos token (``alpaca``,
+            ``text``).
+        seed: seeds the ``eval_fraction`` split and dummy data.
+        max_positions: the model's ``max_position_embeddings``; ``max_seq_length`` may not exceed it.
+        cache_dir: where tokenized data are cached (Arrow files, reused by a later call with the
+            same records, format, tokenizer, max_seq_length and chat template); default
+            ``$SCALETUNE_CACHE/datasets``, else ``~/.cache/scaletune/datasets``.
+
+    ``data.dummy``, when set, replaces ``data.train`` (so ``data.dummy.num_samples=100`` on the
+    command line turns any config into a smoke test).
+
+    Returns:
+        A :class:`DataBundle`. Rows keep the data order (the trainer's sampler shuffles); only the
+        ``eval_fraction`` split draws records at random.
+
+    Raises:
+        DataError: ``max_seq_length`` exceeds ``max_positions``; any source problem (see
+            :func:`load_records`); no example has a token to train on after truncation.
+    """
+    import datasets
+
+    if max_positions is not None and data_cfg.max_seq_length > max_positions:
+        raise DataError(
+            f"data.max_seq_length ({data_cfg.max_seq_length}) is larger than the model's "
+            f"max_position_embeddings ({max_positions}); set data.max_seq_length to {max_positions} or less",
+            title="invalid data",
+        )
+    cache = _cache_root(cache_dir)
+    stats: dict = {}
+    evl = None
+    eval_records = None
+    eval_source = data_cfg.eval
+    tok_hash = tokenizer_fingerprint(tokenizer) if data_cfg.dummy is None or data_cfg.eval is not None else ""
+
+    if data_cfg.dummy is not None:  # already tokens, generated in memory: nothing to cache
+        rows = _dummy_rows(data_cfg, len(tokenizer), seed)
+        parts = {"train": rows}
+        if data_cfg.eval_fraction is not None:
+            parts["train"], parts["eval"] = split_records(rows, data_cfg.eval_fraction, seed)
+        built = {}
+        for name, part in parts.items():
+            ds = datasets.Dataset.from_list(part)
+            if data_cfg.packing:
+                ds = ds.map(
+                    pack_rows, batched=True, batch_size=_PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
+                )
+            built[name] = ds
+            stats.update(_prefixed(name, records=len(part), examples=len(part), dropped_empty=0, truncated=0))
+        train, evl = built["train"], built.get("eval")
+    else:
+        records = load_records(data_cfg.train)
+        if data_cfg.eval_fraction is not None:
+            records, eval_records = split_records(records, data_cfg.eval_fraction, seed)
+            eval_source = data_cfg.train
+        train, s = _tokenize(records, data_cfg.train, data_cfg, tokenizer, tok_hash, cache, "train")
+        stats.update(s)
+    if data_cfg.eval is not None:
+        eval_records = load_records(data_cfg.eval)
+    if eval_records is not None:
+        evl, s = _tokenize(eval_records, eval_source, data_cfg, tokenizer, tok_hash, cache, "eval")
+        stats.update(s)
+    stats.update(_row_stats(train, "train"))
+    if evl is not None:
+        stats.update(_row_stats(evl, "eval"))
+    return DataBundle(train=train, eval=evl, stats=stats)

@@ -1,0 +1,219 @@
+"""Reading and checking records: local JSON / JSONL / Parquet / CSV files and Hugging Face data
+sets, reduced to the fields of their format, and the deterministic train/eval split."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+from scaletune.config import DataConfig, DataSource
+from scaletune.errors import DataError
+
+IGNORE_INDEX = -100
+
+# The roles a ``messages`` record may use. Defined here, where records are checked, rather than
+# in templates.py, which imports IGNORE_INDEX from this module (no import cycle).
+ROLES = ("system", "user", "assistant")
+_MAX_PROBLEMS = 20
+
+
+def _cap(problems: list[str]) -> list[str]:
+    if len(problems) <= _MAX_PROBLEMS:
+        return problems
+    return problems[:_MAX_PROBLEMS] + [f"... and {len(problems) - _MAX_PROBLEMS} more"]
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise DataError(_cap(problems), title="invalid data")
+
+
+def _required_fields(source: DataSource) -> tuple[str, ...]:
+    if source.format == "alpaca":
+        return ("instruction", "output")
+    if source.format == "messages":
+        return (source.field or "messages",)
+    return (source.field or "text",)
+
+
+def _normalize(record: Any, source: DataSource, where: str) -> tuple[dict | None, list[str]]:
+    """The record reduced to the fields its format uses, or the problems that prevent that."""
+    if not isinstance(record, dict):
+        return None, [f"{where}: expected an object, got {type(record).__name__}"]
+    problems = []
+    for name in _required_fields(source):
+        if name not in record or record[name] is None:
+            problems.append(f"{where}: missing field '{name}' (format {source.format})")
+    if problems:
+        return None, problems
+    if source.format == "alpaca":
+        out = {k: record.get(k) if record.get(k) is not None else "" for k in ("instruction", "input", "output")}
+        problems += [f"{where}: field '{k}' must be a string" for k, v in out.items() if not isinstance(v, str)]
+        return (None if problems else out), problems
+    if source.format == "text":
+        name = source.field or "text"
+        if not isinstance(record[name], str):
+            return None, [f"{where}: field '{name}' must be a string"]
+        return {"text": record[name]}, []
+    name = source.field or "messages"
+    msgs = record[name]
+    if not isinstance(msgs, list) or not msgs:
+        return None, [f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects"]
+    clean = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            problems.append(
+                f"{where}: {name}[{j}] must be an object with 'role' (one of {', '.join(ROLES)}) "
+                "and 'content' (a string)"
+            )
+            continue
+        clean.append({"role": m["role"], "content": m["content"]})
+    return (None if problems else {"messages": clean}), problems
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or Path(path).suffix.lower() in (".json", ".jsonl", ".parquet", ".csv")
+
+
+def load_records(source: DataSource) -> list[dict]:
+    """Read and check the records of one data source.
+
+    Accepts a local ``.json`` file (a list of objects), a ``.jsonl`` file (one object per line), a
+    ``.parquet`` / ``.csv`` file, or a local folder / Hugging Face data set name, read with
+    ``datasets.load_dataset(path, subset, split=split)``.
+
+    Returns:
+        At most ``source.max_samples`` records (the first ones), each reduced to the fields of its
+        format: ``{instruction, input, output}`` (``input`` defaults to ""), ``{messages}`` or ``{text}``.
+
+    Raises:
+        DataError: the path does not exist (named); a JSONL line is not valid JSON (file:line); a
+            record lacks a required field or has the wrong type (file, record number counted from
+            1, line for JSONL, the field). All problems are reported at once, the first 20 listed.
+    """
+    path = os.path.expanduser(source.path)
+    limit = source.max_samples
+    problems: list[str] = []
+    records: list[dict] = []
+
+    def add(record: Any, where: str) -> None:
+        norm, errs = _normalize(record, source, where)
+        problems.extend(errs)
+        if norm is not None:
+            records.append(norm)
+
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if p.is_file() and suffix == ".jsonl":
+        n = 0
+        with open(p, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and n >= limit:
+                    break
+                if not line.strip():
+                    continue
+                n += 1
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    problems.append(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})")
+                    continue
+                add(record, f"{path}:{lineno}: record {n}")
+    elif p.is_file() and suffix == ".json":
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            where = f"{path}:{exc.lineno}"
+            raise DataError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data")
+        if not isinstance(data, list):
+            raise DataError(
+                f"{path}: a .json data file must hold a list of records (use .jsonl for one record per line)",
+                title="invalid data",
+            )
+        for i, record in enumerate(data[:limit] if limit else data, 1):
+            add(record, f"{path}: record {i}")
+    elif p.is_file() and suffix not in (".parquet", ".csv"):
+        raise DataError(
+            f"{path}: unsupported file type {suffix or '(none)'}; use .json, .jsonl, .parquet or .csv, "
+            "a folder, or a Hugging Face data set name",
+            title="invalid data",
+        )
+    elif not p.exists() and _looks_local(source.path):
+        raise DataError(f"{path}: data file not found (looked at {p.resolve()})", title="invalid data")
+    else:
+        for i, record in enumerate(_load_hf(source, path), 1):
+            add(record, f"{path} [{source.split}]: record {i}")
+    _raise(problems)
+    if not records:
+        raise DataError(f"{path}: no records", title="invalid data")
+    return records
+
+
+def _load_hf(source: DataSource, path: str) -> list[dict]:
+    import datasets
+
+    try:
+        if Path(path).is_file():
+            builder = Path(path).suffix.lower().lstrip(".")
+            ds = datasets.load_dataset(builder, data_files=path, split="train")
+        else:
+            ds = datasets.load_dataset(path, source.subset, split=source.split)
+    except Exception as exc:  # noqa: BLE001 - load_dataset raises many types; the user needs the message
+        kind = "local folder" if Path(path).is_dir() else "not a local file or folder, so tried as a data set name;"
+        msg = f"{path}: {kind} datasets.load_dataset failed: {type(exc).__name__}: {exc}"
+        raise DataError(msg, title="invalid data")
+    if source.max_samples is not None:
+        ds = ds.select(range(min(source.max_samples, len(ds))))
+    return ds.to_list()
+
+
+def validate_data(data_cfg: DataConfig) -> None:
+    """Read and check every source (train, eval) without tokenizing. Cheap enough to call before
+    anything is written to the run directory. ``data.train`` is not read when ``data.dummy`` replaces it.
+
+    Raises:
+        DataError: one error listing the problems of all sources, each prefixed ``data.train`` or
+            ``data.eval``; also when ``eval_fraction`` would leave train or eval empty.
+    """
+    problems: list[str] = []
+    n_train = data_cfg.dummy.num_samples if data_cfg.dummy is not None else None
+    train = data_cfg.train if data_cfg.dummy is None else None
+    for key, source in (("train", train), ("eval", data_cfg.eval)):
+        if source is None:
+            continue
+        try:
+            n = len(load_records(source))
+        except DataError as exc:
+            problems += [f"data.{key}: {p}" for p in exc.problems]
+            continue
+        if key == "train":
+            n_train = n
+    if n_train is not None and data_cfg.eval_fraction is not None:
+        try:
+            _split_sizes(n_train, data_cfg.eval_fraction)
+        except DataError as exc:
+            problems += exc.problems
+    if problems:
+        raise DataError(problems, title="invalid data")
+
+
+def _split_sizes(n: int, fraction: float) -> tuple[int, int]:
+    n_eval = max(1, round(n * fraction))
+    if n - n_eval < 1:
+        raise DataError(
+            f"data.eval_fraction {fraction} of {n} records leaves no training record", title="invalid data"
+        )
+    return n - n_eval, n_eval
+
+
+def split_records(records: list, fraction: float, seed: int) -> tuple[list, list]:
+    """Deterministic train/eval split: ``round(len * fraction)`` (at least 1) records chosen by a
+    ``random.Random(seed)`` permutation go to eval; both parts keep the original order."""
+    _, n_eval = _split_sizes(len(records), fraction)
+    chosen = set(random.Random(seed).sample(range(len(records)), n_eval))
+    train = [r for i, r in enumerate(records) if i not in chosen]
+    evl = [r for i, r in enumerate(records) if i in chosen]
+    return train, evl

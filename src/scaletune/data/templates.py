@@ -1,0 +1,161 @@
+"""Prompt formats and chat templates, and the encoder that turns records into token ids and
+labels (alpaca, messages, text)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from scaletune.config import DataConfig
+from scaletune.data.sources import IGNORE_INDEX
+from scaletune.errors import DataError
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+#: The built-in chat template (ChatML), used when neither ``data.chat_template`` nor the tokenizer
+#: has one. Each turn is ``<|im_start|>{role}\n{content}<|im_end|>\n``; the generation prompt is
+#: ``<|im_start|>assistant\n``. Trained: an assistant turn's content and its ``<|im_end|>``. The markers
+#: are single tokens only where the tokenizer knows them (the OLMo-2 tokenizer does; GPT-NeoX's
+#: splits them into several ordinary tokens, which still trains correctly).
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def resolve_chat_template(data_cfg: DataConfig, tokenizer) -> str:
+    """The Jinja chat template used for ``messages`` data: ``data.chat_template``, else the
+    tokenizer's ``chat_template``, else :data:`CHATML_TEMPLATE`. Save it with the tokenizer so the
+    trained model is prompted the way it was trained."""
+    own = getattr(tokenizer, "chat_template", None)
+    return data_cfg.chat_template or (own if isinstance(own, str) else None) or CHATML_TEMPLATE
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's serialized form and special tokens (a cache key part).
+
+    The Rust tokenizer's truncation/padding state is left out: calling the tokenizer changes it.
+    """
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        text = backend.to_str()
+        if backend.truncation is not None or backend.padding is not None:
+            state = json.loads(text)
+            state["truncation"] = state["padding"] = None
+            text = json.dumps(state)
+        h.update(text.encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(repr((type(tokenizer).__name__, tokenizer.eos_token_id, tokenizer.bos_token_id)).encode())
+    return h.hexdigest()
+
+
+class _Encoder:
+    """Batched ``Dataset.map`` function: records -> input_ids, labels, position_ids, truncated.
+
+    Examples that keep no predicted token after truncation are dropped (the map returns fewer rows).
+    """
+
+    def __init__(self, tokenizer, fmt: str, max_len: int, template: str) -> None:
+        self.tok, self.fmt, self.max_len, self.template = tokenizer, fmt, max_len, template
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        pairs = getattr(self, f"_{self.fmt}")(batch)
+        out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "truncated": []}
+        for ids, labels in pairs:
+            truncated = len(ids) > self.max_len
+            ids, labels = ids[: self.max_len], labels[: self.max_len]
+            labels[0] = IGNORE_INDEX
+            if all(x == IGNORE_INDEX for x in labels):
+                continue
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["position_ids"].append(list(range(len(ids))))
+            out["truncated"].append(truncated)
+        return out
+
+    def _eos(self) -> int:
+        eos = self.tok.eos_token_id
+        if eos is None:
+            raise DataError(
+                f"the tokenizer has no eos_token, which format {self.fmt} appends to every target; "
+                "set tokenizer.eos_token", title="invalid data",
+            )
+        return eos
+
+    def _alpaca(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
+        eos = self._eos()
+        prompts = [
+            (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=ins, input=inp)
+            for ins, inp in zip(batch["instruction"], batch["input"])
+        ]
+        prompt_ids = self.tok(prompts, add_special_tokens=True)["input_ids"]
+        target_ids = self.tok(batch["output"], add_special_tokens=False)["input_ids"]
+        return [(p + t + [eos], [IGNORE_INDEX] * len(p) + t + [eos]) for p, t in zip(prompt_ids, target_ids)]
+
+    def _text(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
+        eos = self._eos()
+        out = []
+        for ids in self.tok(batch["text"], add_special_tokens=True)["input_ids"]:
+            ids = ids if ids and ids[-1] == eos else ids + [eos]
+            out.append((ids, list(ids)))
+        return out
+
+    def _render(self, convs: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            conversations=convs,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            **self.tok.special_tokens_map,
+        )
+        return rendered
+
+    def _messages(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
+        # Assistant spans are found on the rendered text, then mapped to tokens through the offsets
+        # of ONE tokenization of the whole conversation, so no merge across a boundary can shift
+        # them: the span of assistant turn i starts where render(turns[:i] + generation prompt)
+        # ends and stops where render(turns[:i+1]) ends, less trailing whitespace (the newline
+        # templates put between turns is not the model's to produce).
+        texts, spans = [], []
+        for conv in batch["messages"]:
+            full = self._render([conv], False)[0]
+            turns = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+            heads = self._render([conv[:i] for i in turns], True) if turns else []
+            ends = self._render([conv[: i + 1] for i in turns], False) if turns else []
+            conv_spans = []
+            for head, end in zip(heads, ends):
+                if not (full.startswith(head) and full.startswith(end) and len(end) >= len(head)):
+                    raise DataError(
+                        "the chat template does not render a conversation as a prefix of the longer "
+                        "one (render(turns[:i]) must start render(turns)), so the assistant turns "
+                        "cannot be located; set data.chat_template to a template that does",
+                        title="invalid data",
+                    )
+                conv_spans.append((len(head), len(end.rstrip())))
+            texts.append(full)
+            spans.append(conv_spans)
+        if not getattr(self.tok, "is_fast", False):
+            raise DataError("format messages needs a fast (Rust) tokenizer for character offsets", title="invalid data")
+        enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for ids, offsets, conv_spans in zip(enc["input_ids"], enc["offset_mapping"], spans):
+            labels = [
+                t if any(s <= start < e for s, e in conv_spans) else IGNORE_INDEX
+                for t, (start, _) in zip(ids, offsets)
+            ]
+            out.append((ids, labels))
+        return out
