@@ -1,0 +1,298 @@
+"""Model and tokenizer loading through `from_pretrained`, so a tiny local model exercises the
+same path as a hub checkpoint.
+
+* :func:`load_tokenizer`, :func:`load_config`, :func:`load_model` (or the architecture alone on
+  the meta device); local paths that do not exist are never sent to the hub, and custom code in
+  a checkpoint is refused unless `model.trust_remote_code` says otherwise.
+* :func:`bnb_config`: `model.quantization` as a `BitsAndBytesConfig`, after checking the
+  environment can run it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from scaletune.config import ModelConfig, QuantizationConfig
+from scaletune.env import get_logger
+from scaletune.errors import UserError
+from scaletune.models.presets import PRESETS
+
+if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --help` stays fast
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from scaletune.models.placement import DevicePlacement
+
+# A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
+get_logger()
+log = logging.getLogger("scaletune.models")
+
+# A Hugging Face hub id: `name` or `owner/name`, letters, digits, `-`, `_`, `.`.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def _looks_local(name: str) -> bool:
+    """True for strings that can only mean a local path (absolute, relative with ./ or ../, ~,
+    more than one `/`, backslashes), which must not be sent to the hub when missing."""
+    return (
+        name.startswith(("/", "./", "../", "~", "\\"))
+        or name in (".", "..")
+        or not _HUB_ID.fullmatch(name)
+        or ".." in name
+        or "--" in name
+    )
+
+
+def _resolve_source(name: str, key: str, *, need_config: bool) -> str:
+    """The path or hub id to hand to `from_pretrained`.
+
+    Raises:
+        UserError: a local-looking path that does not exist, or a folder without config.json.
+    """
+    p = Path(name).expanduser()
+    if p.exists():
+        if need_config and p.is_dir() and not (p / "config.json").is_file():
+            raise UserError(
+                f"{key} {name!r}: the folder has no config.json, so it is not a Hugging Face model folder",
+                title="invalid model",
+            )
+        return str(p)
+    if _looks_local(name):
+        raise UserError(
+            f"{key} {name!r}: no such file or folder (looked for {p.resolve()}). Build a tiny one with "
+            "`scaletune init-model olmo2-tiny -o PATH`, or give a hub id like owner/name.",
+            title="model not found",
+        )
+    return name
+
+
+def _hub_failure(key: str, name: str, exc: Exception) -> UserError:
+    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    hint = (
+        " The hub is switched off here (HF_HUB_OFFLINE): only models already in the cache can be used."
+        if offline
+        else " Check the id, `huggingface-cli login` for gated models, and the network."
+    )
+    return UserError(
+        f"{key} {name!r}: not a local folder, and loading it from the Hugging Face hub failed: "
+        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}.{hint}",
+        title="model not found",
+    )
+
+
+def _remote_code_error(key: str, name: str, exc: Exception) -> UserError:
+    return UserError(
+        f"{key} {name!r} needs custom Python code from the model's files (config.json `auto_map`), "
+        "which scaletune does not run unless asked. Read that code, then set "
+        "model.trust_remote_code: true if you trust it.",
+        title="remote code refused",
+    )
+
+
+def _is_remote_code_refusal(exc: Exception) -> bool:
+    return "trust_remote_code" in str(exc)
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of `cfg.tokenizer` (default: `cfg.name_or_path`).
+
+    A tokenizer without a pad token gets its EOS token as pad (labels of padding positions are
+    masked by the data layer, so this does not teach the model to stop early); padding is on
+    the right, as causal-LM training with position ids from 0 expects.
+
+    Raises:
+        UserError: the path is missing, the tokenizer needs custom code that was not allowed,
+            it cannot be loaded from the hub, or it has neither a pad nor an EOS token.
+    """
+    from transformers import AutoTokenizer
+
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    name = cfg.tokenizer or cfg.name_or_path
+    source = _resolve_source(name, key, need_config=False)
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=bool(cfg.trust_remote_code), revision=cfg.revision
+        )
+    except ValueError as exc:
+        if _is_remote_code_refusal(exc):
+            raise _remote_code_error(key, name, exc) from exc
+        raise
+    except OSError as exc:
+        if source == name and not Path(name).exists():
+            raise _hub_failure(key, name, exc) from exc
+        raise UserError(f"{key} {name!r}: cannot load a tokenizer from it: {exc}", title="invalid tokenizer") from exc
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UserError(f"{key} {name!r}: the tokenizer has neither a pad nor an EOS token", title="invalid tokenizer")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def bnb_config(q: QuantizationConfig) -> Any:
+    """The `transformers.BitsAndBytesConfig` for `model.quantization`, after checking the
+    environment can run it.
+
+    4-bit: NF4 or FP4 weights, optional double quantization (QLoRA, Dettmers et al. 2023),
+    compute in `compute_dtype`, packed weights stored as `storage_dtype` (FSDP / ZeRO-3 flatten
+    them with the other parameters, whose dtype it must equal). 8-bit: LLM.int8().
+
+    Raises:
+        RuntimeError: no CUDA GPU (checked before bitsandbytes is imported), or bitsandbytes is
+            not installed.
+    """
+    import importlib.util
+
+    import torch
+
+    what = f"model.quantization asks for {q.bits}-bit bitsandbytes weights" + (
+        f" ({q.quant_type})" if q.bits == 4 else ""
+    )
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what}, but bitsandbytes k-bit quantization needs a CUDA GPU and none is visible here. "
+            "Drop model.quantization (train the LoRA adapter on unquantized weights) or run on a GPU machine."
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RuntimeError(f"{what}, but bitsandbytes is not installed: pip install 'scaletune[gpu]'")
+    from transformers import BitsAndBytesConfig
+
+    if q.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype),
+        bnb_4bit_quant_storage=getattr(torch, q.storage_dtype),
+    )
+
+
+def load_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The model's `transformers` config: from its folder or the hub, or a preset's by name.
+
+    A preset name (`llama-3-8b`) is accepted where no such path exists, so the planner can work
+    from a shape alone.
+
+    Raises:
+        UserError: missing path, custom code not allowed, hub failure.
+    """
+    from transformers import AutoConfig
+
+    name = cfg.name_or_path
+    if name in PRESETS and not Path(name).exists():
+        return PRESETS[name].config()
+    source = _resolve_source(name, "model.name_or_path", need_config=True)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=bool(cfg.trust_remote_code), revision=cfg.revision)
+    except ValueError as exc:
+        if _is_remote_code_refusal(exc):
+            raise _remote_code_error("model.name_or_path", name, exc) from exc
+        raise
+    except OSError as exc:
+        if source == name and not Path(name).exists():
+            raise _hub_failure("model.name_or_path", name, exc) from exc
+        raise
+
+
+def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False) -> torch.nn.Module:
+    """Load the causal LM of `cfg` through `AutoModelForCausalLM.from_pretrained`.
+
+    `dtype` (float32 / bfloat16 / float16 / auto: the checkpoint's), `attn_implementation`,
+    `revision` and `trust_remote_code` (passed as given, False by default: custom code in a
+    checkpoint is never run unless the config says so) come from `cfg`; `device_map` from
+    `placement`. Without a device_map the model is moved to `placement.device`; a CUDA device
+    is passed as `device_map={"": device}` so each rank streams the weights straight to its GPU
+    rather than holding a full copy in host memory first.
+
+    With `meta=True` the architecture is built from the config alone on the meta device (no
+    weights read, no storage allocated): FSDP materialises it shard by shard and the planner
+    counts its parameters. Quantization is ignored there (the planner accounts for it itself).
+
+    Raises:
+        UserError: missing local path (never sent to the hub), folder without config.json,
+            custom code not allowed, hub failure.
+        RuntimeError: quantization asked without a CUDA GPU or without bitsandbytes.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if meta:
+        return _meta_model(cfg)
+
+    name = cfg.name_or_path
+    source = _resolve_source(name, "model.name_or_path", need_config=True)
+    kwargs: dict[str, Any] = {
+        "dtype": _torch_dtype(cfg.dtype),
+        "trust_remote_code": bool(cfg.trust_remote_code),
+        "revision": cfg.revision,
+    }
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    device_map = placement.device_map
+    own_map = False
+    if cfg.quantization is not None:
+        kwargs["quantization_config"] = bnb_config(cfg.quantization)
+        if device_map is None:
+            # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
+            # with .to() afterwards, so it must be loaded where it will run.
+            device = placement.device if placement.device.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
+            device_map, own_map = {"": device}, True
+    elif device_map is None and placement.device.startswith("cuda"):
+        device_map, own_map = {"": placement.device}, True
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if placement.message:
+        log.info(placement.message)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except ValueError as exc:
+        if _is_remote_code_refusal(exc):
+            raise _remote_code_error("model.name_or_path", name, exc) from exc
+        raise
+    except OSError as exc:
+        if source == name and not Path(name).exists():
+            raise _hub_failure("model.name_or_path", name, exc) from exc
+        raise
+    if device_map is None:
+        model.to(placement.device)
+    elif own_map and cfg.quantization is None and hasattr(model, "hf_device_map"):
+        # A one-device map we added only to load straight onto the GPU: drop the attribute, or
+        # HF Trainer / accelerate would treat the model as dispatched by a user's device_map.
+        del model.hf_device_map
+    return model
+
+
+def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(cfg)
+    kwargs: dict[str, Any] = {"trust_remote_code": bool(cfg.trust_remote_code)}
+    if cfg.dtype != "auto":
+        kwargs["dtype"] = getattr(torch, cfg.dtype)
+    elif getattr(config, "dtype", None) is None:
+        kwargs["dtype"] = torch.float32
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, **kwargs)
+        except (ImportError, ValueError) as exc:
+            if "attn_implementation" not in kwargs or _is_remote_code_refusal(exc):
+                raise
+            # flash_attention_2 and friends check their kernels at construction; the shape does
+            # not depend on them, so a planner on a machine without the kernel still works.
+            log.info(f"attn_implementation {cfg.attn_implementation} unavailable here ({exc}); building with the default")
+            kwargs.pop("attn_implementation")
+            return AutoModelForCausalLM.from_config(config, **kwargs)
