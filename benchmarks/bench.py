@@ -321,12 +321,12 @@ def run_bare(spec: Spec) -> dict:
 
     import torch
 
-    from scaletune.config import batch_arithmetic
-    from scaletune.data import Collator, count_input_tokens, count_target_tokens
+    from scaletune.data import Collator, count_input_tokens, count_target_tokens, global_batches, make_loader
     from scaletune.env import DistributedEnv, tune_host_allocator
     from scaletune.loss import CausalLMLoss
-    from scaletune.strategies.base import param_groups
-    from scaletune.train import global_batches, make_loader, model_inputs, seed_everything
+    from scaletune.optim import param_groups
+    from scaletune.resolve import batch_arithmetic
+    from scaletune.trainer import model_inputs, seed_everything
 
     if device_type() == "cpu":
         tune_host_allocator()  # the allocator settings scaletune uses: the overhead compares like with like
@@ -382,7 +382,7 @@ def run_scaletune(spec: Spec) -> dict:
     """`scaletune train` through its real entry point; times come from metrics.jsonl."""
     import yaml
 
-    from scaletune.train import run_from_cli
+    from scaletune.run import run_from_cli
 
     out = Path(spec.work_dir) / "scaletune"
     path = Path(spec.work_dir) / "scaletune.yaml"

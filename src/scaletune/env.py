@@ -49,6 +49,9 @@ class DistributedEnv:
         local_world_size: ranks on this node.
         master_addr, master_port: the rendezvous address, where the launcher set one.
         cuda_available, cuda_device_count: what torch sees (after CUDA_VISIBLE_DEVICES).
+        device_memory_bytes: total memory of this rank's GPU; None without one (or not probed).
+        bf16_supported: this rank's GPU computes in bfloat16 (`torch.cuda.is_bf16_supported()`).
+        restart_count: how often torchrun restarted the workers (`TORCHELASTIC_RESTART_COUNT`).
     """
 
     launcher: Launcher
@@ -60,6 +63,9 @@ class DistributedEnv:
     master_port: int | None = None
     cuda_available: bool = False
     cuda_device_count: int = 0
+    device_memory_bytes: int | None = None
+    bf16_supported: bool = False
+    restart_count: int = 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None, *, probe_cuda: bool = True) -> DistributedEnv:
@@ -96,12 +102,16 @@ class DistributedEnv:
         if not 0 <= rank < world_size:
             raise RuntimeError(f"rank {rank} is outside world size {world_size} (launcher: {launcher})")
         port = e.get("MASTER_PORT")
-        cuda_available, count = False, 0
+        cuda_available, count, memory, bf16 = False, 0, None, False
         if probe_cuda:
             import torch
 
             cuda_available = torch.cuda.is_available()
-            count = torch.cuda.device_count() if cuda_available else 0
+            if cuda_available:
+                count = torch.cuda.device_count()
+                index = local_rank % max(1, count)
+                memory = int(torch.cuda.get_device_properties(index).total_memory)
+                bf16 = bool(torch.cuda.is_bf16_supported())
         return cls(
             launcher=launcher,
             rank=rank,
@@ -112,6 +122,9 @@ class DistributedEnv:
             master_port=int(port) if port and port.isdigit() else None,
             cuda_available=cuda_available,
             cuda_device_count=count,
+            device_memory_bytes=memory,
+            bf16_supported=bf16,
+            restart_count=_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
         )
 
     @property

@@ -119,33 +119,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
-def _fusable(head: nn.Module) -> bool:
-    """A plain Linear head without bias whose weight is whole here. Not: DeepSpeed ZeRO-3 (the weight
-    is a partition outside the head's forward), peft-wrapped or quantized heads (subclasses or
-    wrappers of Linear, whose forward is not `x @ weight.T`)."""
-    return type(head) is nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id")
+def _fusable(head: nn.Module, partitioned: bool) -> bool:
+    """A plain Linear head without bias whose weight is whole here. Not: a head whose weight the
+    engine partitions outside its forward (DeepSpeed ZeRO-3), peft-wrapped or quantized heads
+    (subclasses or wrappers of Linear, whose forward is not `x @ weight.T`)."""
+    return type(head) is nn.Linear and head.bias is None and not partitioned
 
 
 def chunked_head_cross_entropy(
-    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None, *, partitioned: bool = False
 ) -> torch.Tensor:
     """sum_i CE(head(hidden[i]), targets[i]) without holding more than `chunk` rows of logits.
 
     A plain `nn.Linear` head goes through :class:`_LinearCrossEntropy` (gradients computed in the
     forward); any other head (LoRA on the head, quantized) is called as a module on each chunk
     under activation checkpointing, so its hooks and forward run as usual. A head partitioned by
-    DeepSpeed ZeRO-3 is called once on all rows (see the comment in the code).
+    DeepSpeed ZeRO-3 is called once on all rows, checkpointed, on every rank (see the code).
 
     Args:
         hidden: [n, hidden_size] final hidden states at target positions.
         head: the output projection (`lm_head`), hidden_size -> vocab.
         targets: [n] int64 token ids.
         chunk: rows per chunk (default :func:`default_chunk`).
+        partitioned: the engine gathers the head's weight inside each call of the head (DeepSpeed
+            ZeRO-3, `Strategy.partitions_head`).
 
     Returns:
         0-dim float32 sum of the token losses (0 when n == 0, still connected to the graph).
     """
     n = hidden.size(0)
+    if partitioned:
+        # DeepSpeed ZeRO-3 gathers the head's weight in a collective at every call of the head, and
+        # again when a checkpoint recomputes that call in backward, so every rank must make the same
+        # calls whatever its number of targets (unequal calls deadlock): one checkpointed call per
+        # micro-batch, also with no target at all. This rank's logits are then held whole in the
+        # forward; the checkpoint frees them until backward.
+        if torch.is_grad_enabled():
+            return checkpoint(_head_ce_sum, hidden, head, targets, use_reentrant=False)
+        return _head_ce_sum(hidden, head, targets)
     if n == 0:
         # Run the head on the empty batch rather than skipping it: its forward hooks still fire
         # (ZeRO-3 gathers the weight on every rank together, or the others would wait forever) and
@@ -154,7 +165,7 @@ def chunked_head_cross_entropy(
     if chunk is None:
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]  # out_features survives ZeRO-3 partitioning
         chunk = default_chunk(vocab, hidden.device)
-    if _fusable(head):
+    if _fusable(head, partitioned):
         device_type = hidden.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
@@ -162,12 +173,6 @@ def chunked_head_cross_entropy(
             return _LinearCrossEntropy.apply(hidden, head.weight, targets, chunk, dtype)
         with torch.no_grad():
             return _LinearCrossEntropy.apply(hidden.detach(), head.weight.detach(), targets, chunk, dtype)
-    if hasattr(head.weight, "ds_id"):
-        # DeepSpeed ZeRO-3 gathers the head's weight in a collective at every call of the head, so
-        # every rank must call it equally often: once, whatever its number of targets (chunks per
-        # rank differ, and unequal calls deadlock). The logits of this rank's targets are then
-        # held whole; the checkpoint still frees them between forward and backward.
-        chunk = n
     total = None
     for start in range(0, n, chunk):
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
@@ -179,7 +184,7 @@ def chunked_head_cross_entropy(
     return total
 
 
-def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, partitioned: bool = False) -> torch.Tensor:
     """sum_i CE(head(hidden[i]), targets[i]) by Liger's fused linear cross-entropy (CUDA, Triton).
 
     Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989; https://github.com/linkedin/Liger-Kernel)
@@ -195,6 +200,7 @@ def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: tor
         hidden: [n, hidden_size] final hidden states at target positions (on a CUDA device).
         head: the output projection (`lm_head`), an `nn.Linear` hidden_size -> vocab.
         targets: [n] int64 token ids.
+        partitioned: the engine partitions the head's weight outside its forward (ZeRO-3).
 
     Returns:
         0-dim float32 sum of the token losses.
@@ -203,7 +209,7 @@ def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: tor
         RuntimeError: the head's weight is partitioned by DeepSpeed ZeRO-3.
     """
     weight, bias = head.weight, getattr(head, "bias", None)
-    if hasattr(weight, "ds_id"):
+    if partitioned:
         raise RuntimeError(
             "model.liger cannot run under DeepSpeed ZeRO-3: Liger's fused linear cross-entropy reads "
             "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps it partitioned; use zero_stage "
@@ -259,6 +265,9 @@ class CausalLMLoss(nn.Module):
             cross-entropy; CUDA and liger-kernel needed, checked here) instead of
             :func:`chunked_head_cross_entropy`. Heads that transform logits keep the model's own
             forward either way.
+        partitioned_head: the engine gathers the head's weight inside each call of the head
+            (DeepSpeed ZeRO-3, `Strategy.partitions_head`): the head is then called once per
+            micro-batch, since every rank must call it equally often.
 
     Raises:
         RuntimeError: `liger` without a CUDA GPU or without liger-kernel installed.
@@ -271,12 +280,14 @@ class CausalLMLoss(nn.Module):
         *,
         activation_offload: bool = False,
         liger: bool = False,
+        partitioned_head: bool = False,
     ) -> None:
         super().__init__()
         self.causal_lm = causal_lm
         self.chunk = chunk
         self.activation_offload = activation_offload
         self.liger = liger
+        self.partitioned_head = partitioned_head
         if liger:
             from scaletune.models import require_liger
 
@@ -314,5 +325,5 @@ class CausalLMLoss(nn.Module):
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index)
         targets = labels[:, 1:].reshape(-1).index_select(0, target_index)
         if self.liger:
-            return liger_head_cross_entropy(hidden, head, targets)
-        return chunked_head_cross_entropy(hidden, head, targets, self.chunk)
+            return liger_head_cross_entropy(hidden, head, targets, partitioned=self.partitioned_head)
+        return chunked_head_cross_entropy(hidden, head, targets, self.chunk, partitioned=self.partitioned_head)

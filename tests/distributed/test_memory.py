@@ -1,5 +1,6 @@
 """The memory plan against what real strategies hold: params, grads and optimizer bytes per rank
-predicted by scaletune.plan equal scaletune.plan.measure_memory on real CPU runs within 2%.
+predicted by scaletune.plan equal what each engine measures of itself (`Strategy.memory_breakdown`)
+on real CPU runs within 2%.
 
 One torchrun launch of 2 ranks (gloo) runs every multi-rank case one after the other in one
 process group (this file is also the driver: `python tests/distributed/test_memory.py CASES`);
@@ -51,30 +52,28 @@ def config_dict(model_dir: str, dist: dict, lora: dict | None) -> dict:
 
 
 def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
-    """Build the strategy, run one optimizer step on a dummy batch, return measure_memory."""
+    """Build the strategy, run one optimizer step on a dummy batch, return its memory breakdown."""
     import torch
 
-    from scaletune.config import batch_arithmetic, load_config
+    from scaletune.config import load_config
     from scaletune.env import DistributedEnv
     from scaletune.loss import CausalLMLoss
     from scaletune.models import prepare_model, resolve_device_map
-    from scaletune.plan import measure_memory, track_gradients
+    from scaletune.resolve import decide
     from scaletune.strategies import make_strategy
-    from scaletune.train import seed_everything, train_step
+    from scaletune.trainer import seed_everything, train_step
 
     cfg = load_config(None, data=config_dict(model_dir, dist, lora))
     env = DistributedEnv.from_environ()
-    batch = batch_arithmetic(cfg.training, env.world_size, cfg.data.max_seq_length)
-    name = dist["strategy"]
-    strategy = make_strategy(name, cfg, env, batch)
+    spec = decide(cfg, env)
+    batch = spec.batch
+    strategy = make_strategy(spec)
     strategy.setup()
     try:
         seed_everything(0)
         placement = resolve_device_map(None, env, engine_places_model=strategy.engine_places_model)
-        storage = str(strategy.precision.storage).removeprefix("torch.")
-        model = prepare_model(cfg.model.model_copy(update={"dtype": storage}), placement, meta=strategy.load_meta())
-        strategy.wrap(CausalLMLoss(model))
-        track_gradients(strategy)
+        model = prepare_model(cfg.model.model_copy(update={"dtype": spec.precision.storage}), placement, meta=strategy.load_meta())
+        strategy.wrap(CausalLMLoss(model, partitioned_head=strategy.partitions_head))
         g = torch.Generator().manual_seed(env.rank)
         micro = []
         for _ in range(batch.gradient_accumulation_steps):
@@ -82,7 +81,7 @@ def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
             micro.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
         strategy.train_mode(True)
         train_step(strategy, micro)
-        return measure_memory(strategy)
+        return strategy.memory_breakdown()
     finally:
         strategy.teardown()
 
@@ -107,13 +106,13 @@ def _driver(model_dir: str, out_dir: str, names: list[str]) -> None:
 
 def planned(model_dir: str, dist: dict, lora: dict | None, world_size: int):
     from scaletune.config import load_config
+    from scaletune.env import DistributedEnv
     from scaletune.plan import plan
+    from scaletune.resolve import decide
 
     cfg = load_config(None, data=config_dict(model_dir, dist, lora))
-    p = plan(cfg, world_size=world_size, gpu_memory_bytes=None, cuda=False)
-    from scaletune.config import DistributedConfig
-
-    return p.for_strategy(dist["strategy"], DistributedConfig(**{k: v for k, v in dist.items() if k != "strategy"}, strategy=dist["strategy"]))
+    spec = decide(cfg, DistributedEnv("none"), world_size=world_size)
+    return plan(spec, gpu_memory_bytes=None).for_run(spec)
 
 
 def _compare(case: str, measured: dict, entry) -> list[str]:

@@ -121,15 +121,16 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     """A save that dies after writing its shards leaves `latest` on the last complete checkpoint
     and the step-N name unused (in process, single strategy, real DCP files)."""
     from scaletune.checkpoint import Progress, latest_checkpoint, save_checkpoint
-    from scaletune.config import Config, batch_arithmetic
+    from scaletune.config import Config
     from scaletune.env import DistributedEnv
     from scaletune.loss import CausalLMLoss
     from scaletune.models import DevicePlacement, prepare_model
+    from scaletune.resolve import decide
     from scaletune.strategies import make_strategy
 
     cfg = Config.model_validate(base_config(tiny_model_dir, tmp_path / "run"))
     env = DistributedEnv(launcher="none")
-    strategy = make_strategy("single", cfg, env, batch_arithmetic(cfg.training, 1, 64))
+    strategy = make_strategy(decide(cfg, env))
     model = prepare_model(cfg.model, DevicePlacement(device_map=None, device="cpu", message=None))
     strategy.wrap(CausalLMLoss(model))
     run = tmp_path / "run"

@@ -50,7 +50,7 @@ def driver(out: Path) -> None:
                 self.head.weight.copy_(weight)
 
         def forward(self, h, y):
-            return chunked_head_cross_entropy(h, self.head, y, chunk=CHUNK)
+            return chunked_head_cross_entropy(h, self.head, y, chunk=CHUNK, partitioned=True)
 
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
     model = Head()

@@ -7,16 +7,10 @@ import textwrap
 import pytest
 import yaml
 
-from scaletune.config import (
-    Config,
-    batch_arithmetic,
-    dump_config,
-    load_config,
-    parse_override,
-    resolve_stages,
-    steps_for,
-)
+from scaletune.config import Config, dump_config, load_config, parse_override, read_config
+from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError
+from scaletune.resolve import batch_arithmetic, resolve, resolve_stages, steps_for
 
 BASE = """\
 output_dir: runs/x
@@ -34,9 +28,14 @@ def write(tmp_path, text: str):
 
 
 def problems_of(tmp_path, text, overrides=()):
+    """Every schema and cross-field problem of a config resolved for one CPU process."""
     with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, text), list(overrides))
+        resolve(read_config(write(tmp_path, text), list(overrides)), DistributedEnv("none"))
     return info.value.problems
+
+
+def resolved(tmp_path, text, overrides=()):
+    return resolve(read_config(write(tmp_path, text), list(overrides)), DistributedEnv("none")).config
 
 
 def test_defaults_fill_in(tmp_path):
@@ -217,12 +216,9 @@ def test_quantization_with_sharded_strategies(tmp_path):
         tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n", [lora, "model.quantization={bits: 8}"]
     )
     assert any("bits 8 cannot be sharded by deepspeed zero_stage 3" in p for p in probs)
-    ok = load_config(
-        write(tmp_path, BASE + "distributed: {strategy: fsdp}\n"),
-        [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"],
-    )
+    ok = resolved(tmp_path, BASE + "distributed: {strategy: fsdp}\n", [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"])
     assert ok.model.quantization.storage_dtype == "bfloat16"
-    load_config(write(tmp_path, BASE + "distributed: {strategy: ddp}\n"), [lora, "model.quantization={bits: 8}"])
+    resolved(tmp_path, BASE + "distributed: {strategy: ddp}\n", [lora, "model.quantization={bits: 8}"])
 
 
 def test_activation_offload_and_liger_keys(tmp_path):
@@ -246,8 +242,8 @@ def test_liger_is_rejected_under_zero3(tmp_path):
     # the same from the command line, and not for the strategies where the head's weight is whole
     assert problems_of(tmp_path, BASE, ["model.liger=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
-        assert load_config(write(tmp_path, liger + f"distributed: {dist}\n")).model.liger
-    load_config(write(tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n"))
+        assert resolved(tmp_path, liger + f"distributed: {dist}\n").model.liger
+    resolved(tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n")
 
 
 def test_compile_is_off_by_default_and_rejected_under_zero3(tmp_path):
@@ -256,4 +252,4 @@ def test_compile_is_off_by_default_and_rejected_under_zero3(tmp_path):
     probs = problems_of(tmp_path, BASE, ["model.compile=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
     assert len(probs) == 1 and "model.compile cannot run under deepspeed zero_stage 3" in probs[0]
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
-        assert load_config(write(tmp_path, BASE + f"distributed: {dist}\n"), ["model.compile=true"]).model.compile
+        assert resolved(tmp_path, BASE + f"distributed: {dist}\n", ["model.compile=true"]).model.compile

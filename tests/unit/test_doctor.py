@@ -14,12 +14,14 @@ from scaletune.config import load_config
 from scaletune.doctor import Check, checks, preflight
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
+from scaletune.resolve import decide
 
 NONE = DistributedEnv("none")
 GPU8 = DistributedEnv("none", cuda_available=True, cuda_device_count=8)
 
 
-def cfg(tmp_path, **sections):
+def cfg(tmp_path, env=None, world_size=None, **sections):
+    """The run of a small config, decided for `env` (default: one plain process)."""
     data = {
         "output_dir": str(tmp_path / "run"),
         "model": {"name_or_path": "llama-3.2-1b", "dtype": "bfloat16"},
@@ -28,7 +30,7 @@ def cfg(tmp_path, **sections):
     }
     for k, v in sections.items():
         data.setdefault(k, {}).update(v)
-    return load_config(None, data=data)
+    return decide(load_config(None, data=data), env or NONE, world_size=world_size)
 
 
 def env_from(environ: dict) -> DistributedEnv:
@@ -73,16 +75,16 @@ def test_more_processes_than_gpus(tmp_path):
     env = DistributedEnv("torchrun", world_size=8, local_world_size=8, cuda_available=True, cuda_device_count=4)
     c = doctor.check_processes_vs_gpus(env, None, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert c.status == "FAIL" and c.fatal and "4 visible GPU" in c.message
-    c = doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path, distributed={"num_processes": 16}), {})
+    c = doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path, GPU8, distributed={"num_processes": 16}), {})
     assert c.status == "FAIL" and "num_processes is 16" in c.message
-    assert doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path), {}).status == "OK"
+    assert doctor.check_processes_vs_gpus(GPU8, cfg(tmp_path, GPU8), {}).status == "OK"
 
 
 def test_device_map_with_launcher_warns(tmp_path):
-    c = cfg(tmp_path, model={"device_map": "auto"})
     env = DistributedEnv("torchrun", world_size=2, local_world_size=2)
+    c = cfg(tmp_path, env, model={"device_map": "auto"})
     assert doctor.check_device_map(env, c).status == "WARN"
-    assert doctor.check_device_map(NONE, c).status == "OK"
+    assert doctor.check_device_map(NONE, cfg(tmp_path, model={"device_map": "auto"})).status == "OK"
 
 
 # -- quantization ----------------------------------------------------------------------------
@@ -136,13 +138,16 @@ def torch_cuda_available() -> bool:
 
 
 def _bypass(c, **quant):
-    """A config the loader would refuse (so doctor must catch it too, e.g. from the Python API)."""
-    q = c.model.quantization.model_copy(update=quant)
-    return c.model_copy(update={"model": c.model.model_copy(update={"quantization": q})})
+    """A run with a setting the resolve rules refuse (the doctor must show it, e.g. from the Python API)."""
+    import dataclasses
+
+    m = c.config.model
+    q = m.quantization.model_copy(update=quant)
+    return dataclasses.replace(c, config=c.config.model_copy(update={"model": m.model_copy(update={"quantization": q})}))
 
 
 def test_quantization_with_sharding_strategies(tmp_path):
-    base = cfg(tmp_path, model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+    base = cfg(tmp_path, GPU8, model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
                distributed={"strategy": "fsdp"})  # fmt: skip
     assert doctor.check_quantization(GPU8, base)[1].status == "OK"
     bad_storage = _bypass(base, storage_dtype="uint8")
@@ -159,8 +164,8 @@ def test_quantization_with_sharding_strategies(tmp_path):
 def test_reentrant_checkpointing_under_ddp_with_lora(tmp_path, monkeypatch):
     from scaletune import models
 
-    c = cfg(tmp_path, model={"lora": {"r": 8}, "gradient_checkpointing": True}, distributed={"strategy": "ddp"})
     env = DistributedEnv("torchrun", world_size=2, local_world_size=2)
+    c = cfg(tmp_path, env, model={"lora": {"r": 8}, "gradient_checkpointing": True}, distributed={"strategy": "ddp"})
     assert doctor.check_checkpointing(env, c).status == "OK"
     original = models.enable_gradient_checkpointing
 
@@ -177,8 +182,8 @@ def test_reentrant_checkpointing_under_ddp_with_lora(tmp_path, monkeypatch):
 
 def test_batch_arithmetic(tmp_path):
     c = cfg(tmp_path, training={"global_batch_size": 8, "micro_batch_size": 2})
-    assert doctor.check_batch(NONE, c).status == "OK"
-    res = doctor.check_batch(NONE, c, world_size=3)
+    assert doctor.check_batch(c).status == "OK"
+    res = doctor.check_batch(cfg(tmp_path, world_size=3, training={"global_batch_size": 8, "micro_batch_size": 2}))
     assert res.status == "FAIL" and res.fatal and "multiple of" in res.message
 
 
@@ -251,15 +256,15 @@ def test_port_taken():
 
 
 def test_preflight_names_every_fatal_problem_fast(tmp_path):
-    c = cfg(tmp_path, model={"lora": {"r": 8}, "quantization": {"bits": 4}})
     environ = {"WORLD_SIZE": "3", "RANK": "0"}
     t0 = time.perf_counter()
+    c = cfg(tmp_path, env_from(environ), model={"lora": {"r": 8}, "quantization": {"bits": 4}})
     with pytest.raises(UserError) as info:
-        preflight(c, env_from(environ), environ)
+        preflight(c, environ)
     assert time.perf_counter() - t0 < 1.0
     text = info.value.format()
     assert "distributed variables" in text and "quantization" in text and "batch arithmetic" in text
-    ok = preflight(cfg(tmp_path), NONE, {})
+    ok = preflight(cfg(tmp_path), {})
     assert all(isinstance(x, Check) for x in ok)
 
 

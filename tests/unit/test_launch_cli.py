@@ -23,6 +23,8 @@ def config(tmp_path):
     p = tmp_path / "my config.yaml"
     p.write_text(
         "output_dir: runs/x\nmodel: {name_or_path: m}\ndata: {dummy: {num_samples: 8}, max_seq_length: 16}\n"
+        # 64 sequences per step split evenly over the 16 ranks of the largest job below
+        "training: {global_batch_size: 64}\n"
         "distributed: {env: {HF_TOKEN: hf_zzz, NCCL_SOCKET_IFNAME: eth0}}\n"
     )
     return p

@@ -54,9 +54,9 @@ def test_master_port_and_srun_torchrun_line():
     assert "s.bind((\"\", 0))" in text and "export MASTER_ADDR MASTER_PORT" in text
     assert text.endswith(
         'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=8 --kill-on-bad-exit=1 \\\n'
-        '    "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" --nproc-per-node 8 '
+        '    "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" '
         '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "scaletune-$SLURM_JOB_ID" '
-        "--max-restarts 2 \\\n"
+        "--nproc-per-node 8 --max-restarts 2 \\\n"
         "    -m scaletune train cfg.yaml training.max_steps=5\n"
     )
     assert f"PYTHON={PY}\n" in text

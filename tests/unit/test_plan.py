@@ -7,17 +7,22 @@ import json
 
 import pytest
 
-from scaletune.config import DistributedConfig, load_config
+import dataclasses
+
+from scaletune.config import load_config
 from scaletune.env import DistributedEnv
-from scaletune.plan import GiB, ORDER, activation_bytes, choose_auto_strategy, model_shape, plan, plan_name, simulate_fsdp
+from scaletune.plan import GiB, ORDER, activation_bytes, choose_auto, model_shape, plan, plan_name, simulate_fsdp
+from scaletune.resolve import decide
 
 
-def cfg_for(name: str, **model) -> object:
-    return load_config(None, data={
+def cfg_for(name: str, env: DistributedEnv | None = None, **model) -> object:
+    """The run of a planner-only preset, decided for `env` (default: one process)."""
+    cfg = load_config(None, data={
         "model": {"name_or_path": name, "dtype": "bfloat16", **model},
         "data": {"dummy": {}, "max_seq_length": 2048},
         "training": {"global_batch_size": 32, "micro_batch_size": 1},
     })  # fmt: skip
+    return decide(cfg, env or DistributedEnv("none"))
 
 
 @pytest.fixture(scope="module")
@@ -99,30 +104,34 @@ def test_activations_checkpointing_and_attention(llama8b):
     full = activation_bytes(shape, cfg, checkpointing=False)
     ckpt = activation_bytes(shape, cfg, checkpointing=True)
     assert ckpt < full / 3
-    eager = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attn_implementation": "eager"})})
-    s, a = cfg.data.max_seq_length, shape.heads
+    c = cfg.config
+    eager = dataclasses.replace(cfg, config=c.model_copy(update={"model": c.model.model_copy(update={"attn_implementation": "eager"})}))
+    s, a = c.data.max_seq_length, shape.heads
     assert activation_bytes(shape, eager, checkpointing=False) - full == shape.layers * 2 * a * s * s * 2 - shape.layers * 4 * a * s
 
 
 def test_plan_names():
-    d = DistributedConfig
-    assert plan_name("single", d()) == "ddp"
-    assert plan_name("fsdp", d(offload_params=True)) == "fsdp-offload"
-    assert plan_name("deepspeed", d(zero_stage=3)) == "zero3"
-    assert plan_name("deepspeed", d(zero_stage=2, offload_optimizer=True)) == "zero2-offload"
-    assert plan_name("deepspeed", d(zero_stage=3, offload_optimizer=True, offload_params=True)) == "zero3-offload"
+    assert plan_name("single") == "ddp"
+    assert plan_name("fsdp", offload_params=True) == "fsdp-offload"
+    assert plan_name("deepspeed", zero_stage=3) == "zero3"
+    assert plan_name("deepspeed", zero_stage=2, offload_optimizer=True) == "zero2-offload"
+    assert plan_name("deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True) == "zero3-offload"
 
 
 def test_choose_auto_strategy(llama8b):
-    cfg, _ = llama8b
+    def choice(name, env):
+        c = choose_auto(cfg_for(name, env))
+        return c.strategy, {k: v for k, v in (("zero_stage", c.zero_stage), ("offload_optimizer", c.offload_optimizer),
+                                              ("offload_params", c.offload_params)) if v}  # fmt: skip
+
     cpu1 = DistributedEnv("none")
     cpu2 = DistributedEnv("torchrun", world_size=2, local_world_size=2)
-    assert choose_auto_strategy(cfg, cpu1) == ("single", {})
-    assert choose_auto_strategy(cfg, cpu2) == ("ddp", {})
-    env8 = DistributedEnv("torchrun", world_size=8, local_world_size=8)
-    assert choose_auto_strategy(cfg, env8, gpu_memory_bytes=80 * GiB) == ("deepspeed", {"zero_stage": 1})
-    small = cfg_for("llama-3.2-1b")
-    assert choose_auto_strategy(small, env8, gpu_memory_bytes=80 * GiB) == ("ddp", {})
+    assert choice("llama-3-8b", cpu1) == ("single", {})
+    assert choice("llama-3-8b", cpu2) == ("ddp", {})
+    env8 = DistributedEnv("torchrun", world_size=8, local_world_size=8, cuda_available=True, cuda_device_count=8,
+                          device_memory_bytes=80 * GiB, bf16_supported=True)  # fmt: skip
+    assert choice("llama-3-8b", env8) == ("deepspeed", {"zero_stage": 1})
+    assert choice("llama-3.2-1b", env8) == ("ddp", {})
 
 
 def test_simulated_fsdp_70b_at_64_ranks_matches_plan():

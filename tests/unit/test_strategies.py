@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from scaletune.config import Config, batch_arithmetic
+from scaletune.config import Config
 from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError, UserError
-from scaletune.strategies import choose_strategy
-from scaletune.strategies.base import check_devices, param_groups, resolve_precision
-from scaletune.strategies.deepspeed import deepspeed_config, read_user_config
-from scaletune.train import wanted_processes
+from scaletune.optim import param_groups
+from scaletune.resolve import decide, precision_for, resolve, wanted_world_size
+from scaletune.strategies.base import check_devices
+from scaletune.strategies.deepspeed_config import engine_config, read_user_config
 
 
 def cfg(**dist) -> Config:
@@ -33,9 +33,9 @@ def env(world=1, cuda=0, launcher="none") -> DistributedEnv:
     return DistributedEnv(launcher=launcher, world_size=world, cuda_available=cuda > 0, cuda_device_count=cuda)
 
 
-def ds(c: Config, world=2, user=None):
-    e = env(world)
-    return deepspeed_config(c.distributed, c.training, batch_arithmetic(c.training, world, 64), resolve_precision(c.model, e), user)
+def ds(c: Config, world=2):
+    """The engine's DeepSpeed config (the user's JSON, if the config names one, merged in)."""
+    return engine_config(decide(c, env(world, launcher="torchrun" if world > 1 else "none")))
 
 
 def test_deepspeed_config_from_yaml():
@@ -62,7 +62,8 @@ def test_user_deepspeed_json_merged_keeps_its_own_keys(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "communication_data_type": "fp32"}))
     c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
-    out = ds(c, user=read_user_config(str(path)))
+    assert read_user_config(str(path))["communication_data_type"] == "fp32"
+    out = ds(c)
     assert out["train_batch_size"] == 16
     assert out["zero_optimization"]["reduce_bucket_size"] == 1000
     assert out["communication_data_type"] == "fp32"
@@ -76,7 +77,7 @@ def test_user_deepspeed_json_disagreeing_is_one_error_naming_every_key(tmp_path)
     }))
     c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
     with pytest.raises(ConfigError) as info:
-        ds(c, user=read_user_config(str(path)))
+        ds(c)
     text = "\n".join(info.value.problems)
     assert "train_batch_size is 64 but the YAML gives 16" in text
     assert "gradient_accumulation_steps is 8 but the YAML gives 4" in text
@@ -108,11 +109,11 @@ def test_check_devices_names_offenders():
 
 
 def test_precision_keeps_trainable_master_weights_in_fp32():
-    full = resolve_precision(cfg(dtype="bfloat16").model, env())
-    assert full.compute == torch.bfloat16 and full.storage == torch.float32 and full.mixed
-    lora = resolve_precision(cfg(dtype="bfloat16", lora={"r": 4}).model, env())
-    assert lora.storage == torch.bfloat16 and not lora.mixed
-    assert resolve_precision(cfg(dtype="auto").model, env()).compute == torch.float32  # no GPU here
+    full = precision_for(cfg(dtype="bfloat16"), env(), "single")
+    assert full.compute == "bfloat16" and full.storage == "float32" and full.mixed
+    lora = precision_for(cfg(dtype="bfloat16", lora={"r": 4}), env(), "single")
+    assert lora.storage == "bfloat16" and not lora.mixed
+    assert precision_for(cfg(dtype="auto"), env(), "single").compute == "float32"  # no GPU here
 
 
 def test_param_groups_exclude_norms_and_biases_from_decay():
@@ -123,24 +124,24 @@ def test_param_groups_exclude_norms_and_biases_from_decay():
 
 
 def test_choose_strategy():
-    assert choose_strategy(cfg(), env(1)) == "single"
-    assert choose_strategy(cfg(), env(2, launcher="torchrun")) == "ddp"
-    assert choose_strategy(cfg(strategy="fsdp"), env(1)) == "fsdp"
+    assert decide(cfg(), env(1)).strategy == "single"
+    assert decide(cfg(), env(2, launcher="torchrun")).strategy == "ddp"
+    assert decide(cfg(strategy="fsdp"), env(1)).strategy == "fsdp"
 
 
 def test_wanted_processes():
-    assert wanted_processes(cfg(), env(cuda=0)) == 1
-    assert wanted_processes(cfg(), env(cuda=4)) == 4  # auto: four GPUs, four processes
-    assert wanted_processes(cfg(num_processes=2), env(cuda=0)) == 2  # CPU ranks with gloo
+    assert wanted_world_size(cfg(), env(cuda=0)) == 1
+    assert wanted_world_size(cfg(), env(cuda=4)) == 4  # auto: four GPUs, four processes
+    assert wanted_world_size(cfg(num_processes=2), env(cuda=0)) == 2  # CPU ranks with gloo
     with pytest.raises(UserError, match="num_processes is 8 but only 4 GPU"):
-        wanted_processes(cfg(num_processes=8), env(cuda=4))
+        resolve(cfg(num_processes=8), env(cuda=4))
 
 
 def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_path):
     """`strategy: deepspeed` where DeepSpeed cannot be imported: one clear problem, what to do."""
     import sys
 
-    from scaletune.train import preflight
+    from scaletune.run import prepare as preflight
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
     c = Config.model_validate({

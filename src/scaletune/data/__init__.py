@@ -40,14 +40,14 @@ from scaletune.data.batching import (
     make_eval_loader,
     make_loader,
 )
-from scaletune.data.build import DataBundle, _cache_root, build_datasets
+from scaletune.data.build import DataBundle, _cache_root as _cache_root, build_datasets
 from scaletune.data.packing import check_packing_support, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
 from scaletune.data.templates import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     CHATML_TEMPLATE,
-    _Encoder,
+    _Encoder as _Encoder,
     resolve_chat_template,
     tokenizer_fingerprint,
 )

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from scaletune.resolve import positions_problem
 from scaletune.config import DataConfig, DataSource
 from scaletune.data.packing import _PACK_CHUNK, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, load_records, split_records
@@ -180,12 +181,9 @@ def build_datasets(
     """
     import datasets
 
-    if max_positions is not None and data_cfg.max_seq_length > max_positions:
-        raise DataError(
-            f"data.max_seq_length ({data_cfg.max_seq_length}) is larger than the model's "
-            f"max_position_embeddings ({max_positions}); set data.max_seq_length to {max_positions} or less",
-            title="invalid data",
-        )
+    too_long = positions_problem(data_cfg.max_seq_length, max_positions)
+    if too_long is not None:  # a resolved run has passed this rule; direct callers of this function may not
+        raise DataError(too_long.text(), title="invalid data")
     cache = _cache_root(cache_dir)
     stats: dict = {}
     evl = None

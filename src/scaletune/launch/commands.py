@@ -57,6 +57,48 @@ def endpoint(addr: str, port: int | str) -> str:
     return f"{addr}:{port}"
 
 
+def torchrun_argv(
+    python: str,
+    nproc_per_node: int | str,
+    program: Sequence[str],
+    *,
+    nnodes: int | str = 1,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+    node_rank: int | None = None,
+    is_host: bool | None = None,
+    max_restarts: int = 0,
+) -> list[str]:
+    """THE torchrun command line (`python -m torch.distributed.run`), used by the trainer's
+    re-exec, `scaletune launch` and the sbatch script.
+
+    Args:
+        python: the interpreter (a :class:`Raw` shell fragment in scripts, e.g. `"$PYTHON"`).
+        nproc_per_node: ranks per node, or `gpu` (all visible GPUs).
+        program: what each rank runs after torchrun's options (`-m scaletune train CONFIG ...`).
+        nnodes: nodes in the job (a :class:`Raw` fragment in sbatch scripts).
+        rdzv_endpoint: `host:port` of the c10d rendezvous; None: `--standalone` (one node, a free port).
+        rdzv_id: the rendezvous id, the same on every node.
+        node_rank: this node's index, where the launch is per node.
+        is_host: whether this node hosts the rendezvous store (several nodes on one machine need it said).
+        max_restarts: restarts of the worker group after a failure.
+    """
+    argv = [python, "-m", TORCHRUN_MODULE]
+    if rdzv_endpoint is None:
+        argv += ["--standalone", "--nnodes", "1"]
+    else:
+        argv += ["--nnodes", nnodes if isinstance(nnodes, Raw) else str(nnodes)]
+        if node_rank is not None:
+            argv += ["--node-rank", str(node_rank)]
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id or "scaletune"]
+        if is_host is not None:
+            argv += ["--rdzv-conf", f"is_host={1 if is_host else 0}"]
+    argv += ["--nproc-per-node", str(nproc_per_node)]
+    if max_restarts:
+        argv += ["--max-restarts", str(max_restarts)]
+    return argv + list(program)
+
+
 def single_node_torchrun_argv(
     python_executable: str,
     nproc_per_node: int,
@@ -92,21 +134,14 @@ def single_node_torchrun_argv(
         problems.append(f"max restarts must be 0 or more, got {max_restarts}")
     if problems:
         raise UserError(problems, title="invalid launch options")
-    argv = [python_executable, "-m", TORCHRUN_MODULE]
-    if master_port is None:
-        argv += ["--standalone", "--nnodes", "1"]
-    else:
-        argv += [
-            "--nnodes", "1",
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint("127.0.0.1", master_port),
-            "--rdzv-id", f"scaletune-{master_port}",
-        ]  # fmt: skip
-    argv += ["--nproc-per-node", str(nproc_per_node)]
-    if max_restarts:
-        argv += ["--max-restarts", str(max_restarts)]
-    train = list(train_args)
-    return argv + ["-m", "scaletune", "train", *train]
+    return torchrun_argv(
+        python_executable,
+        nproc_per_node,
+        ["-m", "scaletune", "train", *train_args],
+        rdzv_endpoint=None if master_port is None else endpoint("127.0.0.1", master_port),
+        rdzv_id=None if master_port is None else f"scaletune-{master_port}",
+        max_restarts=max_restarts,
+    )
 
 
 @dataclass(frozen=True)
@@ -267,27 +302,21 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
     files: dict[str, str] = {}
 
     if opts.launcher == "torchrun":
-        argv = [opts.python, "-m", TORCHRUN_MODULE]
-        if opts.nodes == 1 and port is None:
-            argv += ["--standalone", "--nnodes", "1"]
-        else:
+        program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+        standalone = opts.nodes == 1 and port is None
+        if not standalone:
             port = port or DEFAULT_MASTER_PORT
-            addr = opts.master_addr or "127.0.0.1"
-            argv += [
-                "--nnodes", str(opts.nodes),
-                "--node-rank", str(opts.node_rank),
-                "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint(addr, port),
-                "--rdzv-id", opts.rdzv_id or f"scaletune-{port}",
-            ]  # fmt: skip
-            if opts.nodes > 1:
-                # Node 0 hosts the rendezvous store; without this torchrun guesses from the
-                # host name, which is ambiguous when several "nodes" share one machine.
-                argv += ["--rdzv-conf", f"is_host={1 if opts.node_rank == 0 else 0}"]
-        argv += ["--nproc-per-node", nproc]
-        if opts.max_restarts:
-            argv += ["--max-restarts", str(opts.max_restarts)]
-        argv += list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+        argv = torchrun_argv(
+            opts.python, nproc, program,
+            nnodes=opts.nodes,
+            rdzv_endpoint=None if standalone else endpoint(opts.master_addr or "127.0.0.1", port),
+            rdzv_id=opts.rdzv_id or f"scaletune-{port}",
+            node_rank=None if standalone else opts.node_rank,
+            # Node 0 hosts the rendezvous store; without this torchrun guesses from the host
+            # name, which is ambiguous when several "nodes" share one machine.
+            is_host=(opts.node_rank == 0) if opts.nodes > 1 else None,
+            max_restarts=opts.max_restarts,
+        )  # fmt: skip
     else:
         argv = [opts.python, "-m", DEEPSPEED_MODULE]
         port = port or DEFAULT_MASTER_PORT

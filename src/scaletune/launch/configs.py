@@ -12,86 +12,39 @@ from typing import Any, Literal
 import yaml
 
 from scaletune.errors import UserError
-
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
+from scaletune.strategies.deepspeed_config import PrecisionName, deepspeed_json
 
 
 def deepspeed_config(
     zero_stage: int = 2,
     offload_optimizer: bool = False,
     offload_params: bool = False,
-    precision: Precision = "auto",
+    precision: PrecisionName = "auto",
     gradient_accumulation_steps: int | None = None,
     gradient_clipping: float | None = None,
     micro_batch_size: int | None = None,
+    train_batch_size: int | None = None,
 ) -> dict[str, Any]:
-    """A DeepSpeed config dict (ZeRO stage 1-3, optional CPU offload).
-
-    Unset values are `"auto"`, which the HF Trainer fills. With `micro_batch_size` and
-    `gradient_accumulation_steps` both given the batch part is concrete (DeepSpeed derives
-    `train_batch_size` from the world size), so the file also works with `deepspeed.initialize`.
+    """`scaletune config deepspeed`: the one DeepSpeed generator
+    (:func:`scaletune.strategies.deepspeed_config.deepspeed_json`) with unset values `"auto"`, which
+    the HF Trainer fills. With optimizer offload DeepSpeed must own the optimizer (its CPU Adam), so
+    the file declares one. With `micro_batch_size` and `gradient_accumulation_steps` both given the
+    batch part is concrete, so the file also works with `deepspeed.initialize`.
 
     Raises:
-        UserError: a stage outside 1-3, parameter offload below stage 3, bad numbers.
+        UserError: a stage outside 0-3, parameter offload below stage 3, bad numbers.
     """
-    p = []
-    if zero_stage not in (0, 1, 2, 3):
-        p.append(f"--zero-stage must be 0, 1, 2 or 3, got {zero_stage}")
-    if offload_params and zero_stage != 3:
-        p.append("--offload-params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
-    if offload_optimizer and zero_stage == 0:
-        p.append("--offload-optimizer needs --zero-stage 1, 2 or 3")
-    if gradient_accumulation_steps is not None and gradient_accumulation_steps < 1:
-        p.append(f"--gradient-accumulation-steps must be 1 or more, got {gradient_accumulation_steps}")
-    if micro_batch_size is not None and micro_batch_size < 1:
-        p.append(f"--micro-batch-size must be 1 or more, got {micro_batch_size}")
-    if gradient_clipping is not None and gradient_clipping < 0:
-        p.append(f"--gradient-clipping must be 0 or more, got {gradient_clipping}")
-    if precision not in ("auto", "bf16", "fp16", "fp32"):
-        p.append(f"precision must be auto, bf16, fp16 or fp32, got {precision!r}")
-    if p:
-        raise UserError(p, title="invalid deepspeed options")
-
-    concrete_batch = micro_batch_size is not None and gradient_accumulation_steps is not None
-    cfg: dict[str, Any] = {}
-    if not concrete_batch:
-        cfg["train_batch_size"] = "auto"
-    cfg["train_micro_batch_size_per_gpu"] = micro_batch_size if micro_batch_size is not None else "auto"
-    cfg["gradient_accumulation_steps"] = gradient_accumulation_steps if gradient_accumulation_steps is not None else "auto"
-    cfg["gradient_clipping"] = gradient_clipping if gradient_clipping is not None else "auto"
-    enabled = {"auto": ("auto", "auto"), "bf16": (True, False), "fp16": (False, True), "fp32": (False, False)}[precision]
-    cfg["bf16"] = {"enabled": enabled[0]}
-    cfg["fp16"] = {
-        "enabled": enabled[1],
-        "loss_scale": 0,  # dynamic loss scaling
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1,
-    }
-    if offload_optimizer:
-        # ZeRO-Offload runs the optimizer step on the CPU with DeepSpeed's CPUAdam, which needs
-        # DeepSpeed to own the optimizer: declare it (the HF Trainer fills the `auto` values).
-        cfg["optimizer"] = {
-            "type": "AdamW",
-            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-        }
-    zero: dict[str, Any] = {"stage": zero_stage}
-    if zero_stage >= 1:
-        zero.update({"overlap_comm": True, "contiguous_gradients": True})
-    if zero_stage == 2:
-        zero.update({"allgather_partitions": True, "reduce_scatter": True})
-    if zero_stage == 3:
-        # Lets the HF Trainer (and scaletune export) save a consolidated 16-bit model.
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    cfg["zero_optimization"] = zero
-    cfg["steps_per_print"] = 100
-    cfg["wall_clock_breakdown"] = False
-    return cfg
+    return deepspeed_json(
+        zero_stage,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        precision=precision,
+        train_batch_size=train_batch_size,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_clipping=gradient_clipping,
+        optimizer_section=offload_optimizer,
+    )
 
 
 FsdpFormat = Literal["trainer", "accelerate"]

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 from scaletune.errors import UserError
 from scaletune.launch.commands import (
-    TORCHRUN_MODULE,
     Raw,
     nproc_problems,
     secret_passthrough_lines,
     shell_join,
+    torchrun_argv,
     train_argv,
 )
 from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
@@ -231,17 +231,14 @@ def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
         f"--cpus-per-task={cpus}",
         "--kill-on-bad-exit=1",
     ]
-    torchrun = [
-        Raw('"$PYTHON"'), "-m", TORCHRUN_MODULE,
-        "--nnodes", Raw('"$SLURM_JOB_NUM_NODES"'),
-        "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", Raw('"$MASTER_ADDR:$MASTER_PORT"'),
-        "--rdzv-id", Raw('"scaletune-$SLURM_JOB_ID"'),
-    ]  # fmt: skip
-    if opts.max_restarts:
-        torchrun += ["--max-restarts", str(opts.max_restarts)]
     program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+    torchrun = torchrun_argv(
+        Raw('"$PYTHON"'), nproc, [],
+        nnodes=Raw('"$SLURM_JOB_NUM_NODES"'),
+        rdzv_endpoint=Raw('"$MASTER_ADDR:$MASTER_PORT"'),
+        rdzv_id=Raw('"scaletune-$SLURM_JOB_ID"'),
+        max_restarts=opts.max_restarts,
+    )  # fmt: skip
     lines.append(" \\\n    ".join(shell_join(part) for part in (srun, torchrun, program)))
     return "\n".join(lines) + "\n"
 

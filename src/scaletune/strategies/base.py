@@ -3,12 +3,12 @@
 The training loop calls, per optimizer step::
 
     with strategy.micro_step(is_last):      # e.g. DDP's no_sync on accumulation micro-steps
-        loss = loss_fn(strategy.model(...))  # already divided by the global batch's target tokens
+        loss = strategy.model(**inputs)      # already divided by the global batch's target tokens
         strategy.backward(loss)
     grad_norm = strategy.step()              # clip, optimizer step, scheduler step, zero grads
 
-and never branches on which engine runs. Strategies never parse YAML: they receive the typed
-config sections and the `DistributedEnv`.
+and never branches on which engine runs. Strategies never parse YAML: they read the resolved
+:class:`~scaletune.resolve.RunSpec`.
 """
 
 from __future__ import annotations
@@ -17,52 +17,24 @@ import contextlib
 import datetime
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.config import BatchArithmetic, DistributedConfig, ModelConfig, TrainingConfig
 from scaletune.env import DistributedEnv, get_logger
+from scaletune.optim import build_optimizer
+from scaletune.strategies import memory
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    from scaletune.resolve import RunSpec
 
-
-@dataclass(frozen=True)
-class Precision:
-    """How a run stores and computes.
-
-    Attributes:
-        compute: dtype of matmuls in forward/backward (`model.dtype`).
-        storage: dtype the weights are loaded in. Trainable weights stay float32 (master
-            weights, as HF Trainer with `bf16=True` and DeepSpeed/FSDP mixed precision keep them);
-            only a frozen LoRA base is stored in the compute dtype.
-    """
-
-    compute: torch.dtype
-    storage: torch.dtype
-
-    @property
-    def mixed(self) -> bool:
-        return self.compute != self.storage
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_precision(model: ModelConfig, env: DistributedEnv) -> Precision:
-    """`model.dtype` -> compute and storage dtypes. `auto`: bfloat16 on a GPU that supports it,
-    else float32."""
-    name = model.dtype
-    if name == "auto":
-        name = "bfloat16" if env.cuda_available and torch.cuda.is_bf16_supported() else "float32"
-    compute = _DTYPES[name]
-    frozen_base = model.lora is not None
-    storage = compute if frozen_base else torch.float32
-    return Precision(compute=compute, storage=storage)
-
-
-def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alone: bool = False) -> bool:
+def init_process_group(env: DistributedEnv, backend: str = "auto", timeout_minutes: float = 30, *, even_alone: bool = False) -> bool:
     """Start the default process group for a launched multi-rank job: NCCL on CUDA, gloo on CPU.
 
     `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
@@ -71,7 +43,7 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alon
     Returns True if this call created it (and so must destroy it).
 
     Raises:
-        RuntimeError: the launcher did not set MASTER_ADDR/MASTER_PORT.
+        RuntimeError: the launcher did not set MASTER_ADDR/MASTER_PORT; NCCL without a GPU.
     """
     if dist.is_initialized() or not (env.is_distributed or even_alone):
         return False
@@ -82,7 +54,6 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alon
         for var in ("RANK", "LOCAL_RANK"):
             os.environ.setdefault(var, "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    backend = cfg.backend
     if backend == "auto":
         backend = "nccl" if env.cuda_available else "gloo"
     if backend == "nccl" and not env.cuda_available:
@@ -95,7 +66,7 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alon
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         kwargs["device_id"] = env.device  # binds the communicator to this rank's GPU up front
-    timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun keeps one store across restarts: without a per-attempt prefix, restarted ranks
         # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
@@ -103,13 +74,7 @@ def init_process_group(env: DistributedEnv, cfg: DistributedConfig, *, even_alon
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
         kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
-    dist.init_process_group(
-        backend=backend,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-        **kwargs,
-    )
+    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return True
 
 
@@ -148,55 +113,39 @@ def check_devices(module: nn.Module, expected: torch.device | str, *, strategy: 
         )
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay on biases and norm weights (ndim < 2), as in GPT-2/nanoGPT/HF Trainer."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
 class Strategy(ABC):
     """Wraps a model and optimizer for one parallelism engine.
 
-    Lifecycle: `setup()` -> `placement()` (where models.py loads the model) -> `wrap(...)` ->
-    per step `micro_step`/`backward`/`step` -> `export(...)` -> `teardown()`.
+    Lifecycle: `setup()` -> (the model is loaded where `load_on_cpu` / `load_meta` say) ->
+    `wrap(...)` -> per step `micro_step`/`backward`/`step` -> `export(...)` -> `teardown()`.
     """
 
     name: ClassVar[str]
-    #: True if the engine moves the model itself (DeepSpeed): load it on the CPU.
+    #: True if the engine moves the model itself (DeepSpeed, FSDP): load it on the CPU.
     engine_places_model: ClassVar[bool] = False
     #: True if the engine needs a process group even for one process (FSDP, DeepSpeed).
     needs_process_group: ClassVar[bool] = False
+    #: How `save_state` writes: "dcp" (torch.distributed.checkpoint) or "deepspeed".
+    checkpoint_format: ClassVar[str] = "dcp"
 
-    def __init__(
-        self,
-        env: DistributedEnv,
-        dist_cfg: DistributedConfig,
-        model_cfg: ModelConfig,
-        training: TrainingConfig,
-        batch: BatchArithmetic,
-    ) -> None:
-        self.env = env
-        self.dist_cfg = dist_cfg
-        self.model_cfg = model_cfg
-        self.training = training
-        self.batch = batch
-        self.precision = resolve_precision(model_cfg, env)
-        self.module: nn.Module | None = None  # the CausalLMLoss handed to `wrap`
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.env = spec.env
+        self.training = spec.config.training
+        self.compute_dtype = DTYPES[spec.precision.compute]
+        self.storage_dtype = DTYPES[spec.precision.storage]
+        self.module: nn.Module | None = None  # the loss module handed to `wrap`
         self.model: nn.Module | None = None  # what forward is called on (possibly wrapped)
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._owns_group = False
+        self._grad_bytes: int | None = None
         self.log = get_logger()
 
     # -- process group ---------------------------------------------------------------------
     def setup(self) -> None:
-        self._owns_group = init_process_group(self.env, self.dist_cfg, even_alone=self.needs_process_group)
+        d = self.spec.config.distributed
+        self._owns_group = init_process_group(self.env, d.backend, d.timeout_minutes, even_alone=self.needs_process_group)
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -226,30 +175,21 @@ class Strategy(ABC):
 
     # -- model -----------------------------------------------------------------------------
     def load_meta(self) -> bool:
-        """True if the model should be built on the meta device and materialised by `wrap`."""
+        """True if this rank should build the model on the meta device (`wrap` materialises it)."""
         return False
+
+    #: True if the engine gathers the output head's weight inside each call of the head (ZeRO-3):
+    #: the loss must then call the head once per micro-batch, whatever its number of targets.
+    partitions_head: ClassVar[bool] = False
 
     @abstractmethod
     def wrap(self, module: nn.Module) -> None:
         """Wrap `module` (a `loss.CausalLMLoss`: forward returns the summed token loss) for the
-        engine, set `self.module`, `self.model` and build the optimizer. The loop sets
-        `scheduler` (per stage)."""
+        engine, set `self.module`, `self.model` and build the optimizer (then call
+        :meth:`_track_gradients`). The loop sets `scheduler` (per stage)."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """AdamW over :func:`param_groups`, fused where every parameter is on the CPU or a CUDA device."""
-        t = self.training
-        groups = param_groups(model, t.weight_decay)
-        # Fused AdamW: one kernel over all tensors, on CUDA and (torch >= 2.4) on the CPU, where
-        # torch's default is the per-tensor loop: 13M parameters step in 9 ms fused, 30 ms foreach,
-        # 75 ms per tensor (2 cores). HF Trainer's default optimizer is the same fused AdamW.
-        fused = {p.device.type for g in groups for p in g["params"]} <= {"cpu", "cuda"}
-        return torch.optim.AdamW(
-            groups,
-            lr=t.learning_rate,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_epsilon,
-            fused=fused or None,
-        )
+        return build_optimizer(model, self.training)
 
     @property
     def unwrapped(self) -> nn.Module:
@@ -259,9 +199,9 @@ class Strategy(ABC):
 
     # -- one optimizer step ----------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
-        """Autocast to the compute dtype when weights are stored in a wider one."""
-        if self.precision.mixed:
-            return torch.autocast(self.env.device_type, dtype=self.precision.compute)
+        """Autocast to the compute dtype where the resolved precision says so."""
+        if self.spec.precision.autocast:
+            return torch.autocast(self.env.device_type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
     def micro_step(self, is_last: bool) -> contextlib.AbstractContextManager:
@@ -302,10 +242,46 @@ class Strategy(ABC):
         assert self.model is not None
         self.model.train(on)
 
-    # -- checkpoint state ------------------------------------------------------------------
-    #: How `save_state` writes: "dcp" (torch.distributed.checkpoint) or "deepspeed".
-    checkpoint_format: ClassVar[str] = "dcp"
+    # -- memory ----------------------------------------------------------------------------
+    def _param_tensors(self) -> list[Any]:
+        assert self.module is not None
+        return list(self.module.parameters())
 
+    def _grad_tensors(self) -> list[Any]:
+        """The gradient tensors this rank holds now: `.grad` of the module's and the optimizer's parameters."""
+        assert self.module is not None
+        out = [p.grad for p in self.module.parameters()]
+        if self.optimizer is not None:
+            out += [p.grad for g in self.optimizer.param_groups for p in g["params"]]
+        return out
+
+    def _track_gradients(self) -> None:
+        """Record the gradient bytes held when the optimizer first steps (engines free them right after)."""
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if self._grad_bytes is None:
+                self._grad_bytes = memory.count_bytes(self._grad_tensors(), {})
+
+        if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(hook)
+
+    def memory_breakdown(self) -> dict:
+        """Bytes this rank holds, from its tensors (`memory.json`): `params` (this rank's shards),
+        `grads` (at the first optimizer step), `optimizer` (state and the optimizer's own parameters
+        that are not the module's, e.g. fp32 masters), `peak_device` (CUDA's peak, else None)."""
+        seen: dict = {}
+        p_bytes = memory.count_bytes(self._param_tensors(), seen)
+        o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
+        grads = self._grad_bytes if self._grad_bytes is not None else memory.count_bytes(self._grad_tensors(), dict(seen))
+        return {
+            "rank": self.env.rank,
+            "params": int(p_bytes),
+            "grads": int(grads),
+            "optimizer": int(o_bytes),
+            "peak_device": memory.peak_device_bytes(self.env.cuda_available),
+        }
+
+    # -- checkpoint state ------------------------------------------------------------------
     def _state_options(self, **kw: Any) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -348,7 +324,7 @@ class Strategy(ABC):
         set_state_dict(
             self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
             options=self._state_options(strict=False),
-        )
+        )  # fmt: skip
 
     # -- export ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -368,10 +344,10 @@ class Strategy(ABC):
         self.barrier()
 
     def describe(self) -> str:
-        p = self.precision
-        prec = f"{str(p.compute).removeprefix('torch.')}"
+        p = self.spec.precision
+        prec = p.compute
         if p.mixed:
-            prec += f" compute, {str(p.storage).removeprefix('torch.')} master weights"
+            prec += f" compute, {p.storage} master weights"
         return f"strategy {self.name}, world_size {self.env.world_size}, {prec}"
 
 

@@ -2,14 +2,14 @@
 parameter offload (ZeRO-Offload, Ren et al. 2021), through `deepspeed.initialize`.
 
 ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The
-DeepSpeed config is generated from scaletune's config (:func:`deepspeed_config`); a user's own JSON
+DeepSpeed config comes from :func:`scaletune.strategies.deepspeed_config.engine_config` (the one
+generator, shared with `scaletune config deepspeed`); a user's own JSON
 (`distributed.deepspeed_config`) is merged under it and checked for agreement. The model stays on
 the CPU until DeepSpeed places it. On a CPU-only machine run with `DS_ACCELERATOR=cpu` (gloo).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -17,107 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletune.config import BatchArithmetic, DistributedConfig, TrainingConfig
-from scaletune.errors import ConfigError
-from scaletune.strategies.base import Precision, Strategy
-
-# Keys scaletune derives from the YAML; a user's JSON that sets them differently is an error
-# (accepted when equal or "auto", as in HF Trainer's DeepSpeed integration).
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def deepspeed_config(
-    dist_cfg: DistributedConfig,
-    training: TrainingConfig,
-    batch: BatchArithmetic,
-    precision: Precision,
-    user: dict | None = None,
-) -> dict:
-    """The DeepSpeed config for this run.
-
-    Args:
-        user: a user's DeepSpeed JSON (already parsed). Its other keys are kept; batch sizes,
-            accumulation, clipping and precision must agree with the YAML or be "auto".
-
-    Returns:
-        A config dict for `deepspeed.initialize(config=...)`.
-
-    Raises:
-        ConfigError: naming every key where the user's JSON and the YAML disagree.
-    """
-    cfg: dict[str, Any] = json.loads(json.dumps(user)) if user else {}
-    derived: dict[str, Any] = {
-        "train_batch_size": batch.global_batch_size,
-        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
-        "gradient_accumulation_steps": batch.gradient_accumulation_steps,
-        "gradient_clipping": training.max_grad_norm or 0.0,
-    }
-    problems = []
-    source = dist_cfg.deepspeed_config or "deepspeed_config"
-    for key, value in derived.items():
-        theirs = cfg.get(key, "auto")
-        if theirs != "auto" and theirs != value:
-            problems.append(f"{source}: {key} is {theirs} but the YAML gives {value}")
-        cfg[key] = value
-
-    half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(precision.compute)
-    for name in ("bf16", "fp16"):
-        enabled = cfg.get(name, {}).get("enabled", "auto") if isinstance(cfg.get(name), dict) else "auto"
-        want = name == half
-        if enabled != "auto" and bool(enabled) != want:
-            problems.append(
-                f"{source}: {name}.enabled is {enabled} but model.dtype is {str(precision.compute).removeprefix('torch.')}"
-            )
-        cfg.setdefault(name, {})
-        cfg[name]["enabled"] = want
-    if half == "fp16":
-        cfg["fp16"].setdefault("loss_scale", 0)  # dynamic loss scaling
-        cfg["fp16"].setdefault("initial_scale_power", 16)
-
-    zero = cfg.setdefault("zero_optimization", {})
-    theirs = zero.get("stage", "auto")
-    if user and theirs != "auto" and theirs != dist_cfg.zero_stage:
-        problems.append(f"{source}: zero_optimization.stage is {theirs} but distributed.zero_stage is {dist_cfg.zero_stage}")
-    zero["stage"] = dist_cfg.zero_stage
-    zero.setdefault("overlap_comm", False)
-    zero.setdefault("contiguous_gradients", True)
-    zero.setdefault("reduce_bucket_size", int(5e8))
-    if dist_cfg.zero_stage <= 2:
-        zero.setdefault("allgather_bucket_size", int(5e8))
-    if dist_cfg.zero_stage == 3:
-        zero.setdefault("stage3_prefetch_bucket_size", int(5e7))
-        zero.setdefault("stage3_param_persistence_threshold", int(1e5))
-        # Needed so the exported model holds every weight, not rank 0's partition.
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    if dist_cfg.offload_optimizer:
-        zero["offload_optimizer"] = {**zero.get("offload_optimizer", {}), "device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if dist_cfg.offload_params:
-        zero["offload_param"] = {**zero.get("offload_param", {}), "device": "cpu", "pin_memory": torch.cuda.is_available()}
-    cfg.setdefault("steps_per_print", 10**9)  # scaletune logs; keep DeepSpeed's own step lines out
-    cfg.setdefault("wall_clock_breakdown", False)
-    if problems:
-        raise ConfigError(problems, title="distributed.deepspeed_config disagrees with the YAML")
-    return cfg
-
-
-def read_user_config(path: str | None) -> dict | None:
-    """Parse a user's DeepSpeed JSON.
-
-    Raises:
-        ConfigError: missing file or invalid JSON (with its line).
-    """
-    if path is None:
-        return None
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"distributed.deepspeed_config: {path} does not exist", title="invalid config")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}", title="invalid config") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object", title="invalid config")
-    return data
+from scaletune.strategies.base import Strategy
+from scaletune.strategies.deepspeed_config import engine_config
 
 
 def unshare_step_counters(optimizer: torch.optim.Optimizer) -> int:
@@ -147,10 +48,14 @@ class DeepSpeedStrategy(Strategy):
     needs_process_group = True
     checkpoint_format = "deepspeed"
 
-    def __init__(self, env, dist_cfg, model_cfg, training, batch) -> None:
-        super().__init__(env, dist_cfg, model_cfg, training, batch)
-        self.ds_config = deepspeed_config(dist_cfg, training, batch, self.precision, read_user_config(dist_cfg.deepspeed_config))
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self.ds_config = engine_config(spec)
         self.engine: Any = None
+
+    @property
+    def partitions_head(self) -> bool:  # type: ignore[override]
+        return self.spec.zero_stage == 3
 
     def setup(self) -> None:
         if not self.env.cuda_available:
@@ -167,20 +72,21 @@ class DeepSpeedStrategy(Strategy):
         # The scheduler drives the client optimizer: ZeRO's wrapper shares its param_groups (and
         # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
         self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
+        self._track_gradients()
         self.log.info(
-            f"deepspeed: ZeRO-{self.dist_cfg.zero_stage}"
-            f"{', optimizer offload' if self.dist_cfg.offload_optimizer else ''}"
-            f"{', parameter offload' if self.dist_cfg.offload_params else ''}"
+            f"deepspeed: ZeRO-{self.spec.zero_stage}"
+            f"{', optimizer offload' if self.spec.offload_optimizer else ''}"
+            f"{', parameter offload' if self.spec.offload_params else ''}"
         )
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        if not self.dist_cfg.offload_optimizer:
+        if not self.spec.offload_optimizer:
             return self.build_optimizer(model)  # ZeRO steps it on its flat fp32 partitions
         # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is the
         # optimizer it is built for (adamw_mode=True: decoupled weight decay as torch's AdamW).
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from scaletune.strategies.base import param_groups
+        from scaletune.optim import param_groups
 
         t = self.training
         return DeepSpeedCPUAdam(
@@ -194,11 +100,6 @@ class DeepSpeedStrategy(Strategy):
     @property
     def device(self) -> torch.device:
         return self.engine.device if self.engine is not None else self.env.device
-
-    def forward_context(self):
-        import contextlib
-
-        return contextlib.nullcontext()  # DeepSpeed casts the module to bf16/fp16 itself
 
     @property
     def grad_divisor(self) -> float:
@@ -214,17 +115,29 @@ class DeepSpeedStrategy(Strategy):
         if self.scheduler is not None:
             self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(float("nan") if norm is None else float(norm))
+        if norm is None:  # zero_optimization.compute_grad_norm false in a user's JSON
+            raise RuntimeError("DeepSpeed computed no gradient norm; remove zero_optimization.compute_grad_norm: false")
+        return torch.as_tensor(float(norm))
 
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        if self.dist_cfg.zero_stage == 3:
+        if self.spec.zero_stage == 3:
             # A collective: gathers every partition into one state dict on rank 0.
             state = self.engine._zero3_consolidated_16bit_state_dict()
             return state if self.env.is_main else None
         return self.module.state_dict() if self.env.is_main else None
+
+    # -- memory: ZeRO-3 keeps each parameter's partition in `ds_tensor`, the gradient partitions in
+    # one flat buffer; ZeRO-1/2's fp32 masters are the optimizer's own parameters.
+    def _param_tensors(self) -> list[Any]:
+        params = list(self.module.parameters())
+        return params + [getattr(p, "ds_tensor", None) for p in params]
+
+    def _grad_tensors(self) -> list[Any]:
+        zero = getattr(self.engine, "optimizer", None)
+        return super()._grad_tensors() + [getattr(zero, "grad_partitions_flat_buffer", None)]
 
     # -- checkpoint state: DeepSpeed's own format (each rank writes its ZeRO partition) ------
     _resume_tag = "state"

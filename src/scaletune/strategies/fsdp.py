@@ -12,13 +12,35 @@ torchtune does. No rank other than 0 ever holds a full copy.
 
 from __future__ import annotations
 
-import contextlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from scaletune.strategies.base import Strategy
+
+
+def shard_model(model: nn.Module, layer_classes: tuple[type, ...], **fully_shard_kwargs: Any) -> list[nn.Module]:
+    """THE FSDP2 sharding: `fully_shard` every instance of `layer_classes` (the decoder layers), then
+    the root, with the same keyword arguments (mesh, reshard_after_forward, mp_policy,
+    offload_policy). Used by the strategy and by the planner's fake-world simulation.
+
+    Returns:
+        The sharded layers.
+
+    Raises:
+        RuntimeError: no layer class to shard.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not layer_classes:
+        raise RuntimeError("fsdp: found no decoder layer class to shard (model._no_split_modules is empty)")
+    layers = [m for m in model.modules() if isinstance(m, layer_classes)]
+    for layer in layers:
+        fully_shard(layer, **fully_shard_kwargs)
+    fully_shard(model, **fully_shard_kwargs)
+    return layers
 
 
 class FSDPStrategy(Strategy):
@@ -32,13 +54,13 @@ class FSDPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> None:  # model: the CausalLMLoss; it becomes the FSDP root
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         from scaletune.models import decoder_layer_classes
 
         if not dist.is_initialized():
             raise RuntimeError("strategy fsdp needs a process group: start it with torchrun or num_processes")
-        device = self.device
+        offload, reshard = self.spec.offload_params, self.spec.config.distributed.reshard_after_forward
         full_state = model.state_dict() if self.env.is_main else {}
         # Non-persistent buffers (rotary inv_freq) are not in the state dict: keep rank 0's to broadcast.
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if self.env.is_main else {}
@@ -46,27 +68,20 @@ class FSDPStrategy(Strategy):
             full_state = {k: v.detach() for k, v in full_state.items()}
             model.to("meta")
 
-        kwargs: dict = {"reshard_after_forward": self.dist_cfg.reshard_after_forward}
-        compute = self.precision.compute
-        if compute != torch.float32:
+        kwargs: dict = {"reshard_after_forward": reshard}
+        if self.compute_dtype != torch.float32:
             # bf16/fp16 all-gathers and compute, fp32 gradient reduction and fp32 sharded master weights.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        if self.dist_cfg.offload_params:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.env.cuda_available)
         layer_classes = tuple(decoder_layer_classes(model))
-        if not layer_classes:
-            raise RuntimeError("fsdp: found no decoder layer class to shard (model._no_split_modules is empty)")
-        layers = [m for m in model.modules() if isinstance(m, layer_classes)]
-        for layer in layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
+        layers = shard_model(model, layer_classes, **kwargs)
         self.log.info(
             f"fsdp: sharded {len(layers)} x {', '.join(c.__name__ for c in layer_classes)} and the root "
-            f"over {self.env.world_size} ranks (reshard_after_forward={self.dist_cfg.reshard_after_forward}"
-            f"{', CPU offload' if self.dist_cfg.offload_params else ''})"
+            f"over {self.env.world_size} ranks (reshard_after_forward={reshard}{', CPU offload' if offload else ''})"
         )
 
-        model.to_empty(device="cpu" if self.dist_cfg.offload_params else device)
+        model.to_empty(device="cpu" if offload else self.device)
         set_model_state_dict(
             model,
             full_state,
@@ -81,9 +96,7 @@ class FSDPStrategy(Strategy):
                     buf.copy_(src)
         self.module = self.model = model
         self.optimizer = self.build_optimizer(model)
-
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # the MixedPrecisionPolicy casts
+        self._track_gradients()
 
     @property
     def grad_divisor(self) -> float:

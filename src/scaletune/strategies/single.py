@@ -8,7 +8,7 @@ from scaletune.strategies.base import Strategy, check_devices
 
 
 class SingleStrategy(Strategy):
-    """No wrapper: the model trains where models.py placed it."""
+    """No wrapper: the model trains where models/ placed it."""
 
     name = "single"
 
@@ -18,3 +18,4 @@ class SingleStrategy(Strategy):
             check_devices(module, self.device, strategy=self.name)
         self.module = self.model = module
         self.optimizer = self.build_optimizer(module)
+        self._track_gradients()

@@ -1,0 +1,83 @@
+"""The `scaletune` command line: one thin function per verb (DESIGN.md); the work lives below.
+
+Exit codes: 0 success; 2 bad input (config, data, arguments) with every problem named and no
+traceback; 1 anything else, with the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from scaletune.errors import UserError
+
+if TYPE_CHECKING:
+    from scaletune.env import DistributedEnv
+    from scaletune.resolve import RunSpec
+
+app = typer.Typer(
+    name="scaletune",
+    help="Fine-tune LLMs with one YAML file, from one CPU to many GPUs on many nodes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Standalone DeepSpeed / FSDP configs, and the config's resolved form and reference.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML config.")]
+OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")]
+EnvPresetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--env-preset", help="NCCL/torch.distributed env preset, repeatable: debug, no-p2p, no-ib, no-shm, long-timeouts, socket-ifname=IFACE (docs/launch.md)."),
+]
+
+
+def emit(text: str, output: Path | None) -> None:
+    """Print generated text, or write it to `output` and print the path."""
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(str(output))
+
+
+def resolved(
+    config: Path, overrides: list[str] | None, *, world_size: int | None = None, env: DistributedEnv | None = None, check: bool = True
+) -> RunSpec:
+    """The run a verb works on: the config read and resolved (`auto` by the planner) for this
+    process's environment, or `env` (a machine planned for).
+
+    Raises:
+        UserError: every schema (and, with `check`, rule) problem, with file:line.
+    """
+    from scaletune.config import read_config
+    from scaletune.env import DistributedEnv
+    from scaletune.plan import choose_auto
+    from scaletune.resolve import resolve
+
+    env = env or DistributedEnv.from_environ()
+    return resolve(read_config(config, overrides or []), env, choose_auto=choose_auto, world_size=world_size, check=check)
+
+
+def command_line() -> str:
+    import shlex
+
+    return "scaletune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point. Usage errors exit 2 (click's standalone mode); a UserError raised by a
+    verb exits 2 with every problem and no traceback; anything else exits 1 with the traceback."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except UserError as exc:
+        typer.echo(f"error: {exc.format()}", err=True)
+        sys.exit(2)
+
+
+# The verbs register themselves on `app` / `config_app` when imported.
+from scaletune.cli import run_verbs, launch_verbs, config_verbs  # noqa: E402, F401, I001 - registration order is --help's order

@@ -1,0 +1,132 @@
+"""Verbs that train, build, export, plan and check: `train`, `init-model`, `export`, `plan`, `doctor`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from scaletune.cli import OverridesArg, app, resolved
+from scaletune.errors import UserError
+
+
+@app.command()
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config (see README: config reference).")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")] = None,
+) -> None:
+    """Train. Under torchrun, the deepspeed launcher or srun, each rank runs this. Started plainly
+    with more than one process wanted (distributed.num_processes), it re-executes itself under
+    torchrun with one process per device."""
+    from scaletune.run import run_from_cli
+
+    run_from_cli(config, overrides or [])
+
+@app.command("init-model")
+def init_model(
+    preset: Annotated[str, typer.Argument(help="Preset name: see --help of this command for the list.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the model and tokenizer to.")],
+    seed: Annotated[int, typer.Option(help="Seed of the random initialisation.")] = 0,
+) -> None:
+    """Build a randomly initialised tiny model from a named preset (olmo2-tiny, llama-tiny, ...)
+    with the bundled OLMo-2 tokenizer, and save_pretrained it to OUTPUT."""
+    from scaletune.models import init_model as _init
+
+    path = _init(preset, output, seed=seed)
+    typer.echo(str(path))
+
+
+@app.command("export")
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoints/step-N folder, or a run directory (its latest checkpoint).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the Hugging Face model to (must be empty).")],
+    merge_lora: Annotated[bool, typer.Option("--merge-lora", help="Fold a LoRA adapter into the base weights.")] = False,
+    dtype: Annotated[Optional[str], typer.Option(help="Weights dtype: bfloat16, float16 or float32 (default: as trained).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file, e.g. 5GB.")] = "5GB",
+) -> None:
+    """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
+    from scaletune.checkpoint import export_checkpoint
+
+    if dtype is not None and dtype not in ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+        raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32", title="invalid arguments")
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype or "", dtype)
+    out = export_checkpoint(checkpoint, output, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size)
+    typer.echo(str(out))
+
+@app.command(context_settings={"allow_interspersed_args": True})
+def plan(
+    config: Annotated[Path, typer.Argument(help="YAML config (model.name_or_path may be a preset name such as llama-3-8b).")],
+    overrides: OverridesArg = None,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs per node (default: the GPUs visible here).")] = None,
+    gpu_memory: Annotated[Optional[float], typer.Option(help="Memory per GPU in GiB (default: the first visible GPU's).")] = None,
+    nodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    simulate_world_size: Annotated[Optional[int], typer.Option(help="Also shard the meta model with FSDP2 over a fake process group of W ranks and report rank 0's shard.")] = None,
+) -> None:
+    """Memory per rank of every strategy (parameters, gradients, optimizer state, activations) and
+    the chosen strategy, from the model's config alone (meta device, no weights)."""
+    import json
+
+    from rich.console import Console
+
+    from scaletune.plan import describe_shape, plan as make_plan, render_table, simulate_fsdp, target_env
+
+    env, world, note = target_env(gpus, gpu_memory, nodes)
+    spec = resolved(config, overrides, world_size=world, env=env, check=False)
+    result = make_plan(spec, gpu_memory_bytes=env.device_memory_bytes, nodes=nodes)
+    sim = simulate_fsdp(spec, simulate_world_size) if simulate_world_size else None
+    planned = make_plan(spec, world_size=simulate_world_size, shape=result.shape).get("fsdp").params if sim else None
+    if json_out:
+        data = result.to_json()
+        if sim is not None:
+            data["simulation"] = {**sim, "planned_fsdp_params_bytes": planned}
+        typer.echo(json.dumps(data, indent=2))
+        return
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    assert result.shape is not None
+    console.print(describe_shape(result.shape))
+    console.print(f"{note}; precision {spec.precision.compute} (storage {spec.precision.storage})")
+    console.print(render_table(result))
+    console.print(f"chosen: [bold]{result.chosen}[/] - {result.reason}")
+    if sim is not None:
+        console.print(
+            f"simulated fsdp over a fake process group of {sim['world_size']} ranks in {sim['seconds']} s: rank 0 holds "
+            f"{sim['params_bytes']:,} parameter bytes in {sim['tensors']} shards (plan: {planned:,}; full model {sim['full_bytes']:,})"
+        )
+
+
+@app.command()
+def doctor(
+    comm_test: Annotated[bool, typer.Option("--comm-test", help="Run all_reduce / all_gather / reduce_scatter across the launched ranks (under torchrun).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    config: Annotated[Optional[Path], typer.Option(help="Also run the checks that need a config.")] = None,
+) -> None:
+    """Environment report and checks, each OK / WARN / FAIL with the fix. Exits 1 when a check fails."""
+    import json
+
+    from rich.console import Console
+
+    from scaletune.doctor import checks, comm_test as run_comm_test, render, render_comm, report
+    from scaletune.env import DistributedEnv
+
+    env = DistributedEnv.from_environ()
+    # The config's rules are shown as checks, so a config that resolves is enough here.
+    spec = resolved(config, [], env=env, check=False) if config is not None else None
+    rep, results = report(env), checks(spec, env)
+    comm = run_comm_test() if comm_test else None
+    failed = any(c.status == "FAIL" for c in results) or (comm is not None and not all(r["ok"] for r in comm))
+    if env.rank == 0:
+        if json_out:
+            data = {"report": rep, "checks": [c.to_json() for c in results]}
+            if comm is not None:
+                data["comm_test"] = comm
+            typer.echo(json.dumps(data, indent=2))
+        else:
+            console = Console(width=None if sys.stdout.isatty() else 160)
+            console.print(render(rep, results))
+            if comm is not None:
+                console.print(render_comm(comm))
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,341 @@
+"""The config's schema: one pydantic model per section, a docstring per field (meaning, unit,
+default's source). Unknown keys are errors. Cross-field rules are not here: they run on resolved
+values in :mod:`scaletune.resolve`.
+
+`docs/config.md` and `scaletune config reference` are generated from these models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16", "auto"]
+Scheduler = Literal["cosine", "linear", "constant"]
+
+
+class _Strict(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated, and
+    each field's docstring is its description."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters (Hu et al. 2021, arXiv:2106.09685) injected by peft; the base weights freeze."""
+
+    r: int = Field(16, ge=1)
+    """Rank of each adapter's low-rank update (the A: d x r and B: r x k matrices)."""
+    alpha: float = Field(32, gt=0)
+    """Scaling numerator: the update is multiplied by alpha / r (peft's `lora_alpha`)."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout probability on the adapter's input (peft's `lora_dropout`)."""
+    target_modules: Literal["auto"] | list[str] = "auto"
+    """Module names to adapt. `auto`: every attention and MLP projection of the decoder layers
+    (the QLoRA paper's recommendation), never the output head."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train: none, all, or only those of adapted modules."""
+
+
+class QuantizationConfig(_Strict):
+    """bitsandbytes quantization of the frozen base weights (QLoRA: Dettmers et al. 2023,
+    arXiv:2305.14314). Needs `model.lora` and a CUDA GPU."""
+
+    bits: Literal[4, 8]
+    """4 (NF4/FP4, QLoRA) or 8 (LLM.int8())."""
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type: NormalFloat4 (the QLoRA paper's) or plain FP4."""
+    double_quant: bool = True
+    """Quantize the per-block absmax constants too (saves ~0.37 bits per parameter)."""
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """dtype the 4-bit weights are dequantized to for each matmul."""
+    storage_dtype: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
+    """dtype the packed 4-bit weights are stored as (bitsandbytes' `bnb_4bit_quant_storage`). FSDP
+    and ZeRO-3 flatten each unit's parameters into one tensor of one dtype, so under them it must
+    equal `model.dtype`."""
+
+
+class ModelConfig(_Strict):
+    """The model to fine-tune and how to load and adapt it."""
+
+    name_or_path: str
+    """A local Hugging Face model folder, a hub id (owner/name), or, for `scaletune plan`, a preset
+    name such as `llama-3-8b`."""
+    tokenizer: str | None = None
+    """Where the tokenizer is, when not beside the model (default: `name_or_path`)."""
+    revision: str | None = None
+    """Hub revision: a branch, tag or commit."""
+    dtype: Dtype = "bfloat16"
+    """Compute dtype of matmuls. Trainable weights stay float32 (master weights) and the forward runs
+    under autocast or the engine's mixed precision; a frozen LoRA base is stored in this dtype.
+    `auto`: bfloat16 on a GPU that supports it, else float32."""
+    attn_implementation: str | None = "sdpa"
+    """transformers' attention kernel: sdpa, eager, flash_attention_2, flex_attention, ... (null: the
+    model's default)."""
+    trust_remote_code: bool = False
+    """Run Python code shipped in the model folder (config.json `auto_map`). Off unless you say so."""
+    device_map: str | None = None
+    """One process only: auto, sequential, balanced, balanced_low_0 (split the layers over the visible
+    GPUs), cpu, or cuda:N. Set aside under a launcher, where each rank holds its own copy or shard."""
+    gradient_checkpointing: bool = True
+    """Recompute each decoder layer's activations in backward instead of keeping them (always
+    non-reentrant, which DDP with LoRA needs)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters; null trains every weight (full fine-tuning)."""
+    quantization: QuantizationConfig | None = None
+    """k-bit frozen base weights (QLoRA); null keeps them in `dtype`."""
+    activation_offload: bool = False
+    """Keep the decoder's saved activations in host memory between forward and backward
+    (torch.autograd.graph.save_on_cpu): less device memory for long sequences, paid in copies."""
+    liger: bool = False
+    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA and
+    `pip install 'scaletune[liger]'`; not with DeepSpeed ZeRO-3."""
+    compile: bool = False
+    """torch.compile each decoder layer (torchtitan's per-block compile). Not with DeepSpeed ZeRO-3."""
+
+    @field_validator("device_map")
+    @classmethod
+    def _device_map(cls, v: str | None) -> str | None:
+        if v is None or v in ("auto", "sequential", "cpu", "balanced", "balanced_low_0"):
+            return v
+        if v.startswith("cuda:") and v[5:].isdigit():
+            return v
+        raise ValueError("must be null, auto, sequential, balanced, balanced_low_0, cpu or cuda:N")
+
+
+class DataSource(_Strict):
+    """One data set: a local JSON/JSONL/Parquet/CSV file or folder, or a Hugging Face `datasets` name."""
+
+    path: str
+    """The file, folder or data set name."""
+    format: Literal["alpaca", "messages", "text"] = "alpaca"
+    """alpaca: instruction/input/output records; messages: chat turns rendered with the chat template;
+    text: plain text, all of it trained."""
+    split: str = "train"
+    """The split of a `datasets` name."""
+    subset: str | None = None
+    """The configuration name of a `datasets` name (`datasets.load_dataset(path, subset)`)."""
+    field: str | None = None
+    """Column holding the record (text: default `text`; messages: default `messages`)."""
+    max_samples: int | None = Field(None, ge=1)
+    """Read at most this many records (the first ones)."""
+
+
+class DummyData(_Strict):
+    """Synthetic token sequences for smoke tests (replaces `data.train`)."""
+
+    num_samples: int = Field(100, ge=1)
+    """Sequences to generate."""
+    seq_length: int | None = Field(None, ge=2)
+    """Tokens per sequence (default: `data.max_seq_length`)."""
+
+
+class DataConfig(_Strict):
+    """Training and evaluation data, tokenisation and packing."""
+
+    train: DataSource | None = None
+    """Training data."""
+    eval: DataSource | None = None
+    """Evaluation data: another source (or use `eval_fraction`)."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Hold out this fraction of the training records for evaluation (0 < f < 1)."""
+    max_seq_length: int = Field(1024, ge=8)
+    """Tokens per sequence; longer examples are truncated (examples left without a trained token are
+    dropped)."""
+    packing: bool = False
+    """Concatenate several examples per sequence, attention kept apart per example (no FLOPs spent on
+    padding)."""
+    dummy: DummyData | None = None
+    """Synthetic data instead of `train`, for smoke tests."""
+    chat_template: str | None = None
+    """Jinja chat template for `messages` data (default: the tokenizer's, else ChatML)."""
+    num_workers: int = Field(0, ge=0)
+    """Worker processes for tokenisation and data loading (0: in the training process)."""
+
+    @model_validator(mode="after")
+    def _sources(self) -> DataConfig:
+        if self.train is None and self.dummy is None:
+            raise ValueError("give data.train (a file or data set) or data.dummy")
+        if self.eval is not None and self.eval_fraction is not None:
+            raise ValueError("give data.eval or data.eval_fraction, not both")
+        return self
+
+
+class StageData(_Strict):
+    """A stage's data: each key given replaces the top-level `data` key of the same name; the others
+    are inherited (so a stage that names only its `train` file keeps `max_seq_length`, `packing`...)."""
+
+    train: DataSource | None = None
+    """Training data of this stage."""
+    eval: DataSource | None = None
+    """Evaluation data of this stage."""
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Fraction of this stage's training records held out for evaluation."""
+    max_seq_length: int | None = Field(None, ge=8)
+    """Tokens per sequence in this stage."""
+    packing: bool | None = None
+    """Pack examples in this stage."""
+    dummy: DummyData | None = None
+    """Synthetic data for this stage."""
+    chat_template: str | None = None
+    """Chat template for this stage's `messages` data."""
+    num_workers: int | None = Field(None, ge=0)
+    """Worker processes for this stage's data."""
+
+
+class TrainingConfig(_Strict):
+    """The optimisation: batch, length of the run, AdamW, schedule, evaluation, checkpoints."""
+
+    global_batch_size: int = Field(32, ge=1)
+    """Sequences per optimizer step, all ranks together. Must be a multiple of
+    micro_batch_size x world_size; the quotient is the gradient accumulation."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Sequences per rank per forward pass."""
+    epochs: float = Field(1, gt=0)
+    """Passes over the training data (fractions allowed); `max_steps` wins when set."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of the run (or of a stage); takes precedence over `epochs`."""
+    learning_rate: float = Field(2.0e-4, ge=0)
+    """Peak learning rate of AdamW (after warmup)."""
+    lr_scheduler: Scheduler = "cosine"
+    """Decay after warmup: cosine (to `min_lr_ratio` x peak), linear (to 0) or constant."""
+    warmup_steps: int = Field(10, ge=0)
+    """Optimizer steps of linear warmup from 0 to `learning_rate`."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """cosine: the final learning rate as a fraction of the peak."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW's decoupled weight decay (Loshchilov & Hutter 2019), on weights with 2+ dimensions only
+    (not biases or norms, as GPT-2/nanoGPT/HF Trainer)."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW's first-moment decay (torch's default)."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """AdamW's second-moment decay (torch's default)."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """AdamW's denominator epsilon (torch's default)."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm (L2, all ranks) to this; null: no clipping."""
+    eval_every: int = Field(50, ge=0)
+    """Evaluate every N optimizer steps and at the end of each stage; 0: only at stage ends."""
+    save_every: int = Field(100, ge=0)
+    """Write a resumable checkpoint every N optimizer steps; 0: only at stage ends."""
+    log_every: int = Field(1, ge=1)
+    """Write a metrics.jsonl line every N optimizer steps (and at every save and stage end)."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept; older ones are deleted after a new one is complete."""
+    resume: str | None = None
+    """null: start fresh; auto: continue from the run directory's latest checkpoint (or start fresh);
+    a path: a checkpoints/step-N folder or a run directory."""
+
+
+class DistributedConfig(_Strict):
+    """How the work is spread over processes and devices."""
+
+    strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
+    """single: one process; ddp: full replica per rank; fsdp: FSDP2 sharding; deepspeed: ZeRO
+    `zero_stage`; auto: the memory planner picks the fastest that fits (single on one process)."""
+    num_processes: Literal["auto"] | int = "auto"
+    """Processes a plain `scaletune train` starts (re-executing under torchrun); auto: one per visible
+    GPU. Under a launcher the launcher decides."""
+    zero_stage: int = Field(2, ge=1, le=3)
+    """DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters
+    (Rajbhandari et al. 2020, arXiv:1910.02054)."""
+    offload_optimizer: bool = False
+    """DeepSpeed: optimizer state and step on the CPU (ZeRO-Offload)."""
+    offload_params: bool = False
+    """Parameters on the CPU: DeepSpeed ZeRO-3, or FSDP (which then offloads gradients and optimizer
+    state too)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each layer's gathered parameters after its forward (ZeRO-3-like) or keep them until
+    backward (ZeRO-2-like: more memory, one all-gather less)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON of your own, merged under the generated one; its batch, precision and stage
+    keys must agree with the YAML or be `auto`."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend: auto is NCCL on GPUs, gloo on CPUs."""
+    timeout_minutes: float = Field(30, gt=0)
+    """Collective timeout (the NCCL watchdog's), in minutes."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables for every rank (e.g. NCCL_DEBUG: INFO); secret-looking names are never
+    written to a file."""
+
+    @field_validator("num_processes")
+    @classmethod
+    def _nproc(cls, v: Any) -> Any:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be auto or a positive integer")
+        return v
+
+
+class StageTraining(_Strict):
+    """The training fields a curriculum stage may override (the rest are inherited)."""
+
+    epochs: float | None = Field(None, gt=0)
+    """Passes over this stage's data (clears an inherited `max_steps`)."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps of this stage."""
+    learning_rate: float | None = Field(None, ge=0)
+    """Peak learning rate of this stage's schedule."""
+    lr_scheduler: Scheduler | None = None
+    """This stage's decay."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """This stage's warmup steps."""
+    min_lr_ratio: float | None = Field(None, ge=0, le=1)
+    """This stage's final learning-rate ratio (cosine)."""
+
+
+class StageConfig(_Strict):
+    """One curriculum stage: its data and training keys are merged onto the top level's."""
+
+    name: str
+    """Unique name; every metrics.jsonl line carries it."""
+    data: StageData | None = None
+    """Data keys this stage replaces."""
+    training: StageTraining | None = None
+    """Training keys this stage replaces."""
+    continue_schedule: bool = False
+    """Extend the running learning-rate schedule instead of starting a new one."""
+
+
+class WandbConfig(_Strict):
+    """Weights & Biases logging from rank 0."""
+
+    project: str
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user."""
+    name: str | None = None
+    """Run name (default: W&B's)."""
+
+
+class LoggingConfig(_Strict):
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = True
+    """TensorBoard event files under `output_dir/tensorboard`."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases run; null: none."""
+
+
+class Config(_Strict):
+    """A run: model, data, training, distribution, curriculum stages and logging."""
+
+    output_dir: str = "runs/default"
+    """The run directory: config.yaml, metrics.jsonl, checkpoints/, final/, loss.png."""
+    seed: int = 42
+    """Seeds Python, NumPy and torch on every rank (identical initial weights and data order)."""
+    overwrite: bool = False
+    """Replace a finished or started run in `output_dir` (it is kept until the new run has passed
+    every check)."""
+    model: ModelConfig
+    """The model."""
+    data: DataConfig
+    """The data."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """The optimisation."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Processes, devices and the parallel strategy."""
+    stages: list[StageConfig] = Field(default_factory=list)
+    """Curriculum stages run in order in one run; empty: one stage named `main`."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metric sinks."""

@@ -1,0 +1,247 @@
+"""Checks of the launch and of the packages and devices a run needs, each OK / WARN / FAIL with its
+fix. Config rules are not repeated here: the checks that concern them show what
+:func:`scaletune.resolve.rule_problems` finds on the resolved run.
+
+Stale distributed variables. `DistributedEnv` calls a process with `RANK`/`WORLD_SIZE` but no
+torchrun (`TORCHELASTIC_RUN_ID`) or deepspeed-launcher marker launcher `env` (accelerate, mpirun
+wrappers and hand-set variables look like that). Such a process is a real rank only if it can
+reach the rendezvous, so: `WORLD_SIZE > 1` without `MASTER_ADDR` or `MASTER_PORT` is fatal (a
+stale `WORLD_SIZE` exported by another job, or a half-set environment: `init_process_group` would
+fail or wait for peers that never come); inside a SLURM step whose task count disagrees with
+`WORLD_SIZE` it is fatal too (variables left over from another job); `WORLD_SIZE` of 1 or
+`MASTER_*` alone without a launcher is a warning (harmless here, surprising later).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal, Mapping
+
+from scaletune.env import DistributedEnv
+
+if TYPE_CHECKING:
+    from scaletune.resolve import Problem, RunSpec
+
+Status = Literal["OK", "WARN", "FAIL"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check's outcome. `fatal`: preflight stops the run (only with status FAIL)."""
+
+    name: str
+    status: Status
+    message: str
+    fix: str = ""
+    fatal: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _ok(name: str, message: str) -> Check:
+    return Check(name, "OK", message)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_launcher_vars(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
+    name = "distributed variables"
+    if env.launcher in ("torchrun", "deepspeed", "srun"):
+        return _ok(name, f"started by {env.launcher}: rank {env.rank} of {env.world_size}")
+    fix = "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT, or start the job with torchrun / scaletune launch"
+    if env.launcher == "env":
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(v)]
+        slurm_tasks = environ.get("SLURM_NTASKS")
+        if env.world_size > 1 and missing:
+            return Check(
+                name, "FAIL",
+                f"WORLD_SIZE={env.world_size} (RANK={environ.get('RANK', 'unset')}) is set but no launcher started "
+                f"this process and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: a stale "
+                "variable from another job or shell, and the run would wait for peers that never come",
+                fix, fatal=True,
+            )  # fmt: skip
+        if env.world_size > 1 and slurm_tasks and "SLURM_STEP_ID" in environ and slurm_tasks.isdigit():
+            if int(slurm_tasks) != env.world_size and int(slurm_tasks) != env.world_size // max(1, env.local_world_size):
+                return Check(
+                    name, "FAIL",
+                    f"WORLD_SIZE={env.world_size} disagrees with this SLURM step's {slurm_tasks} task(s): "
+                    "variables left over from another job",
+                    fix + " (under srun let scaletune read SLURM_PROCID/SLURM_NTASKS)", fatal=True,
+                )  # fmt: skip
+        if env.world_size > 1:
+            return _ok(name, f"RANK/WORLD_SIZE set by an external launcher: rank {env.rank} of {env.world_size}, "
+                             f"rendezvous {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}")  # fmt: skip
+        return Check(
+            name, "WARN",
+            f"distributed variables ({', '.join(v for v in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE') if v in environ)}) are set "
+            "without a launcher at world size 1: probably left over; device_map is ignored while they are set",
+            fix,
+        )  # fmt: skip
+    stray = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v in environ]
+    if stray:
+        return Check(name, "WARN", f"{' and '.join(stray)} set without a launcher (harmless for one process)", fix)
+    return _ok(name, "no launcher: one process")
+
+
+def _rule(spec: RunSpec | None, *groups: str) -> Problem | None:
+    """The first problem the resolve rules find in these groups (one implementation of each rule:
+    the doctor shows them, it does not repeat them)."""
+    from scaletune.resolve import rule_problems
+
+    if spec is None:
+        return None
+    return next((p for p in rule_problems(spec) if p.check in groups), None)
+
+
+def _fail(p: Problem) -> Check:
+    return Check(p.check, "FAIL", p.message, p.fix, fatal=True)
+
+
+def check_processes_vs_gpus(env: DistributedEnv, spec: RunSpec | None, environ: Mapping[str, str]) -> Check:
+    name = "processes per GPU"
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    if env.cuda_available:
+        if env.launched and env.local_world_size > env.cuda_device_count:
+            return Check(
+                name, "FAIL",
+                f"{env.local_world_size} processes on this node but {env.cuda_device_count} visible GPU(s) "
+                f"(CUDA_VISIBLE_DEVICES={visible}): ranks would share a GPU (NCCL 'Duplicate GPU detected')",
+                f"start at most {env.cuda_device_count} processes per node (--nproc_per_node {env.cuda_device_count})", fatal=True,
+            )  # fmt: skip
+        bad = _rule(spec, name)
+        if bad is not None:
+            return _fail(bad)
+        return _ok(name, f"{env.local_world_size if env.launched else 1} process(es), {env.cuda_device_count} GPU(s) visible")
+    return _ok(name, f"no GPU: {env.local_world_size} CPU process(es) on this node (gloo)")
+
+
+def check_device_map(env: DistributedEnv, spec: RunSpec | None) -> Check:
+    name = "device_map"
+    device_map = spec.config.model.device_map if spec is not None else None
+    if device_map is None:
+        return _ok(name, "no device_map")
+    if env.launched:
+        return Check(
+            name, "WARN",
+            f"model.device_map={device_map} under a launcher ({env.launcher}): it is set aside, each rank loads "
+            "its replica or shard on its own device",
+            "drop model.device_map when training with several processes",
+        )  # fmt: skip
+    return _ok(name, f"device_map {device_map} in one process")
+
+
+def check_quantization(env: DistributedEnv, spec: RunSpec | None) -> list[Check]:
+    """A CUDA GPU and bitsandbytes (this machine), then what the resolve rules say of the strategy."""
+    q = spec.config.model.quantization if spec is not None else None
+    if spec is None or q is None:
+        return [_ok("quantization", "no quantization")]
+    out = []
+    if not env.cuda_available:
+        out.append(Check(
+            "quantization", "FAIL",
+            f"model.quantization ({q.bits}-bit bitsandbytes) needs a CUDA GPU and none is visible",
+            "drop model.quantization (LoRA on unquantized weights) or run on a GPU machine", fatal=True,
+        ))  # fmt: skip
+    elif _version("bitsandbytes") is None:
+        out.append(Check("quantization", "FAIL", "model.quantization needs bitsandbytes, which is not installed",
+                         "pip install 'scaletune[gpu]'", fatal=True))  # fmt: skip
+    else:
+        out.append(_ok("quantization", f"{q.bits}-bit on GPU with bitsandbytes {_version('bitsandbytes')}"))
+    bad = _rule(spec, "quantization strategy", "quantization storage dtype")
+    out.append(_fail(bad) if bad else _ok("quantization strategy", f"{q.bits}-bit weights with strategy {spec.strategy_label}"))
+    return out
+
+
+def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
+    """`model.liger` needs a CUDA GPU (Liger's kernels are Triton GPU kernels) and liger-kernel;
+    checked without importing it. Its clash with ZeRO-3 is a resolve rule."""
+    name = "liger"
+    if spec is None or not spec.config.model.liger:
+        return _ok(name, "model.liger off")
+    if not env.cuda_available:
+        return Check(name, "FAIL", "model.liger (Liger's Triton kernels) needs a CUDA GPU and none is visible",
+                     "set model.liger: false (the built-in chunked loss runs on any device) or run on a GPU machine",
+                     fatal=True)  # fmt: skip
+    if _version("liger-kernel") is None:
+        return Check(name, "FAIL", "model.liger needs liger-kernel, which is not installed",
+                     "pip install 'scaletune[liger]'", fatal=True)  # fmt: skip
+    return _ok(name, f"Liger kernels on GPU with liger-kernel {_version('liger-kernel')}")
+
+
+def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
+    """DDP + LoRA + reentrant checkpointing fails with 'Expected to mark a variable ready only once'.
+    Guards scaletune's own default: the checkpointing it enables must stay non-reentrant."""
+    import inspect
+
+    from scaletune import models
+
+    name = "checkpointing under ddp"
+    m = spec.config.model if spec is not None else None
+    if spec is None or m is None or m.lora is None or not m.gradient_checkpointing:
+        return _ok(name, "not LoRA with gradient checkpointing")
+    if spec.strategy != "ddp":
+        return _ok(name, f"strategy {spec.strategy}")
+    default = inspect.signature(models.enable_gradient_checkpointing).parameters["use_reentrant"].default
+    if default is not False:
+        return Check(
+            name, "FAIL",
+            "LoRA with gradient checkpointing under DDP with reentrant checkpointing: backward fails with "
+            "'Expected to mark a variable ready only once'",
+            "use non-reentrant checkpointing (use_reentrant=False)", fatal=True,
+        )  # fmt: skip
+    return _ok(name, "LoRA + checkpointing under ddp uses non-reentrant checkpointing")
+
+
+def check_batch(spec: RunSpec | None) -> Check:
+    name = "batch arithmetic"
+    if spec is None:
+        return _ok(name, "no config")
+    bad = _rule(spec, name)
+    return _fail(bad) if bad else _ok(name, spec.batch.describe())
+
+
+def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None) -> Check:
+    """DeepSpeed imports, and the ops this run needs can be built here (`OpBuilder.is_compatible()`)."""
+    name = "deepspeed ops"
+    if builders is None:
+        if spec is None or spec.strategy != "deepspeed":
+            return _ok(name, "DeepSpeed not used")
+        builders = ["CPUAdamBuilder"] if spec.offload_optimizer else []
+    try:
+        import deepspeed  # noqa: F401 - importable, not only installed (a broken build fails here)
+    except ImportError:
+        return Check(name, "FAIL", "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' "
+                     "(or choose ddp or fsdp)", fatal=True)  # fmt: skip
+    if not builders:
+        return _ok(name, f"deepspeed {_version('deepspeed')}; no custom op needed")
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        bad = []
+        for b in builders:
+            builder = acc.create_op_builder(b)
+            if builder is None or not builder.is_compatible(verbose=False):
+                bad.append(b)
+    except Exception as exc:  # noqa: BLE001 - any failure here means the op cannot be built
+        return Check(name, "FAIL", f"DeepSpeed ops cannot be checked: {type(exc).__name__}: {exc}",
+                     "reinstall deepspeed matching this torch/CUDA (`ds_report`)", fatal=True)  # fmt: skip
+    if bad:
+        return Check(
+            name, "FAIL", f"DeepSpeed op(s) {', '.join(bad)} cannot be built on this machine ({acc.device_name()})",
+            "run `ds_report` and install the missing toolchain (a C++ compiler, libaio-dev, the CUDA toolkit), or drop the offload",
+            fatal=True,
+        )  # fmt: skip
+    return _ok(name, f"{', '.join(builders)} compatible ({acc.device_name()})")

@@ -1,0 +1,163 @@
+"""Checks of the machine: NCCL / torch variables, free disk, the rendezvous port."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from scaletune.doctor.checks import Check, _ok
+from scaletune.env import DistributedEnv
+
+if TYPE_CHECKING:
+    from scaletune.resolve import RunSpec
+
+DEFAULT_PORT = 29500  # scaletune launch / torchrun's default rendezvous port
+
+
+def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Check]:
+    """NCCL / torch variables that commonly cause hangs or silent slowness."""
+    out = []
+    gpu_dist = env.cuda_available and env.world_size > 1
+    ifname = environ.get("NCCL_SOCKET_IFNAME")
+    if ifname:
+        try:
+            names = {n for _, n in socket.if_nameindex()}
+        except OSError:
+            names = set()
+        wanted = [p for p in ifname.split(",") if p and not p.startswith("^")]
+        exclude = ifname.startswith("^")
+        missing = [] if exclude or not names else [w for w in wanted if not any(n == w or n.startswith(w) for n in names)]
+        if missing:
+            out.append(Check(
+                "NCCL_SOCKET_IFNAME", "FAIL",
+                f"NCCL_SOCKET_IFNAME={ifname}: no interface {', '.join(missing)} here (have {', '.join(sorted(names))}); "
+                "NCCL hangs or fails at the first collective",
+                "set it to an interface that reaches the other nodes (`ip addr`), or unset it", fatal=gpu_dist,
+            ))  # fmt: skip
+    for var in ("NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        if environ.get(var) == "0":
+            out.append(Check(var, "WARN", f"{var}=0: a failed rank leaves the others hanging until the timeout",
+                             f"unset {var} (torch's default tears the job down on errors)"))  # fmt: skip
+    for var, why in (("NCCL_P2P_DISABLE", "GPU-to-GPU traffic goes through host memory"),
+                     ("NCCL_IB_DISABLE", "multi-node traffic uses TCP instead of InfiniBand/RoCE")):  # fmt: skip
+        if environ.get(var) == "1":
+            out.append(Check(var, "WARN", f"{var}=1: {why} (slower; right only where the hardware needs it)",
+                             f"unset {var} unless it works around a known hang"))  # fmt: skip
+    if environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        out.append(Check("CUDA_LAUNCH_BLOCKING", "WARN", "CUDA_LAUNCH_BLOCKING=1 serialises every kernel (debugging only)",
+                         "unset CUDA_LAUNCH_BLOCKING"))  # fmt: skip
+    if environ.get("NCCL_BLOCKING_WAIT") or environ.get("TORCH_NCCL_BLOCKING_WAIT") == "1":
+        out.append(Check("TORCH_NCCL_BLOCKING_WAIT", "WARN", "blocking wait makes every collective poll the CPU",
+                         "unset NCCL_BLOCKING_WAIT / TORCH_NCCL_BLOCKING_WAIT"))  # fmt: skip
+    if not out:
+        out.append(_ok("NCCL variables", "no variable known to cause hangs is set"))
+    return out
+
+
+def _config_json(spec: RunSpec) -> dict | None:
+    from scaletune.models import PRESETS
+
+    name = spec.config.model.name_or_path
+    p = Path(name).expanduser()
+    if (p / "config.json").is_file():
+        try:
+            return json.loads((p / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    if name in PRESETS:
+        return dict(PRESETS[name].kwargs)
+    return None
+
+
+def estimate_parameters(c: dict) -> int | None:
+    """Parameters of a decoder-only transformer from its config.json (no model code)."""
+    c = c.get("text_config", c)
+    try:
+        h, L, V = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    heads = int(c.get("num_attention_heads", 1))
+    hd = int(c.get("head_dim") or h // heads)
+    kv = int(c.get("num_key_value_heads") or heads)
+    i = int(c.get("intermediate_size") or 4 * h)
+    attn = h * hd * heads * 2 + 2 * h * hd * kv
+    mlp = 3 * h * i
+    emb = V * h * (1 if c.get("tie_word_embeddings") else 2)
+    return emb + L * (attn + mlp + 2 * h) + h
+
+
+def _existing_parent(path: Path) -> Path:
+    p = path.resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_disk(spec: RunSpec | None) -> Check:
+    """Free disk at output_dir against the checkpoints the run keeps (real `shutil.disk_usage`)."""
+    name = "free disk"
+    if spec is None:
+        return _ok(name, "no config")
+    cfg = spec.config
+    c = _config_json(spec)
+    n = estimate_parameters(c) if c else None
+    if n is None:
+        return Check(name, "WARN", f"cannot size the model of {cfg.model.name_or_path} from a config.json; disk not checked")
+    if cfg.model.lora is not None:
+        trainable = max(1, n // 200)  # adapters: well under 1% of the model at usual ranks
+        final = 4 * trainable
+    else:
+        trainable = n
+        final = 4 * n if cfg.model.dtype == "float32" else 2 * n
+    ckpt = 4 * trainable * 3  # fp32 weights + Adam's two moments
+    keep = cfg.training.keep_last if cfg.training.save_every else 0
+    need_min = final + (ckpt if keep else 0)
+    need = final + keep * ckpt
+    where = _existing_parent(Path(cfg.output_dir))
+    free = shutil.disk_usage(where).free
+    gb = 1e9
+    msg = (f"{free / gb:,.1f} GB free at {where}; the run writes ~{need / gb:,.1f} GB "
+           f"({keep} checkpoint(s) of ~{ckpt / gb:,.1f} GB and a final model of ~{final / gb:,.1f} GB)")  # fmt: skip
+    if free < need_min:
+        return Check(name, "FAIL", msg, "free disk space or point output_dir at a larger disk", fatal=True)
+    if free < need:
+        return Check(name, "WARN", msg, "lower training.keep_last or free disk space")
+    return _ok(name, msg)
+
+
+def port_free(port: int, host: str = "0.0.0.0") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
+    """The rendezvous port must be free where this process is to open it.
+
+    Under torchrun / the deepspeed launcher the agent holds the port (taken is right). A process
+    that will open the store itself (rank 0 under launcher `env` without torchrun's agent store)
+    fails on a taken port: fatal. Without a launcher the port that `scaletune launch` would use
+    (MASTER_PORT or 29500) is checked: a warning.
+    """
+    name = "rendezvous port"
+    raw = environ.get("MASTER_PORT")
+    port = int(raw) if raw and raw.isdigit() else DEFAULT_PORT
+    if env.launcher in ("torchrun", "deepspeed", "srun") or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return _ok(name, f"port {port} held by the launcher")
+    if env.launcher == "env":
+        if env.rank != 0 or env.world_size == 1:
+            return _ok(name, f"rank {env.rank} connects to {environ.get('MASTER_ADDR')}:{port}")
+        if not port_free(port):
+            return Check(name, "FAIL", f"MASTER_PORT {port} is already in use: rank 0 cannot open the rendezvous there",
+                         "choose a free MASTER_PORT or stop the process holding it (`ss -ltnp`)", fatal=True)  # fmt: skip
+        return _ok(name, f"port {port} free for rank 0's rendezvous")
+    if not port_free(port):
+        return Check(name, "WARN", f"port {port} (the rendezvous port `scaletune launch` would use) is in use",
+                     "pass --master-port with a free port (single-node `scaletune train` picks one itself)")  # fmt: skip
+    return _ok(name, f"port {port} free")

@@ -1,0 +1,163 @@
+"""Every cross-field rule of a run, each a small function over the decided :class:`RunSpec` that
+returns the :class:`Problem` s it finds (the doctor shows the same problems as checks)."""
+
+from __future__ import annotations
+
+from scaletune.config import TrainingConfig
+from scaletune.errors import ConfigError
+from scaletune.resolve.spec import BatchArithmetic, Problem, RunSpec
+
+# Attention implementations that build their mask through transformers' masking_utils, which
+# keeps packed examples apart by position_ids when no attention_mask is given (data/batching.py).
+PACKING_SAFE_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, world_size: int) -> Problem | None:
+    """`global_batch_size` must split into whole micro-batches on every rank."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step == 0:
+        return None
+    lower = (global_batch_size // per_step) * per_step
+    hint = f"{lower} or {lower + per_step}" if lower else f"{per_step}"
+    return Problem(
+        "batch arithmetic",
+        "training.global_batch_size",
+        f"training.global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size x world_size "
+        f"({micro_batch_size} x {world_size} = {per_step})",
+        f"use for example {hint}",
+    )
+
+
+def batch_arithmetic(training: TrainingConfig, world_size: int, max_seq_length: int) -> BatchArithmetic:
+    """Split `global_batch_size` into micro-batches over `world_size` ranks.
+
+    Raises:
+        ConfigError: `global_batch_size` is not a multiple of `micro_batch_size * world_size`.
+    """
+    bad = batch_problem(training.global_batch_size, training.micro_batch_size, world_size)
+    if bad is not None:
+        raise ConfigError([bad.text()], title="invalid config")
+    gas = training.global_batch_size // (training.micro_batch_size * world_size)
+    return BatchArithmetic(training.global_batch_size, training.micro_batch_size, world_size, gas, max_seq_length)
+
+
+def _strategy_rules(s: RunSpec) -> list[Problem]:
+    out = []
+    if s.strategy == "single" and s.world_size > 1:
+        out.append(Problem("strategy", "distributed.strategy", f"distributed.strategy single cannot run on {s.world_size} ranks",
+                           "use ddp, fsdp or deepspeed"))  # fmt: skip
+    if s.strategy in ("single", "ddp") and (s.offload_optimizer or s.offload_params):
+        out.append(Problem("offload", "distributed.strategy", f"distributed.strategy {s.strategy} has no offload",
+                           "use strategy deepspeed (offload_optimizer, offload_params) or fsdp (offload_params)"))  # fmt: skip
+    if s.strategy == "fsdp" and s.offload_optimizer:
+        out.append(Problem("offload", "distributed.offload_optimizer", "distributed.offload_optimizer is DeepSpeed's",
+                           "under fsdp set offload_params: true, which offloads parameters, gradients and optimizer state together"))  # fmt: skip
+    if s.strategy == "deepspeed" and s.offload_params and s.zero_stage != 3:
+        out.append(Problem("offload", "distributed.offload_params", "distributed.offload_params needs zero_stage 3",
+                           "ZeRO-1/2 do not partition parameters: set zero_stage: 3 or drop offload_params"))  # fmt: skip
+    return out
+
+
+def _model_rules(s: RunSpec) -> list[Problem]:
+    m, out = s.config.model, []
+    q = m.quantization
+    if q is not None and m.lora is None:
+        out.append(Problem("quantization", "model.quantization", "model.quantization freezes the base weights: it needs model.lora (QLoRA)",
+                           "add model.lora or drop model.quantization"))  # fmt: skip
+    if q is not None and s.shards_params:
+        if q.bits == 8:
+            out.append(Problem("quantization strategy", "model.quantization.bits",
+                               f"model.quantization bits 8 cannot be sharded by {s.strategy_label} (LLM.int8()'s 8-bit weights keep per-row state FSDP and ZeRO-3 cannot flatten)",
+                               f"use bits: 4 with storage_dtype: {m.dtype}, or strategy ddp"))  # fmt: skip
+        elif q.storage_dtype != m.dtype:
+            # FSDP/ZeRO-3 flatten each unit's parameters into one tensor of one dtype; 4-bit weights
+            # packed as uint8 cannot join the bf16 ones (QLoRA with FSDP, Answer.AI/HF 2024).
+            out.append(Problem("quantization storage dtype", "model.quantization.storage_dtype",
+                               f"model.quantization under {s.strategy_label}: 4-bit weights stored as {q.storage_dtype} cannot be "
+                               f"flattened into one shard with the other parameters ({m.dtype})",
+                               f"set model.quantization.storage_dtype: {m.dtype} (equal to model.dtype, bitsandbytes' bnb_4bit_quant_storage)"))  # fmt: skip
+    zero3 = s.strategy == "deepspeed" and s.zero_stage == 3
+    chosen = " (chosen by distributed.strategy auto)" if s.requested == "auto" else ""
+    if m.liger and zero3:
+        # Liger's fused linear cross-entropy takes lm_head.weight as a tensor and multiplies it outside
+        # lm_head's forward; ZeRO-3 gathers a partitioned weight only inside its owner's forward.
+        out.append(Problem("liger", "model.liger",
+                           f"model.liger cannot run under deepspeed zero_stage 3{chosen}: Liger's fused linear cross-entropy reads "
+                           "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned (an empty placeholder)",
+                           "use zero_stage 1 or 2, strategy fsdp, or model.liger: false"))  # fmt: skip
+    if m.compile and zero3:
+        # ZeRO-3 gathers and releases each parameter from module hooks, which torch.compile cannot trace.
+        out.append(Problem("compile", "model.compile",
+                           f"model.compile cannot run under deepspeed zero_stage 3{chosen} (its parameter-gathering hooks break the compiled graph)",
+                           "use zero_stage 1 or 2, strategy fsdp, or model.compile: false"))  # fmt: skip
+    return out
+
+
+def _stage_rules(s: RunSpec) -> list[Problem]:
+    cfg, out = s.config, []
+    names = [st.name for st in cfg.stages]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        out.append(Problem("stages", "stages", f"stages: names must be unique, repeated: {', '.join(dupes)}", "rename them"))
+    for i, st in enumerate(cfg.stages):
+        given = st.training.model_dump(exclude_none=True) if st.training else {}
+        clash = sorted(k for k in ("learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio") if k in given)
+        if st.continue_schedule and clash:
+            out.append(Problem("stages", f"stages.{i}.continue_schedule",
+                               f"stages[{i}] continues the running schedule (continue_schedule: true), so its {', '.join(clash)} would be ignored",
+                               "remove them or set continue_schedule: false"))  # fmt: skip
+    resume = cfg.training.resume
+    if isinstance(resume, str) and not resume.strip():
+        out.append(Problem("resume", "training.resume", "training.resume must be null, auto or a checkpoint path"))
+    for stage in s.stages:
+        key = "data.max_seq_length" if not cfg.stages else f"stages.{stage.index}.data.max_seq_length"
+        too_long = positions_problem(stage.data.max_seq_length, s.max_positions, key)
+        out += [too_long] if too_long else []
+        if stage.data.packing:
+            out += packing_problems(cfg.model.attn_implementation, cfg.training.micro_batch_size, key.replace("max_seq_length", "packing"))
+    return out
+
+
+def positions_problem(max_seq_length: int, max_positions: int | None, key: str = "data.max_seq_length") -> Problem | None:
+    """Sequences may not be longer than the positions the model was built for."""
+    if max_positions is None or max_seq_length <= max_positions:
+        return None
+    return Problem("max positions", key,
+                   f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings "
+                   f"({max_positions}), the positions it was built for", f"set data.max_seq_length to {max_positions} or less")  # fmt: skip
+
+
+def packing_problems(attn: str | None, micro_batch_size: int, key: str = "data.packing") -> list[Problem]:
+    """transformers keeps packed examples apart only without an attention_mask and with
+    position_ids restarting per example: masking_utils then builds a block-diagonal causal mask for
+    sdpa, eager and flex_attention. The flash-attention kernels read packing from position_ids only
+    for a batch of ONE row (`_is_packed_sequence`); other (custom) implementations get no mask."""
+    impl = attn or "sdpa"
+    if impl in PACKING_SAFE_ATTENTION or (impl.startswith("flash_attention") and micro_batch_size == 1):
+        return []
+    if impl.startswith("flash_attention"):
+        return [Problem("packing", key,
+                        f"data.packing with model.attn_implementation {impl} keeps packed examples apart only with "
+                        f"training.micro_batch_size 1 (it is {micro_batch_size})", "set micro_batch_size: 1, or use sdpa")]  # fmt: skip
+    return [Problem("packing", key,
+                    f"data.packing: model.attn_implementation {impl} cannot keep packed examples apart (attention would leak between them)",
+                    f"use one of {', '.join(PACKING_SAFE_ATTENTION)} or set data.packing: false")]  # fmt: skip
+
+
+def _environment_rules(s: RunSpec) -> list[Problem]:
+    n = s.config.distributed.num_processes
+    env = s.env
+    if not env.launched and env.cuda_available and isinstance(n, int) and n > env.cuda_device_count:
+        return [Problem("processes per GPU", "distributed.num_processes",
+                        f"distributed.num_processes is {n} but only {env.cuda_device_count} GPU(s) are visible",
+                        f"set it to {env.cuda_device_count} or auto (check CUDA_VISIBLE_DEVICES)")]  # fmt: skip
+    return []
+
+
+def rule_problems(spec: RunSpec) -> list[Problem]:
+    """Every cross-field rule, on the decided run."""
+    out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec)
+    bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.world_size)
+    if bad is not None:
+        out.append(bad)
+    return out + _stage_rules(spec)

@@ -1,0 +1,164 @@
+"""The resolved run and its parts: :class:`RunSpec` and what it holds (precision, batch arithmetic,
+stages), the planner's :class:`AutoChoice`, and a :class:`Problem` a rule finds."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from scaletune.config import Config, DataConfig, TrainingConfig
+from scaletune.env import DistributedEnv
+
+StrategyName = Literal["single", "ddp", "fsdp", "deepspeed"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a run.
+
+    Attributes:
+        check: the doctor's name for the rule ("batch arithmetic", "quantization strategy", ...).
+        key: the dotted config key it is about (for file:line), or None.
+        message: what is wrong.
+        fix: what to do.
+    """
+
+    check: str
+    key: str | None
+    message: str
+    fix: str = ""
+
+    def text(self, where: str | None = None) -> str:
+        head = f"{where}: " if where else ""
+        return head + self.message + (f"; {self.fix}" if self.fix else "")
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `distributed.strategy: auto` became, and why (the planner's answer)."""
+
+    strategy: StrategyName
+    reason: str
+    zero_stage: int | None = None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @staticmethod
+    def default(world_size: int) -> AutoChoice:
+        """The choice without a memory plan: one process trains alone, several with DDP."""
+        if world_size > 1:
+            return AutoChoice("ddp", f"{world_size} ranks and no device memory to plan with: data parallelism")
+        return AutoChoice("single", "one process")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a run stores and computes (dtype names, torch-free).
+
+    Attributes:
+        compute: dtype of the forward and backward matmuls (`model.dtype`, `auto` resolved).
+        storage: dtype the weights are loaded in. Trainable weights stay float32 (master weights,
+            as HF Trainer with `bf16=True` and DeepSpeed/FSDP mixed precision keep them); only a
+            frozen LoRA base is stored in the compute dtype.
+        autocast: the loop runs the forward under `torch.autocast(compute)`; engines that cast
+            themselves (FSDP2's MixedPrecisionPolicy, DeepSpeed) do not need it.
+    """
+
+    compute: str
+    storage: str
+    autocast: bool
+
+    @property
+    def mixed(self) -> bool:
+        return self.compute != self.storage
+
+
+@dataclass(frozen=True)
+class BatchArithmetic:
+    """How a global batch is split: `global_batch_size = micro_batch_size x world_size x
+    gradient_accumulation_steps`."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    gradient_accumulation_steps: int
+    max_seq_length: int
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        """Upper bound of tokens per optimizer step (all ranks): sequences x max_seq_length."""
+        return self.global_batch_size * self.max_seq_length
+
+    def describe(self) -> str:
+        return (
+            f"global_batch_size {self.global_batch_size} = micro_batch_size {self.micro_batch_size}"
+            f" x world_size {self.world_size} x gradient_accumulation_steps "
+            f"{self.gradient_accumulation_steps}; at most {self.max_tokens_per_step:,} tokens per step "
+            f"(max_seq_length {self.max_seq_length})"
+        )
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One curriculum stage with the top level's data and training merged under its own keys."""
+
+    index: int
+    name: str
+    data: DataConfig
+    training: TrainingConfig
+    continue_schedule: bool
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything decided about a run (see the module docstring).
+
+    Attributes:
+        config: the resolved config: `distributed` holds the decided strategy, ZeRO stage and
+            offload, `training.resume` the resume request (what `config.yaml` records).
+        env: the process's launch environment.
+        world_size: ranks of the job (a plain process that re-executes under torchrun counts the
+            ranks it will start).
+        strategy, zero_stage, offload_optimizer, offload_params: the engine and its settings.
+        requested: the strategy the config asked for (`auto` or a name).
+        reason: why this strategy (the planner's reason for `auto`).
+        precision: storage and compute dtypes.
+        batch: the first stage's batch arithmetic (batch sizes are the same in every stage).
+        stages: the resolved curriculum (one stage named `main` without `stages:`).
+        resume_from: the checkpoint to resume from, or None.
+        max_positions: the model's position limit, where known.
+    """
+
+    config: Config
+    env: DistributedEnv
+    world_size: int
+    strategy: StrategyName
+    zero_stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    requested: str
+    reason: str
+    precision: Precision
+    batch: BatchArithmetic
+    stages: tuple[Stage, ...]
+    resume_from: Path | None = None
+    max_positions: int | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+    @property
+    def shards_params(self) -> bool:
+        """FSDP or ZeRO-3: parameters partitioned over ranks."""
+        return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def strategy_label(self) -> str:
+        """`ddp`, `fsdp`, `deepspeed zero_stage 3`: the strategy as messages name it."""
+        return f"deepspeed zero_stage {self.zero_stage}" if self.strategy == "deepspeed" else self.strategy
+
+    def batch_for(self, stage: Stage) -> BatchArithmetic:
+        return dataclasses.replace(self.batch, max_seq_length=stage.data.max_seq_length)

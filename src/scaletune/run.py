@@ -1,0 +1,132 @@
+"""`scaletune train`: resolve the run once with every check (:func:`prepare`), re-execute under
+torchrun when several processes are wanted and no launcher started this one, then train.
+
+:func:`prepare` is the one place a run is resolved for training: the config (schema and rules,
+with `strategy: auto` decided by the planner), the model's facts, the checkpoint to resume, the
+environment (the doctor's fatal checks), the data sources and the run directory are all checked
+before anything is written, and every problem is reported in one error (exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Mapping
+
+from scaletune.config import Config, LoadedConfig, read_config
+from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator
+from scaletune.errors import UserError
+from scaletune.resolve import RunSpec, resolve
+
+
+def _model_positions(cfg: Config, problems: list[str]) -> int | None:
+    from scaletune.models import load_config as load_model_config
+    from scaletune.models import max_positions
+
+    try:
+        return max_positions(load_model_config(cfg.model))
+    except UserError as exc:
+        problems += exc.problems
+        return None
+
+
+def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[str, str] | None = None) -> RunSpec:
+    """Resolve and check a run; nothing is written.
+
+    Raises:
+        UserError: (exit 2) every problem of the config, model, checkpoint, environment, data and
+            run directory, each once.
+    """
+    from scaletune.checkpoint import resolve_resume
+    from scaletune.data import validate_data
+    from scaletune.doctor import environment_problems
+    from scaletune.plan import choose_auto
+    from scaletune.rundir import run_dir_problems
+    from scaletune.strategies.deepspeed_config import engine_config
+
+    loaded = cfg if isinstance(cfg, LoadedConfig) else None
+    base = loaded.best_effort if loaded is not None else cfg
+    where = loaded.where if loaded is not None else (lambda key: None)
+    problems: list[str] = []
+    positions = _model_positions(base, problems) if base is not None else None
+    spec = None
+    try:
+        spec = resolve(cfg, env, choose_auto=choose_auto, max_positions=positions)
+    except UserError as exc:
+        problems = exc.problems + problems
+    if spec is None:
+        raise UserError(problems, title="cannot start training")
+    try:
+        spec = dataclasses.replace(spec, resume_from=resolve_resume(spec.config, spec.run_dir))
+    except UserError as exc:
+        problems += exc.problems
+    warnings: list = []
+    problems += [p.text() for p in environment_problems(spec, environ, warn=warnings)]
+    for w in warnings:
+        print0(f"[scaletune] warning: {w.name}: {w.message} (fix: {w.fix})")
+    if spec.strategy == "deepspeed":
+        try:
+            engine_config(spec)
+        except UserError as exc:
+            problems += exc.problems
+    for stage in spec.stages:
+        try:
+            validate_data(stage.data)
+        except UserError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+    if env.is_main:  # rank 0 alone decides: it may already have created the directory
+        problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
+    if problems:
+        raise UserError(problems, title="cannot start training")
+    print0(f"[scaletune] distributed.strategy {spec.requested} -> {spec.strategy_label}: {spec.reason}")
+    return spec
+
+
+def predicted_memory(spec: RunSpec) -> dict | None:
+    """The planner's entry for the run's strategy (written as plan.json), or None for a layout the
+    planner does not model."""
+    from scaletune.plan import plan
+
+    try:
+        return plan(spec).for_run(spec).to_json()
+    except (KeyError, UserError, ValueError) as exc:
+        print0(f"[scaletune] no memory plan for this run: {exc}")
+        return None
+
+
+def reexec_under_torchrun(spec: RunSpec, config_path: Path | str, overrides: list[str]) -> None:
+    """Replace this process by torchrun starting `spec.world_size` ranks on this machine, each with
+    `distributed.env` set."""
+    from scaletune.launch.commands import single_node_torchrun_argv
+    from scaletune.launch.presets import merged_env, split_secrets
+
+    argv = single_node_torchrun_argv(sys.executable, spec.world_size, [str(config_path), *overrides])
+    env = merged_env(spec.config.distributed.env)
+    public, secrets = split_secrets(env)
+    shown = " ".join(f"{k}={v}" for k, v in public.items()) + "".join(f" {k}=<secret>" for k in secrets)
+    print0(f"[scaletune] starting {spec.world_size} processes:{' ' + shown if shown else ''} {' '.join(argv)}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, {**os.environ, **env})
+
+
+def run_from_cli(config_path: Path | str, overrides: list[str]) -> Path:
+    """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes)."""
+    env = DistributedEnv.from_environ()
+    set_rank(env.rank)
+    if env.device.type == "cpu":
+        tune_host_allocator()  # before the model and data are allocated
+    spec = prepare(read_config(config_path, overrides), env)
+    if not env.launched and spec.world_size > 1:
+        reexec_under_torchrun(spec, config_path, overrides)
+    return train(spec)
+
+
+def train(spec: RunSpec) -> Path:
+    """Train a prepared run as this rank; returns the run directory."""
+    from scaletune.trainer import Trainer
+
+    predicted = predicted_memory(spec) if spec.env.is_main else None
+    return Trainer(spec, predicted_memory=predicted).fit()

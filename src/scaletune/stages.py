@@ -1,0 +1,88 @@
+"""A run's stages made concrete: each stage's data built (rank 0 tokenizes first), its step count and
+learning-rate horizon known before the first step, and its loaders positioned where a resumed run
+continues."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+from scaletune.env import print0
+from scaletune.errors import UserError
+from scaletune.resolve import BatchArithmetic, RunSpec, Stage, steps_for
+
+if TYPE_CHECKING:
+    from scaletune.checkpoint import Progress
+    from scaletune.strategies.base import Strategy
+
+
+@dataclass
+class StagePlan:
+    """A stage with its data built and its step counts known."""
+
+    stage: Stage
+    batch: BatchArithmetic
+    bundle: Any  # data.DataBundle
+    steps_per_epoch: int
+    total: int  # optimizer steps of this stage
+    schedule_steps: int  # steps the learning-rate schedule spans (longer when later stages continue it)
+    schedule_origin: int  # index of the stage whose schedule this one runs on (itself unless continuing)
+
+
+def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: Strategy) -> Any:
+    """Rank 0 tokenizes first (filling the datasets cache); the other ranks then read the cache."""
+    from scaletune.data import build_datasets
+
+    bundle = None
+    if spec.env.is_main:
+        bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+    strategy.barrier()
+    if not spec.env.is_main:
+        bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+    return bundle
+
+
+def plan_stages(spec: RunSpec, tokenizer: Any, strategy: Strategy) -> list[StagePlan]:
+    """Build every stage's data before the model loads (bad data fails early) and count its steps.
+
+    Raises:
+        UserError: a stage with fewer sequences than one global batch.
+    """
+    plans: list[StagePlan] = []
+    for stage in spec.stages:
+        batch = spec.batch_for(stage)
+        bundle = _build_data(stage, tokenizer, spec, strategy)
+        steps_per_epoch = len(bundle.train) // batch.global_batch_size
+        if steps_per_epoch == 0:
+            raise UserError(
+                f"stage {stage.name}: {len(bundle.train)} training sequences are fewer than one global batch "
+                f"({batch.global_batch_size}); add data or lower training.global_batch_size",
+                title="cannot start training",
+            )
+        total = steps_for(steps_per_epoch, stage.training)
+        origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
+        plans.append(StagePlan(stage, batch, bundle, steps_per_epoch, total, total, origin))
+        print0(
+            f"[scaletune] stage {stage.name}: {len(bundle.train)} sequences, {steps_per_epoch} steps per epoch, "
+            f"{total} optimizer steps; data {json.dumps(bundle.stats)}"
+        )
+    # A stage that continues the schedule extends the horizon of the stage that started it.
+    for p in plans:
+        if p.schedule_origin != p.stage.index:
+            plans[p.schedule_origin].schedule_steps += p.total
+    for p in plans:
+        p.schedule_steps = plans[p.schedule_origin].schedule_steps
+    return plans
+
+
+def stage_loaders(plan: StagePlan, spec: RunSpec, tokenizer: Any, start: Progress | None) -> tuple[Iterator, Any]:
+    """(global batches from the stage's start or from `start`'s position, the eval loader or None)."""
+    from scaletune.data import Collator, global_batches, make_eval_loader, make_loader
+
+    collator = Collator(tokenizer.pad_token_id)
+    stage, env = plan.stage, spec.env
+    loader, sampler = make_loader(plan.bundle.train, collator, plan.batch, env, spec.config.seed, stage.data.num_workers)
+    eval_loader = make_eval_loader(plan.bundle.eval, collator, plan.batch, env) if plan.bundle.eval is not None else None
+    first_epoch, first_step = (start.epoch, start.step_in_epoch) if start is not None else (0, 0)
+    return global_batches(loader, sampler, plan.batch, plan.steps_per_epoch, first_epoch, first_step), eval_loader

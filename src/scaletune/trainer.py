@@ -1,0 +1,347 @@
+"""The training loop as one object (torchtitan's `Trainer`, torchtune's recipes): it owns the
+strategy, the logger and the run's state, and runs in small named steps: load, build the stages'
+data, wrap and resume, then per stage optimizer steps with evaluation, checkpoints and metrics,
+then export.
+
+The loop is the same for every strategy: it never branches on the engine (strategies/base.py).
+One optimizer step consumes one global batch of `global_batch_size` sequences; its loss is the
+mean token loss over every target token of that global batch on all ranks, so a step is the same
+computation on 1 or 64 ranks and with any micro-batch split (Hugging Face's `num_items_in_batch`
+normalisation, transformers#34191, done across ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
+from scaletune.data import count_input_tokens, count_target_tokens
+from scaletune.env import get_logger, print0, set_rank
+from scaletune.errors import UserError
+from scaletune.loss import CausalLMLoss, target_index
+from scaletune.optim import make_scheduler
+from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics
+from scaletune.resolve import RunSpec
+from scaletune.rundir import prepare_run_dir
+from scaletune.stages import StagePlan, plan_stages, stage_loaders
+from scaletune.strategies import make_strategy
+from scaletune.strategies.base import Strategy, torn_down
+
+
+class DivergenceError(RuntimeError):
+    """A non-finite loss or gradient norm: the run stops before any checkpoint of that state."""
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights (LoRA init included) everywhere."""
+    import numpy as np
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors `loss.CausalLMLoss.forward` takes, with the target positions added on the host."""
+    out = {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
+    out["target_index"] = target_index(batch["labels"])
+    return out
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # global mean token loss (0-dim, on device)
+    grad_norm: torch.Tensor
+    tokens: torch.Tensor  # non-padding tokens, global count
+
+
+def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    """Forward/backward every micro-batch of this rank's share of the global batch, then step.
+
+    The loss of each micro-batch is its summed token loss divided by the target tokens of the
+    whole global batch (all-reduced first), so accumulation and world size do not change the step.
+    """
+    device = strategy.device
+    counts = torch.tensor(
+        [sum(count_target_tokens(mb["labels"]) for mb in micro_batches), sum(count_input_tokens(mb) for mb in micro_batches)],
+        dtype=torch.float64,
+    )
+    counts = strategy.all_reduce_sum(counts)
+    denominator = counts[0].clamp(min=1).to(device, torch.float32)
+    loss_total = torch.zeros((), dtype=torch.float32, device=device)
+    n = len(micro_batches)
+    for i, mb in enumerate(micro_batches):
+        inputs = {k: v.to(device, non_blocking=True) for k, v in model_inputs(mb).items()}
+        with strategy.micro_step(is_last=i == n - 1):
+            with strategy.forward_context():
+                loss = strategy.model(**inputs) / denominator
+            strategy.backward(loss)
+        loss_total += loss.detach()
+    grad_norm = strategy.step()
+    return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[1])
+
+
+@torch.no_grad()
+def evaluate(strategy: Strategy, loader: Any) -> float:
+    """Mean token loss over the whole eval set (all ranks)."""
+    strategy.train_mode(False)
+    total = torch.zeros(2, dtype=torch.float64)
+    for mb in loader:
+        inputs = {k: v.to(strategy.device) for k, v in model_inputs(mb).items()}
+        with strategy.forward_context():
+            total[0] += float(strategy.model(**inputs))
+        total[1] += count_target_tokens(mb["labels"])
+    strategy.train_mode(True)
+    total = strategy.all_reduce_sum(total).cpu()
+    return float(total[0] / max(total[1], 1))
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps since the run began
+    start_time: float = field(default_factory=time.perf_counter)
+    resume: Progress | None = None  # where a resumed run continues
+    resume_scheduler: dict | None = None
+    memory_reported: bool = False
+
+
+class Trainer:
+    """Trains one resolved run as this rank.
+
+    Args:
+        spec: the resolved run (:func:`scaletune.run.prepare`).
+        predicted_memory: the planner's entry for this run's strategy (`plan.json`), or None.
+    """
+
+    def __init__(self, spec: RunSpec, *, predicted_memory: dict | None = None) -> None:
+        self.spec = spec
+        self.env = spec.env
+        self.cfg = spec.config
+        self.strategy = make_strategy(spec)
+        self.predicted_memory = predicted_memory
+        self.state = RunState()
+        self.tokenizer: Any = None
+        self.plans: list[StagePlan] = []
+        self.logger: RunLogger | None = None
+        self.log = get_logger()
+
+    # -- the run ---------------------------------------------------------------------------
+    def fit(self) -> Path:
+        """Load, build data, train every stage, export `final/`. Returns the run directory.
+
+        Raises:
+            UserError: data that cannot make one global batch, a checkpoint that cannot resume.
+            DivergenceError: the loss or gradient norm became NaN or infinite.
+        """
+        set_rank(self.env.rank)
+        with torn_down(self.strategy):
+            print0(f"[scaletune] {self.env.describe()}")
+            print0(f"[scaletune] {self.strategy.describe()} ({self.spec.reason})")
+            print0(f"[scaletune] {self.spec.batch.describe()}")
+            self.load_tokenizer()
+            self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
+            progress = self.read_resume()
+            seed_everything(self.cfg.seed)
+            model = self.load_model()
+            prepare_run_dir(self.spec)
+            self.strategy.barrier()
+            self.wrap(model, progress)
+            self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
+            try:
+                for plan in self.plans:
+                    self.run_stage(plan)
+                self.export()
+            finally:
+                self.logger.close()
+            self.strategy.barrier()
+        return self.spec.run_dir
+
+    # -- steps -----------------------------------------------------------------------------
+    def load_tokenizer(self) -> None:
+        from scaletune.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.cfg.model)
+
+    def read_resume(self) -> Progress | None:
+        path = self.spec.resume_from
+        if path is None:
+            if self.cfg.training.resume == "auto":
+                print0(f"[scaletune] training.resume auto: no checkpoint in {self.spec.run_dir / 'checkpoints'}, starting fresh")
+            return None
+        return read_progress(path)
+
+    def load_model(self) -> torch.nn.Module:
+        from scaletune.models import prepare_model, resolve_device_map
+
+        placement = resolve_device_map(self.cfg.model.device_map, self.env, engine_places_model=self.strategy.engine_places_model)
+        model_cfg = self.cfg.model.model_copy(update={"dtype": self.spec.precision.storage})
+        return prepare_model(model_cfg, placement, meta=self.strategy.load_meta())
+
+    def wrap(self, model: torch.nn.Module, progress: Progress | None) -> None:
+        """Hand the model and its loss to the engine; resume model, optimizer and position."""
+        m = self.cfg.model
+        if progress is not None:
+            self.strategy.prepare_resume(self.spec.resume_from, progress.world_size)
+        loss = CausalLMLoss(model, activation_offload=m.activation_offload, liger=m.liger, partitioned_head=self.strategy.partitions_head)
+        self.strategy.wrap(loss)
+        if progress is not None:
+            self.resume(progress)
+
+    def resume(self, progress: Progress) -> None:
+        """Load model and optimizer state from the checkpoint; say what was resharded."""
+        path, strategy = self.spec.resume_from, self.strategy
+        assert path is not None
+        if progress.checkpoint_format != strategy.checkpoint_format:
+            raise UserError(
+                f"{path} was written by strategy {progress.strategy} ({progress.checkpoint_format} format) and "
+                f"cannot resume under {strategy.name}; export it (scaletune export) and fine-tune from the export",
+                title="cannot resume",
+            )
+        if progress.checkpoint_format == "dcp":
+            check_shapes(path, strategy.state_shapes())
+        strategy.load_state(path)
+        self.state.step = progress.step
+        self.state.resume = progress
+        self.state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
+        if self.env.is_main:
+            truncate_metrics(self.spec.run_dir / "metrics.jsonl", self.state.step)
+        if progress.world_size != self.env.world_size:
+            how = "torch.distributed.checkpoint" if progress.checkpoint_format == "dcp" else "DeepSpeed's universal checkpoint"
+            print0(
+                f"[scaletune] resharded {path.name}: written by {progress.world_size} rank(s) ({progress.strategy}), "
+                f"now {self.env.world_size}; model and optimizer state re-split by {how}, "
+                f"data resumes at sample {progress.sample_offset} of epoch {progress.epoch}"
+            )
+        else:
+            print0(f"[scaletune] resumed from {path} at step {progress.step} (stage {progress.stage_name})")
+
+    def run_stage(self, plan: StagePlan) -> None:
+        """The optimizer steps of one stage, from the resumed position when the run resumes in it."""
+        stage, strategy, state = plan.stage, self.strategy, self.state
+        start = state.resume
+        if start is not None and (start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)):
+            return  # finished before the checkpoint
+        resuming_here = start is not None and start.stage_index == stage.index
+        batches, eval_loader = stage_loaders(plan, self.spec, self.tokenizer, start if resuming_here else None)
+        if strategy.scheduler is None or plan.schedule_origin == stage.index:
+            # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
+            # schedule and the saved scheduler state restores the position.
+            origin = self.plans[plan.schedule_origin].stage.training
+            strategy.scheduler = make_scheduler(strategy.optimizer, origin, plan.schedule_steps)
+        if resuming_here:
+            assert start is not None and state.resume_scheduler is not None
+            strategy.scheduler.load_state_dict(state.resume_scheduler)
+            for group, lr in zip(strategy.optimizer.param_groups, strategy.scheduler.get_last_lr()):
+                group["lr"] = lr
+            load_rng(self.spec.resume_from, self.env.rank)  # after data building, right before the next step
+        done = start.stage_step if resuming_here else 0
+        state.resume = None
+        strategy.train_mode(True)
+        assert self.logger is not None
+        self.logger.start_progress(plan.total, stage.name, completed=done)
+        window = [time.perf_counter(), 0.0]
+        for stage_step, (epoch, i, micro) in enumerate(batches, done + 1):
+            if stage_step > plan.total:
+                break
+            lr = strategy.lr()
+            result = train_step(strategy, micro)
+            state.step += 1
+            if not state.memory_reported:
+                self.report_memory()
+            window[1] += float(result.tokens)
+            last = stage_step == plan.total
+            t = stage.training
+            will_save = last or bool(t.save_every and state.step % t.save_every == 0)
+            if stage_step % t.log_every == 0 or last or will_save:
+                self.log_step(plan, stage_step, epoch, i, lr, result, window)
+            if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
+                self.logger.log({"step": state.step, "stage": stage.name, "eval_loss": evaluate(strategy, eval_loader),
+                                 "elapsed_s": round(time.perf_counter() - state.start_time, 3)})  # fmt: skip
+            if will_save:
+                self.save(plan, stage_step, epoch, i, last)
+
+    def log_step(self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list) -> None:
+        """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
+        assert self.logger is not None
+        loss, grad_norm = float(result.loss), float(result.grad_norm)
+        now = time.perf_counter()
+        self.logger.log({
+            "step": self.state.step,
+            "stage": plan.stage.name,
+            "stage_step": stage_step,
+            "epoch": round(epoch + (i + 1) / plan.steps_per_epoch, 4),
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": int(result.tokens),
+            "tokens_per_s": window[1] / max(now - window[0], 1e-9),
+            "elapsed_s": round(now - self.state.start_time, 3),
+        })  # fmt: skip
+        window[0], window[1] = now, 0.0
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            good = latest_checkpoint(self.spec.run_dir)
+            raise DivergenceError(
+                f"training diverged at step {self.state.step}: loss {loss}, grad_norm {grad_norm}; "
+                f"no checkpoint was written for it. Last good checkpoint: {good or 'none'} "
+                "(lower training.learning_rate or raise warmup_steps, then resume from it)"
+            )
+
+    def save(self, plan: StagePlan, stage_step: int, epoch: int, i: int, last: bool) -> None:
+        next_epoch, next_step = (epoch, i + 1) if i + 1 < plan.steps_per_epoch else (epoch + 1, 0)
+        progress = Progress(
+            step=self.state.step, stage_index=plan.stage.index, stage_name=plan.stage.name, stage_step=stage_step,
+            epoch=next_epoch, step_in_epoch=next_step, sample_offset=next_step * plan.batch.global_batch_size,
+            world_size=self.env.world_size, strategy=self.strategy.name, checkpoint_format=self.strategy.checkpoint_format,
+            stage_complete=last,
+        )  # fmt: skip
+        keep = plan.stage.training.keep_last
+        path = save_checkpoint(self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep)
+        print0(f"[scaletune] saved checkpoint {path}")
+
+    def report_memory(self) -> None:
+        """After the first optimizer step: every rank measures what it holds; rank 0 writes
+        `memory.json` (all ranks) and `plan.json` (the planner's prediction for this run's strategy)
+        and prints them side by side."""
+        import torch.distributed as dist
+
+        self.state.memory_reported = True
+        mine = self.strategy.memory_breakdown()
+        ranks = [mine]
+        if dist.is_initialized() and self.env.world_size > 1:
+            ranks = [None] * self.env.world_size
+            dist.all_gather_object(ranks, mine)
+        if not self.env.is_main:
+            return
+        run_dir = self.spec.run_dir
+        (run_dir / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
+        predicted = self.predicted_memory
+        if predicted is None:
+            print0("[scaletune] no memory plan for this run (a layout the planner does not model)")
+            return
+        (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
+        per_rank = predicted["per_rank_bytes"]
+        lines = [f"[scaletune] memory per rank (MiB) of strategy {self.spec.strategy}: planned (plan entry "
+                 f"{predicted['name']}) vs measured on rank 0:"]  # fmt: skip
+        for key in ("params", "grads", "optimizer"):
+            lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
+        peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
+        lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")
+        print0("\n".join(lines))
+
+    def export(self) -> None:
+        """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
+        final = self.spec.run_dir / "final"
+        self.strategy.export(final)
+        if self.env.is_main:
+            self.tokenizer.save_pretrained(str(final))
+            # From the file, not this process's records: a resumed run plots the whole curve.
+            plot_losses(read_metrics(self.spec.run_dir / "metrics.jsonl"), self.spec.run_dir / "loss.png")
+            self.log.info(f"saved {final}")

@@ -1,0 +1,150 @@
+"""One resolution phase: `auto` decided by the real planner and then checked by the same rules as a
+configured strategy, one precision rule read by every layer, one DeepSpeed JSON generator, and a
+curriculum stage's `data:` merged onto the top level's."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from scaletune.config import load_config
+from scaletune.env import DistributedEnv
+from scaletune.errors import UserError
+from scaletune.plan import GiB, choose_auto, plan
+from scaletune.resolve import decide, resolve, resolve_stages
+from scaletune.strategies import make_strategy
+from scaletune.strategies.deepspeed_config import engine_config
+
+
+def gpus(world: int, memory_gib: float) -> DistributedEnv:
+    """A job of `world` ranks on GPUs of `memory_gib` (facts as DistributedEnv.from_environ reports them)."""
+    return DistributedEnv(
+        "torchrun", world_size=world, local_world_size=world, cuda_available=True, cuda_device_count=world,
+        device_memory_bytes=int(memory_gib * GiB), bf16_supported=True,
+    )  # fmt: skip
+
+
+def llama70b_lora(tmp_path, **model):
+    return load_config(None, data={
+        "output_dir": str(tmp_path / "run"),
+        "model": {"name_or_path": "llama-3-70b", "dtype": "bfloat16", "lora": {"r": 16}, **model},
+        "data": {"dummy": {}, "max_seq_length": 2048},
+        "training": {"global_batch_size": 32, "micro_batch_size": 1, "save_every": 0},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "memory_gib, chosen",
+    [(29.5, "deepspeed zero_stage 3"), (11.0, "deepspeed zero_stage 3")],  # 11 GiB: ZeRO-3 with offload
+)
+def test_auto_chosen_zero3_is_checked_like_a_configured_one(tmp_path, memory_gib, chosen):
+    """The planner picks ZeRO-3 for a 70B LoRA on 8 GPUs of this size (fsdp needs 30.8 GiB, ZeRO-3
+    28.6; with offload 12.3 and 10.0); `model.compile`, which ZeRO-3 forbids, is then refused by
+    the same rule as a configured ZeRO-3, before anything loads or is written (exit 2 at the CLI)."""
+    from scaletune.run import prepare
+
+    env = gpus(8, memory_gib)
+    plain = resolve(llama70b_lora(tmp_path), env, choose_auto=choose_auto)
+    assert plain.strategy_label == chosen and plain.requested == "auto"
+    assert plain.offload_params == (memory_gib < 12)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError) as info:
+        prepare(llama70b_lora(tmp_path, compile=True), env, environ={})
+    assert time.perf_counter() - t0 < 30  # the preset has no weights: nothing was loaded
+    text = info.value.format()
+    assert "model.compile cannot run under deepspeed zero_stage 3 (chosen by distributed.strategy auto)" in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_doctor_sees_the_auto_choice(tmp_path):
+    """The doctor's checks run on the resolved run: 8-bit QLoRA under a sharding strategy the planner
+    picked (8-bit 70B on 8 x 29.5 GiB: fsdp) fails there as it does when configured."""
+    from scaletune import doctor
+
+    cfg = llama70b_lora(tmp_path, quantization={"bits": 8})
+    spec = resolve(cfg, gpus(8, 29.5), choose_auto=choose_auto, check=False)
+    assert spec.requested == "auto" and spec.shards_params
+    quant = doctor.check_quantization(spec.env, spec)[1]
+    assert quant.status == "FAIL" and f"cannot be sharded by {spec.strategy_label}" in quant.message
+
+
+def tiny_cfg(dtype: str, **distributed):
+    return load_config(None, data={
+        "model": {"name_or_path": "llama-3.2-1b", "dtype": dtype},
+        "data": {"dummy": {}, "max_seq_length": 256},
+        "training": {"global_batch_size": 8, "micro_batch_size": 1},
+        "distributed": distributed,
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("env, want", [(DistributedEnv("none"), "float32"), (gpus(1, 80), "bfloat16")])
+def test_dtype_auto_is_one_precision_everywhere(env, want):
+    """`dtype: auto` is decided once: the strategy's compute dtype, DeepSpeed's JSON and the planner's
+    bytes all equal those of the same run with the dtype written out."""
+    for strategy in ("deepspeed", "fsdp", "ddp"):
+        auto = decide(tiny_cfg("auto", strategy=strategy), env)
+        explicit = decide(tiny_cfg(want, strategy=strategy), env)
+        assert auto.precision == explicit.precision and auto.precision.compute == want
+        assert make_strategy(auto).compute_dtype == getattr(torch, want)
+        p_auto, p_explicit = plan(auto, gpu_memory_bytes=None), plan(explicit, gpu_memory_bytes=None)
+        assert [s.per_rank_bytes for s in p_auto.strategies] == [s.per_rank_bytes for s in p_explicit.strategies]
+        if strategy == "deepspeed":
+            assert engine_config(auto)["bf16"]["enabled"] is (want == "bfloat16")
+            assert engine_config(auto) == engine_config(explicit)
+
+
+@pytest.mark.parametrize(
+    "zero_stage, offload", [(1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "both")]
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_deepspeed_json_equals_config_deepspeed(zero_stage, offload, dtype):
+    """The engine's DeepSpeed config and `scaletune config deepspeed` given the same settings are
+    the same JSON; the only key the CLI adds is the optimizer DeepSpeed must own under offload when
+    the HF Trainer drives it (scaletune's engine hands DeepSpeed its own CPU Adam instead)."""
+    from typer.testing import CliRunner
+
+    from scaletune.cli import app
+
+    dist = {"strategy": "deepspeed", "zero_stage": zero_stage, "offload_optimizer": offload != "none", "offload_params": offload == "both"}
+    spec = decide(tiny_cfg(dtype, **dist), DistributedEnv("torchrun", world_size=2, local_world_size=2))
+    engine = engine_config(spec)
+    args = ["config", "deepspeed", "--zero-stage", str(zero_stage), "--bf16" if dtype == "bfloat16" else "--fp32",
+            "--train-batch-size", "8", "--micro-batch-size", "1", "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"]  # fmt: skip
+    args += ["--offload-optimizer"] if offload != "none" else []
+    args += ["--offload-params"] if offload == "both" else []
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    cli = json.loads(res.stdout)
+    assert ("optimizer" in cli) == (offload != "none")
+    cli.pop("optimizer", None)
+    assert engine == cli
+
+
+def test_a_stage_that_names_only_its_train_file_inherits_the_rest(tmp_path):
+    cfg = load_config(None, data={
+        "model": {"name_or_path": "m"},
+        "data": {"train": {"path": "a.json"}, "max_seq_length": 128, "packing": True, "eval_fraction": 0.1},
+        "stages": [{"name": "one"}, {"name": "two", "data": {"train": {"path": "b.jsonl", "format": "text"}}}],
+    })  # fmt: skip
+    one, two = resolve_stages(cfg)
+    assert two.data.train.path == "b.jsonl" and two.data.train.format == "text"
+    assert two.data.max_seq_length == 128 and two.data.packing is True and two.data.eval_fraction == 0.1
+    assert one.data == cfg.data
+    # The position check runs on the merged value: 128 fits a model of 512 positions.
+    spec = resolve(cfg, DistributedEnv("none"), max_positions=512)
+    assert [s.data.max_seq_length for s in spec.stages] == [128, 128]
+    with pytest.raises(UserError, match=r"data.max_seq_length \(128\) is larger than the model's max_position_embeddings \(64\)"):
+        resolve(cfg, DistributedEnv("none"), max_positions=64)
+
+
+def test_a_stage_source_replaces_the_top_level_source_of_either_kind():
+    cfg = load_config(None, data={
+        "model": {"name_or_path": "m"},
+        "data": {"dummy": {"num_samples": 8}, "max_seq_length": 64},
+        "stages": [{"name": "real", "data": {"train": {"path": "a.json"}}}],
+    })  # fmt: skip
+    (stage,) = resolve_stages(cfg)
+    assert stage.data.dummy is None and stage.data.train.path == "a.json" and stage.data.max_seq_length == 64
