@@ -83,7 +83,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": dict(model_preset="olmo2-tiny", dtype="float32", max_seq_length=256, micro_batch_size=8, warmup=3, steps=20),
     # GPU target: Llama-3.2-1B shapes with random weights, bf16, seq 2048, packing.
     "gpu-1b": dict(
-        model_preset="llama-3.2-1b", dtype="bfloat16", max_seq_length=2048, micro_batch_size=4, warmup=5, steps=20,
+        model_preset="llama-3.2-1b",
+        dtype="bfloat16",
+        max_seq_length=2048,
+        micro_batch_size=4,
+        warmup=5,
+        steps=20,
         gradient_checkpointing=False,
     ),
     # CI: every code path of the harness in seconds; not a timing claim.
@@ -237,7 +242,9 @@ def _load_model(spec: Spec):
 
     # fp32 weights in every case: bf16 runs autocast (fp32 master weights), as scaletune does for
     # full fine-tuning and HF Trainer does with `bf16=True`.
-    model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=torch.float32, attn_implementation=spec.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.model_dir, dtype=torch.float32, attn_implementation=spec.attn_implementation
+    )
     model.config.use_cache = False
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -296,14 +303,18 @@ def run_hf(spec: Spec) -> dict:
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock()])
     trainer.train()
     seconds = ends[spec.total_steps - 1] - ends[spec.warmup - 1]
-    step_seconds = [b - a for a, b in zip(ends[spec.warmup - 1 : spec.total_steps - 1], ends[spec.warmup : spec.total_steps])]
+    step_seconds = [
+        b - a for a, b in zip(ends[spec.warmup - 1 : spec.total_steps - 1], ends[spec.warmup : spec.total_steps])
+    ]
     return {
-        "tokens": sum(tokens[spec.warmup : spec.total_steps]), "seconds": seconds, "step_seconds": step_seconds,
+        "tokens": sum(tokens[spec.warmup : spec.total_steps]),
+        "seconds": seconds,
+        "step_seconds": step_seconds,
         "first_loss": losses[0] if losses else None,
     }
 
 
-def full_logits_loss(model, mb: dict, device) -> "torch.Tensor":
+def full_logits_loss(model, mb: dict, device) -> torch.Tensor:
     """Summed next-token loss from the model's full `[tokens, vocab]` logits, upcast to fp32: what
     `model(..., labels=...)` computes, and what the chunked loss avoids."""
     import torch.nn.functional as F
@@ -341,7 +352,11 @@ def run_bare(spec: Spec) -> dict:
     env = DistributedEnv.from_environ()
     loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
     steps_per_epoch = len(train) // batch.global_batch_size
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if spec.dtype == "bfloat16" else contextlib.nullcontext
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if spec.dtype == "bfloat16"
+        else contextlib.nullcontext
+    )
     tokens, first_loss, t0, last, step_seconds, data_seconds = 0, None, 0.0, 0.0, [], 0.0
     batches = global_batches(loader, sampler, batch, steps_per_epoch)
     for step in range(1, spec.total_steps + 1):
@@ -375,7 +390,13 @@ def run_bare(spec: Spec) -> dict:
                 tokens += sum(count_input_tokens(mb) for mb in micro)
                 step_seconds.append(now - last)
             last = now
-    return {"tokens": tokens, "seconds": last - t0, "step_seconds": step_seconds, "data_seconds": data_seconds, "first_loss": first_loss}
+    return {
+        "tokens": tokens,
+        "seconds": last - t0,
+        "step_seconds": step_seconds,
+        "data_seconds": data_seconds,
+        "first_loss": first_loss,
+    }
 
 
 def run_scaletune(spec: Spec) -> dict:
@@ -463,10 +484,14 @@ def _run_worker(name: str, spec: Spec, spec_path: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__, "--worker", name, "--spec", str(spec_path), "--result", str(result_path)],
-        env=env, capture_output=True, text=True,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"the {name} trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"the {name} trainer failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return json.loads(result_path.read_text())
 
 
@@ -480,7 +505,12 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     results: dict[str, Any] = {"spec": asdict(spec), "trainers": {}}
     device = device_type()
     results["device"] = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
-    results["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__, "scaletune": scaletune.__version__, "python": sys.version.split()[0]}
+    results["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "scaletune": scaletune.__version__,
+        "python": sys.version.split()[0],
+    }
     results["peak"] = measured_peak_flops(device, spec.dtype)
     config, total = config_and_size(spec.model_dir)
     ctx = mean_context(spec)
@@ -529,7 +559,11 @@ def report(results: dict) -> str:
         lines.append(
             f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratio:>7} {1000 * r['seconds'] / steps:>9,.1f} "
             f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}%"
-            + (f"   runs: {', '.join(f'{x:,.0f}' for x in r['runs_tokens_per_s'])}" if len(r["runs_tokens_per_s"]) > 1 else "")
+            + (
+                f"   runs: {', '.join(f'{x:,.0f}' for x in r['runs_tokens_per_s'])}"
+                if len(r["runs_tokens_per_s"]) > 1
+                else ""
+            )
         )
     if "speedup_vs_hf" in results:
         lines.append(f"\nscaletune / HF Trainer: {results['speedup_vs_hf']:.2f}x")
@@ -545,7 +579,9 @@ def report(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of hf,bare,scaletune")
     p.add_argument("--steps", type=int, help="timed steps (after --warmup)")
@@ -557,8 +593,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-implementation")
     p.add_argument("--bare-loss", choices=["chunked", "full"], default="chunked")
     p.add_argument("--data", help=f"Alpaca JSON (default {BUNDLED_ALPACA.relative_to(REPO)})")
-    p.add_argument("--set", dest="scaletune_set", action="append", default=[], metavar="KEY=VALUE", help="scaletune override (ablations)")
-    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "scaletune-bench"), help="where models are built")
+    p.add_argument(
+        "--set",
+        dest="scaletune_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="scaletune override (ablations)",
+    )
+    p.add_argument(
+        "--cache", default=str(Path(tempfile.gettempdir()) / "scaletune-bench"), help="where models are built"
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--worker", choices=TRAINERS, help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)

@@ -50,23 +50,33 @@ def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
     return cfg
 
 
-def run_cli(args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU)."""
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
-        capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or REPO_ROOT,
     )
 
 
-def train(cfg: dict, tmp_path: Path, *, name: str = "config.yaml", expect_ok: bool = True, **kw) -> subprocess.CompletedProcess:
+def train(
+    cfg: dict, tmp_path: Path, *, name: str = "config.yaml", expect_ok: bool = True, **kw
+) -> subprocess.CompletedProcess:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(cfg))
     proc = run_cli(["train", str(path)], **kw)
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"scaletune train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"scaletune train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -82,4 +92,6 @@ def losses(run_dir: Path | str) -> list[float]:
 def assert_close(actual: list[float], expected: list[float], rel: float, what: str) -> None:
     assert len(actual) == len(expected), f"{what}: {len(actual)} steps vs {len(expected)}"
     worst = max(abs(a - e) / max(abs(e), 1e-12) for a, e in zip(actual, expected))
-    assert worst <= rel, f"{what}: worst relative difference {worst:.2e} > {rel:.0e}\n actual   {actual}\n expected {expected}"
+    assert worst <= rel, (
+        f"{what}: worst relative difference {worst:.2e} > {rel:.0e}\n actual   {actual}\n expected {expected}"
+    )

@@ -114,7 +114,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(strategy: Any, run_dir: Path, progress: Progress, cfg: Config, scheduler_state: dict, *, keep_last: int, fail_after_state: bool = False) -> Path:
+def save_checkpoint(
+    strategy: Any,
+    run_dir: Path,
+    progress: Progress,
+    cfg: Config,
+    scheduler_state: dict,
+    *,
+    keep_last: int,
+    fail_after_state: bool = False,
+) -> Path:
     """Write `checkpoints/step-N` atomically (a collective: every rank calls it).
 
     Args:
@@ -237,7 +246,9 @@ def check_shapes(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
     saved = {k: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
     for name, shape in saved.items():
         if name not in expected:
-            raise UserError(f"{path}: tensor {name} of the checkpoint is not in the model (another model?)", title="cannot resume")
+            raise UserError(
+                f"{path}: tensor {name} of the checkpoint is not in the model (another model?)", title="cannot resume"
+            )
         if expected[name] != shape:
             raise UserError(
                 f"{path}: tensor {name} has shape {list(shape)} in the checkpoint but {list(expected[name])} "
@@ -276,7 +287,9 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     return state["model"]
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, *, merge_lora: bool = False, dtype: str | None = None, max_shard_size: str = "5GB") -> Path:
+def export_checkpoint(
+    checkpoint: Path, out_dir: Path, *, merge_lora: bool = False, dtype: str | None = None, max_shard_size: str = "5GB"
+) -> Path:
     """Write a consolidated Hugging Face folder (safetensors, sharded into `max_shard_size` files)
     from any checkpoint, sharded or not, in one process on the CPU.
 
@@ -299,7 +312,15 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, merge_lora: bool = Fal
         raise UserError(f"output folder {out_dir} is not empty", title="cannot export")
     progress = read_progress(checkpoint)
     cfg = Config.model_validate(yaml.safe_load((checkpoint / "config.yaml").read_text()))
-    model_cfg = cfg.model.model_copy(update={"dtype": "float32", "device_map": None, "gradient_checkpointing": False, "liger": False, "activation_offload": False})
+    model_cfg = cfg.model.model_copy(
+        update={
+            "dtype": "float32",
+            "device_map": None,
+            "gradient_checkpointing": False,
+            "liger": False,
+            "activation_offload": False,
+        }
+    )
     model = prepare_model(model_cfg, DevicePlacement(device_map=None, device="cpu", message=None))
     module = CausalLMLoss(model)
     state = _full_state_from_checkpoint(checkpoint, module, progress.checkpoint_format)

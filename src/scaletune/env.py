@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 Launcher = Literal["torchrun", "deepspeed", "srun", "env", "none"]
 

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig
 from scaletune.env import DistributedEnv, get_logger, set_rank
@@ -60,7 +61,10 @@ def _validate(model_cls: type, data: Mapping[str, Any], what: str) -> Any:
         return model_cls.model_validate(dict(data))
     except ValidationError as exc:
         raise UserError(
-            [f"{what}.{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()],
+            [
+                f"{what}.{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
+                for e in exc.errors()
+            ],
             title=f"invalid {what}",
         ) from None
 

@@ -115,7 +115,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (
             None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
             None if grad_w is None else grad_w * grad_total.to(grad_w.dtype),
-            None, None, None,
+            None,
+            None,
+            None,
         )
 
 
@@ -184,7 +186,9 @@ def chunked_head_cross_entropy(
     return total
 
 
-def liger_head_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, partitioned: bool = False) -> torch.Tensor:
+def liger_head_cross_entropy(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, *, partitioned: bool = False
+) -> torch.Tensor:
     """sum_i CE(head(hidden[i]), targets[i]) by Liger's fused linear cross-entropy (CUDA, Triton).
 
     Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989; https://github.com/linkedin/Liger-Kernel)
@@ -313,14 +317,18 @@ class CausalLMLoss(nn.Module):
     ) -> torch.Tensor:
         if self.plain:
             with self._saved_tensors_context():
-                logits = self.causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+                logits = self.causal_lm(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                ).logits
             flat = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, target_index).float()
             return F.cross_entropy(flat, labels[:, 1:].reshape(-1).index_select(0, target_index), reduction="sum")
         decoder, head = _decoder_and_head(self.causal_lm)
         # Only the decoder's activations are offloaded: the head's chunks are recomputed in
         # backward anyway, and their inputs are the few target rows gathered below.
         with self._saved_tensors_context():
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            out = decoder(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
         hidden = out.last_hidden_state[:, :-1, :]
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index)
         targets = labels[:, 1:].reshape(-1).index_select(0, target_index)

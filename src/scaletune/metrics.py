@@ -55,7 +55,10 @@ class RunLogger:
                     self._tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, record["step"])
         if self._progress is not None and "loss" in record:
             self._progress.update(
-                self._task, completed=record["stage_step"], loss=f"{record['loss']:.4f}", tps=f"{record['tokens_per_s']:,.0f}"
+                self._task,
+                completed=record["stage_step"],
+                loss=f"{record['loss']:.4f}",
+                tps=f"{record['tokens_per_s']:,.0f}",
             )
         elif "eval_loss" in record:
             print0(f"[scaletune] step {record['step']} eval_loss {record['eval_loss']:.4f}")

@@ -33,7 +33,9 @@ def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.O
     t = training
     groups = param_groups(model, t.weight_decay)
     fused = {p.device.type for g in groups for p in g["params"]} <= {"cpu", "cuda"}
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=fused or None)
+    return torch.optim.AdamW(
+        groups, lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon, fused=fused or None
+    )
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, total_steps: int) -> Any:
@@ -48,8 +50,11 @@ def make_scheduler(optimizer: torch.optim.Optimizer, training: TrainingConfig, t
     warmup = min(t.warmup_steps, total_steps)
     if t.lr_scheduler == "cosine" and t.min_lr_ratio > 0:
         return get_scheduler(
-            "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+            "cosine_with_min_lr",
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total_steps,
             scheduler_specific_kwargs={"min_lr_rate": t.min_lr_ratio},
-        )  # fmt: skip
+        )
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[t.lr_scheduler]
     return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from scaletune.config import Config, LoadedConfig, read_config
 from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator

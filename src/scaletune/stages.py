@@ -5,8 +5,9 @@ continues."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from scaletune.env import print0
 from scaletune.errors import UserError
@@ -82,7 +83,11 @@ def stage_loaders(plan: StagePlan, spec: RunSpec, tokenizer: Any, start: Progres
 
     collator = Collator(tokenizer.pad_token_id)
     stage, env = plan.stage, spec.env
-    loader, sampler = make_loader(plan.bundle.train, collator, plan.batch, env, spec.config.seed, stage.data.num_workers)
-    eval_loader = make_eval_loader(plan.bundle.eval, collator, plan.batch, env) if plan.bundle.eval is not None else None
+    loader, sampler = make_loader(
+        plan.bundle.train, collator, plan.batch, env, spec.config.seed, stage.data.num_workers
+    )
+    eval_loader = (
+        make_eval_loader(plan.bundle.eval, collator, plan.batch, env) if plan.bundle.eval is not None else None
+    )
     first_epoch, first_step = (start.epoch, start.step_in_epoch) if start is not None else (0, 0)
     return global_batches(loader, sampler, plan.batch, plan.steps_per_epoch, first_epoch, first_step), eval_loader

@@ -27,8 +27,8 @@ from scaletune.data import count_input_tokens, count_target_tokens
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
 from scaletune.loss import CausalLMLoss, target_index
-from scaletune.optim import make_scheduler
 from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics
+from scaletune.optim import make_scheduler
 from scaletune.resolve import RunSpec
 from scaletune.rundir import prepare_run_dir
 from scaletune.stages import StagePlan, plan_stages, stage_loaders
@@ -71,7 +71,10 @@ def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]])
     """
     device = strategy.device
     counts = torch.tensor(
-        [sum(count_target_tokens(mb["labels"]) for mb in micro_batches), sum(count_input_tokens(mb) for mb in micro_batches)],
+        [
+            sum(count_target_tokens(mb["labels"]) for mb in micro_batches),
+            sum(count_input_tokens(mb) for mb in micro_batches),
+        ],
         dtype=torch.float64,
     )
     counts = strategy.all_reduce_sum(counts)
@@ -174,14 +177,18 @@ class Trainer:
         path = self.spec.resume_from
         if path is None:
             if self.cfg.training.resume == "auto":
-                print0(f"[scaletune] training.resume auto: no checkpoint in {self.spec.run_dir / 'checkpoints'}, starting fresh")
+                print0(
+                    f"[scaletune] training.resume auto: no checkpoint in {self.spec.run_dir / 'checkpoints'}, starting fresh"
+                )
             return None
         return read_progress(path)
 
     def load_model(self) -> torch.nn.Module:
         from scaletune.models import prepare_model, resolve_device_map
 
-        placement = resolve_device_map(self.cfg.model.device_map, self.env, engine_places_model=self.strategy.engine_places_model)
+        placement = resolve_device_map(
+            self.cfg.model.device_map, self.env, engine_places_model=self.strategy.engine_places_model
+        )
         model_cfg = self.cfg.model.model_copy(update={"dtype": self.spec.precision.storage})
         return prepare_model(model_cfg, placement, meta=self.strategy.load_meta())
 
@@ -190,7 +197,12 @@ class Trainer:
         m = self.cfg.model
         if progress is not None:
             self.strategy.prepare_resume(self.spec.resume_from, progress.world_size)
-        loss = CausalLMLoss(model, activation_offload=m.activation_offload, liger=m.liger, partitioned_head=self.strategy.partitions_head)
+        loss = CausalLMLoss(
+            model,
+            activation_offload=m.activation_offload,
+            liger=m.liger,
+            partitioned_head=self.strategy.partitions_head,
+        )
         self.strategy.wrap(loss)
         if progress is not None:
             self.resume(progress)
@@ -214,7 +226,11 @@ class Trainer:
         if self.env.is_main:
             truncate_metrics(self.spec.run_dir / "metrics.jsonl", self.state.step)
         if progress.world_size != self.env.world_size:
-            how = "torch.distributed.checkpoint" if progress.checkpoint_format == "dcp" else "DeepSpeed's universal checkpoint"
+            how = (
+                "torch.distributed.checkpoint"
+                if progress.checkpoint_format == "dcp"
+                else "DeepSpeed's universal checkpoint"
+            )
             print0(
                 f"[scaletune] resharded {path.name}: written by {progress.world_size} rank(s) ({progress.strategy}), "
                 f"now {self.env.world_size}; model and optimizer state re-split by {how}, "
@@ -227,7 +243,9 @@ class Trainer:
         """The optimizer steps of one stage, from the resumed position when the run resumes in it."""
         stage, strategy, state = plan.stage, self.strategy, self.state
         start = state.resume
-        if start is not None and (start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)):
+        if start is not None and (
+            start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)
+        ):
             return  # finished before the checkpoint
         resuming_here = start is not None and start.stage_index == stage.index
         batches, eval_loader = stage_loaders(plan, self.spec, self.tokenizer, start if resuming_here else None)
@@ -263,28 +281,38 @@ class Trainer:
             if stage_step % t.log_every == 0 or last or will_save:
                 self.log_step(plan, stage_step, epoch, i, lr, result, window)
             if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
-                self.logger.log({"step": state.step, "stage": stage.name, "eval_loss": evaluate(strategy, eval_loader),
-                                 "elapsed_s": round(time.perf_counter() - state.start_time, 3)})  # fmt: skip
+                self.logger.log(
+                    {
+                        "step": state.step,
+                        "stage": stage.name,
+                        "eval_loss": evaluate(strategy, eval_loader),
+                        "elapsed_s": round(time.perf_counter() - state.start_time, 3),
+                    }
+                )
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
 
-    def log_step(self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list) -> None:
+    def log_step(
+        self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list
+    ) -> None:
         """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
         assert self.logger is not None
         loss, grad_norm = float(result.loss), float(result.grad_norm)
         now = time.perf_counter()
-        self.logger.log({
-            "step": self.state.step,
-            "stage": plan.stage.name,
-            "stage_step": stage_step,
-            "epoch": round(epoch + (i + 1) / plan.steps_per_epoch, 4),
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens": int(result.tokens),
-            "tokens_per_s": window[1] / max(now - window[0], 1e-9),
-            "elapsed_s": round(now - self.state.start_time, 3),
-        })  # fmt: skip
+        self.logger.log(
+            {
+                "step": self.state.step,
+                "stage": plan.stage.name,
+                "stage_step": stage_step,
+                "epoch": round(epoch + (i + 1) / plan.steps_per_epoch, 4),
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": int(result.tokens),
+                "tokens_per_s": window[1] / max(now - window[0], 1e-9),
+                "elapsed_s": round(now - self.state.start_time, 3),
+            }
+        )
         window[0], window[1] = now, 0.0
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             good = latest_checkpoint(self.spec.run_dir)
@@ -297,13 +325,22 @@ class Trainer:
     def save(self, plan: StagePlan, stage_step: int, epoch: int, i: int, last: bool) -> None:
         next_epoch, next_step = (epoch, i + 1) if i + 1 < plan.steps_per_epoch else (epoch + 1, 0)
         progress = Progress(
-            step=self.state.step, stage_index=plan.stage.index, stage_name=plan.stage.name, stage_step=stage_step,
-            epoch=next_epoch, step_in_epoch=next_step, sample_offset=next_step * plan.batch.global_batch_size,
-            world_size=self.env.world_size, strategy=self.strategy.name, checkpoint_format=self.strategy.checkpoint_format,
+            step=self.state.step,
+            stage_index=plan.stage.index,
+            stage_name=plan.stage.name,
+            stage_step=stage_step,
+            epoch=next_epoch,
+            step_in_epoch=next_step,
+            sample_offset=next_step * plan.batch.global_batch_size,
+            world_size=self.env.world_size,
+            strategy=self.strategy.name,
+            checkpoint_format=self.strategy.checkpoint_format,
             stage_complete=last,
-        )  # fmt: skip
+        )
         keep = plan.stage.training.keep_last
-        path = save_checkpoint(self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep)
+        path = save_checkpoint(
+            self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep
+        )
         print0(f"[scaletune] saved checkpoint {path}")
 
     def report_memory(self) -> None:
@@ -328,8 +365,10 @@ class Trainer:
             return
         (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
         per_rank = predicted["per_rank_bytes"]
-        lines = [f"[scaletune] memory per rank (MiB) of strategy {self.spec.strategy}: planned (plan entry "
-                 f"{predicted['name']}) vs measured on rank 0:"]  # fmt: skip
+        lines = [
+            f"[scaletune] memory per rank (MiB) of strategy {self.spec.strategy}: planned (plan entry "
+            f"{predicted['name']}) vs measured on rank 0:"
+        ]
         for key in ("params", "grads", "optimizer"):
             lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
         peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"

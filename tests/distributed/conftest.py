@@ -4,8 +4,8 @@ parity, resume, resharding and export tests read its metrics, checkpoints and fi
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer
@@ -70,15 +70,35 @@ if int(os.environ["RANK"]) == 0:
         "wrapper": type(wrapped).__name__,
         "find_unused_parameters": getattr(wrapped, "find_unused_parameters", None),
     }), flush=True)
-'''
+"""
 
 
 def _torchrun(script: Path, mode: str, model_dir: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore::FutureWarning")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), mode, str(model_dir), str(data), str(out)]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONWARNINGS="ignore::FutureWarning",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        mode,
+        str(model_dir),
+        str(data),
+        str(out),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -72,7 +72,9 @@ def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
     try:
         seed_everything(0)
         placement = resolve_device_map(None, env, engine_places_model=strategy.engine_places_model)
-        model = prepare_model(cfg.model.model_copy(update={"dtype": spec.precision.storage}), placement, meta=strategy.load_meta())
+        model = prepare_model(
+            cfg.model.model_copy(update={"dtype": spec.precision.storage}), placement, meta=strategy.load_meta()
+        )
         strategy.wrap(CausalLMLoss(model, partitioned_head=strategy.partitions_head))
         g = torch.Generator().manual_seed(env.rank)
         micro = []
@@ -120,7 +122,9 @@ def _compare(case: str, measured: dict, entry) -> list[str]:
     for key in ("params", "grads", "optimizer"):
         want, got = getattr(entry, key), measured[key]
         if abs(got - want) > 0.02 * max(want, 1):
-            bad.append(f"{case} rank {measured['rank']} {key}: planned {want:,} measured {got:,} ({(got - want) / max(want, 1):+.2%})")
+            bad.append(
+                f"{case} rank {measured['rank']} {key}: planned {want:,} measured {got:,} ({(got - want) / max(want, 1):+.2%})"
+            )
     return bad
 
 
@@ -129,8 +133,18 @@ def world2(tiny_model_dir, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("memory")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE), str(tiny_model_dir), str(out_dir), *CASES]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE),
+        str(tiny_model_dir),
+        str(out_dir),
+        *CASES,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     if proc.returncode != 0:
         raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -29,7 +29,12 @@ CASES = {
     "zero2": {"strategy": "deepspeed", "zero_stage": 2},
     "zero3": {"strategy": "deepspeed", "zero_stage": 3},
     "zero2-offload-optimizer": {"strategy": "deepspeed", "zero_stage": 2, "offload_optimizer": True},
-    "zero3-offload-params": {"strategy": "deepspeed", "zero_stage": 3, "offload_params": True, "offload_optimizer": True},
+    "zero3-offload-params": {
+        "strategy": "deepspeed",
+        "zero_stage": 3,
+        "offload_params": True,
+        "offload_optimizer": True,
+    },
 }
 LORA_CASES = {"ddp-lora-gc": {"strategy": "ddp"}, "fsdp-lora-gc": {"strategy": "fsdp"}}
 
@@ -41,8 +46,10 @@ def world2(run_once, case: str, lora: bool = False):
 
 def test_reference_matches_golden(run_once):
     """Golden losses change only on purpose: regenerate with SCALETUNE_UPDATE_GOLDEN=1."""
-    got = {"full": losses(run_once("single", distributed=SINGLE)[0]),
-           "lora": losses(run_once("single-lora", model=LORA, distributed=SINGLE)[0])}
+    got = {
+        "full": losses(run_once("single", distributed=SINGLE)[0]),
+        "lora": losses(run_once("single-lora", model=LORA, distributed=SINGLE)[0]),
+    }
     if os.environ.get("SCALETUNE_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps(got, indent=2) + "\n")
@@ -89,7 +96,9 @@ def test_lora_gradient_checkpointing_parity(case, run_once):
 
 def test_device_map_auto_under_two_processes(run_once):
     """The seed failure: device_map auto asked for under a launcher trains, with the message."""
-    run, proc = run_once("ddp-device-map", model={"device_map": "auto"}, distributed={"strategy": "ddp", "num_processes": 2})
+    run, proc = run_once(
+        "ddp-device-map", model={"device_map": "auto"}, distributed={"strategy": "ddp", "num_processes": 2}
+    )
     assert "device_map" in proc.stderr and "set aside" in proc.stderr
     ref = run_once("single", distributed=SINGLE)[0]
     assert_close(losses(run), losses(ref), REL, "ddp with device_map auto")

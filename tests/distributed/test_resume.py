@@ -26,7 +26,9 @@ STRATEGIES = {
 
 
 def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", **training):
-    cfg = base_config(tiny_model_dir, tmp_path / name, distributed=dist, training={"resume": str(checkpoint), **training})
+    cfg = base_config(
+        tiny_model_dir, tmp_path / name, distributed=dist, training={"resume": str(checkpoint), **training}
+    )
     proc = train(cfg, tmp_path, name=f"{name}.yaml")
     return tmp_path / name, proc
 
@@ -136,8 +138,18 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     run = tmp_path / "run"
 
     def progress(step):
-        return Progress(step=step, stage_index=0, stage_name="main", stage_step=step, epoch=0, step_in_epoch=step,
-                        sample_offset=8 * step, world_size=1, strategy="single", checkpoint_format="dcp")
+        return Progress(
+            step=step,
+            stage_index=0,
+            stage_name="main",
+            stage_step=step,
+            epoch=0,
+            step_in_epoch=step,
+            sample_offset=8 * step,
+            world_size=1,
+            strategy="single",
+            checkpoint_format="dcp",
+        )
 
     save_checkpoint(strategy, run, progress(4), cfg, {}, keep_last=2)
     with pytest.raises(RuntimeError, match="interrupted"):
@@ -149,4 +161,7 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     assert latest_checkpoint(run) == run / "checkpoints" / "step-8"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-8"]
     # weights_only loading of the RNG file works (no pickle of arbitrary objects).
-    assert torch.load(run / "checkpoints" / "step-8" / "rng" / "rank-0.pt", weights_only=True)["torch"].dtype == torch.uint8
+    assert (
+        torch.load(run / "checkpoints" / "step-8" / "rng" / "rank-0.pt", weights_only=True)["torch"].dtype
+        == torch.uint8
+    )

@@ -28,7 +28,11 @@ def data():
     import torch
 
     g = torch.Generator().manual_seed(0)
-    return torch.randn(N, HIDDEN, generator=g), torch.randint(0, VOCAB, (N,), generator=g), torch.randn(VOCAB, HIDDEN, generator=g)
+    return (
+        torch.randn(N, HIDDEN, generator=g),
+        torch.randint(0, VOCAB, (N,), generator=g),
+        torch.randn(VOCAB, HIDDEN, generator=g),
+    )
 
 
 def driver(out: Path) -> None:
@@ -52,9 +56,15 @@ def driver(out: Path) -> None:
         def forward(self, h, y):
             return chunked_head_cross_entropy(h, self.head, y, chunk=CHUNK, partitioned=True)
 
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
     model = Head()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=ds_config)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=ds_config
+    )
     assert hasattr(engine.module.head.weight, "ds_id")  # really partitioned
     mine = slice(0, N) if rank == 0 else slice(0, 0)
     loss = engine(hidden[mine], targets[mine])

@@ -15,8 +15,19 @@ from tests.conftest import REPO_ROOT
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--preset", "smoke", "--cache", str(tmp_path / "models"), "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "bench.py"),
+            "--preset",
+            "smoke",
+            "--cache",
+            str(tmp_path / "models"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())

@@ -20,11 +20,16 @@ def text_data(tmp_path):
 
 
 def curriculum(tiny_model_dir, out, text_data, **training):
-    cfg = base_config(tiny_model_dir, out, training={"max_steps": 3, "warmup_steps": 0, "save_every": 4, "keep_last": 3, **training})
+    cfg = base_config(
+        tiny_model_dir, out, training={"max_steps": 3, "warmup_steps": 0, "save_every": 4, "keep_last": 3, **training}
+    )
     cfg["stages"] = [
         {"name": "instructions"},
-        {"name": "plain-text", "data": {"train": {"path": str(text_data), "format": "text"}, "max_seq_length": 64},
-         "training": {"max_steps": 3, "learning_rate": 1.0e-3}},
+        {
+            "name": "plain-text",
+            "data": {"train": {"path": str(text_data), "format": "text"}, "max_seq_length": 64},
+            "training": {"max_steps": 3, "learning_rate": 1.0e-3},
+        },
     ]
     return cfg
 

@@ -79,7 +79,11 @@ def test_accumulation_identity_4x1_equals_1x4(tiny_model_dir, tmp_path):
     """Four micro-batches of one and one micro-batch of four make the same optimizer step."""
     runs = {}
     for micro in (1, 4):
-        cfg = base_config(tiny_model_dir, tmp_path / f"m{micro}", training={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 4})
+        cfg = base_config(
+            tiny_model_dir,
+            tmp_path / f"m{micro}",
+            training={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 4},
+        )
         train(cfg, tmp_path, name=f"m{micro}.yaml")
         runs[micro] = losses(tmp_path / f"m{micro}")
     assert_close(runs[4], runs[1], 1e-5, "1x4 vs 4x1")
@@ -108,8 +112,12 @@ def test_bad_config_keys(tiny_model_dir, tmp_path):
 
 def test_batch_not_divisible_by_world_size(tiny_model_dir, tmp_path):
     """Checked in the parent before torchrun starts the ranks, so the user gets exit 2, not a crash."""
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"global_batch_size": 6, "micro_batch_size": 2},
-                      distributed={"strategy": "ddp", "num_processes": 2})
+    cfg = base_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        training={"global_batch_size": 6, "micro_batch_size": 2},
+        distributed={"strategy": "ddp", "num_processes": 2},
+    )
     err = _bad(cfg, tmp_path)
     assert "global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)" in err
 
@@ -169,10 +177,18 @@ def test_alpaca_full_example_reads_shared_data():
 def test_divergence_stops_without_a_poisoned_checkpoint(tiny_model_dir, tmp_path):
     """An absurd learning rate without clipping drives the loss to inf/NaN: the run stops naming
     the step and the last good checkpoint, and writes no checkpoint of the diverged state."""
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={
-        "learning_rate": 1.0e30, "max_grad_norm": None, "warmup_steps": 0, "lr_scheduler": "constant",
-        "save_every": 1, "max_steps": 8,
-    })
+    cfg = base_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        training={
+            "learning_rate": 1.0e30,
+            "max_grad_norm": None,
+            "warmup_steps": 0,
+            "lr_scheduler": "constant",
+            "save_every": 1,
+            "max_steps": 8,
+        },
+    )
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 1
     assert "training diverged at step" in proc.stderr, proc.stderr[-3000:]

@@ -29,13 +29,20 @@ def system_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start(argv: list[str], *, cwd: Path | None = None, env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+def start(
+    argv: list[str], *, cwd: Path | None = None, env: dict | None = None, log: Path | None = None
+) -> subprocess.Popen:
     """A subprocess in its own session (so :func:`stop` ends it and all its children)."""
     out = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen(
-        [str(a) for a in argv], cwd=cwd, env=env or system_env(), stdout=out, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=env or system_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def descendants(pid: int) -> list[int]:
@@ -121,8 +128,14 @@ def reference_run(tiny_model_dir, tmp_path_factory) -> dict[int, float]:
     d = tmp_path_factory.mktemp("reference")
     cfg_path = d / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(system_config(tiny_model_dir, d / "run")))
-    proc = subprocess.run([sys.executable, "-m", "scaletune", "train", str(cfg_path)], capture_output=True, text=True,
-                          env=system_env(), cwd=d, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaletune", "train", str(cfg_path)],
+        capture_output=True,
+        text=True,
+        env=system_env(),
+        cwd=d,
+        timeout=300,
+    )
     if proc.returncode != 0:
         pytest.fail(f"single-process reference run failed:\n{proc.stderr[-4000:]}")
     return read_losses(d / "run")

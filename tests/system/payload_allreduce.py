@@ -28,8 +28,9 @@ if "--prefix-store" in sys.argv:
     # read the address the dead attempt's rank published and fail with "Connection refused".
     from datetime import timedelta
 
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=60))
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60)
+    )
     store = dist.PrefixStore(f"attempt-{attempt}", base)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 else:
@@ -54,7 +55,10 @@ dist.barrier()
             "local_rank": local_rank,
             "sum": t.item(),
             "attempt": attempt,
-            "env": {k: os.environ.get(k) for k in ("NCCL_DEBUG", "MY_SETTING", "OMP_NUM_THREADS", "SCALETUNE_TEST_TOKEN", "MASTER_ADDR")},
+            "env": {
+                k: os.environ.get(k)
+                for k in ("NCCL_DEBUG", "MY_SETTING", "OMP_NUM_THREADS", "SCALETUNE_TEST_TOKEN", "MASTER_ADDR")
+            },
             "cwd": os.getcwd(),
         }
     )

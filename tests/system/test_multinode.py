@@ -18,9 +18,9 @@ from scaletune.launch.commands import LaunchOptions, build_launch
 from scaletune.strategies.base import free_port
 from tests.conftest import REPO_ROOT
 from tests.system.conftest import (
-    descendants,
     PAYLOAD,
     assert_losses_match,
+    descendants,
     read_losses,
     start,
     stop,
@@ -32,8 +32,17 @@ pytestmark = [pytest.mark.system]
 
 
 def node_argv(node_rank: int, port: int, program: tuple[str, ...]) -> list[str]:
-    opts = LaunchOptions(config="-", nodes=2, node_rank=node_rank, gpus_per_node=0, procs_per_node=1,
-                         master_addr="127.0.0.1", master_port=port, python=sys.executable, program=program)  # fmt: skip
+    opts = LaunchOptions(
+        config="-",
+        nodes=2,
+        node_rank=node_rank,
+        gpus_per_node=0,
+        procs_per_node=1,
+        master_addr="127.0.0.1",
+        master_port=port,
+        python=sys.executable,
+        program=program,
+    )
     return build_launch(opts).argv
 
 
@@ -44,7 +53,9 @@ def test_two_nodes_on_loopback_payload(tmp_path):
     procs = []
     try:
         for rank in (1, 0):  # the worker waits for the master's store
-            procs.append(start(node_argv(rank, port, (str(PAYLOAD), str(out))), cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
+            procs.append(
+                start(node_argv(rank, port, (str(PAYLOAD), str(out))), cwd=tmp_path, log=tmp_path / f"node{rank}.log")
+            )
             time.sleep(1)
         codes = wait_all(procs, timeout=120)
     finally:
@@ -66,9 +77,26 @@ def _two_nodes(tmp_path: Path, cfg_path: Path, *launcher_args: str) -> dict[int,
     procs = []
     try:
         for rank in (0, 1):
-            argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, *launcher_args, "--nodes", "2",
-                    "--node-rank", str(rank), "--gpus-per-node", "0", "--procs-per-node", "1",
-                    "--master-addr", "127.0.0.1", "--master-port", str(port)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "scaletune",
+                "launch",
+                cfg_path,
+                *launcher_args,
+                "--nodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--gpus-per-node",
+                "0",
+                "--procs-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ]
             procs.append(start(argv, cwd=tmp_path, log=tmp_path / f"node{rank}.log"))
         codes = wait_all(procs, timeout=240)
     finally:
@@ -117,8 +145,14 @@ def test_max_restarts_restarts_after_a_rank_is_killed_payload(tmp_path):
     one store across restarts, and without the prefix a restarted gloo rank can read the address
     the killed attempt published ("Connection refused"; pytorch/pytorch#167288)."""
     out = tmp_path / "out"
-    opts = LaunchOptions(config="-", gpus_per_node=0, procs_per_node=2, max_restarts=1, python=sys.executable,
-                         program=(str(PAYLOAD), str(out), "--wait-first-attempt", "--prefix-store"))  # fmt: skip
+    opts = LaunchOptions(
+        config="-",
+        gpus_per_node=0,
+        procs_per_node=2,
+        max_restarts=1,
+        python=sys.executable,
+        program=(str(PAYLOAD), str(out), "--wait-first-attempt", "--prefix-store"),
+    )
     proc = start(build_launch(opts).argv, cwd=tmp_path, log=tmp_path / "launch.log")
     try:
         pid = int(_wait_for(lambda: (out / "pid-1").is_file() and (out / "pid-1").read_text(), 90, "rank 1 to start"))
@@ -145,8 +179,19 @@ def test_max_restarts_resumes_training_after_a_rank_is_killed(tmp_path, tiny_mod
     cfg["training"].update({"max_steps": 8, "save_every": 4})
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
-    argv = [sys.executable, "-m", "scaletune", "launch", cfg_path, "--gpus-per-node", "0", "--procs-per-node", "2",
-            "--max-restarts", "1"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "scaletune",
+        "launch",
+        cfg_path,
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+    ]
     proc = start(argv, cwd=tmp_path, log=tmp_path / "launch.log")
     latest = tmp_path / "run" / "checkpoints" / "latest"
     try:

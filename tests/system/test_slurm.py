@@ -57,17 +57,26 @@ def test_sbatch_script_runs_two_cpu_ranks(slurm_cluster, space_dir):
     shutil.copy(PAYLOAD, space_dir / "payload.py")
     text = render_sbatch(
         SlurmOptions(
-            config="unused.yaml", nodes=1, gpus_per_node=0, procs_per_node=2, time="5:00", job_name="payload test",
-            python=sys.executable, workdir=str(space_dir), env_presets=("debug",),
+            config="unused.yaml",
+            nodes=1,
+            gpus_per_node=0,
+            procs_per_node=2,
+            time="5:00",
+            job_name="payload test",
+            python=sys.executable,
+            workdir=str(space_dir),
+            env_presets=("debug",),
             config_env={"MY_SETTING": "a b $(touch pwned)", "SCALETUNE_TEST_TOKEN": "never-written"},
             program=("payload.py", "out dir"),
-        )  # fmt: skip
+        )
     )
     assert "never-written" not in text
     script = space_dir / "job.sbatch"
     script.write_text(text)
     env = dict(slurm_cluster, SCALETUNE_TEST_TOKEN="from-the-submitter")
-    r = subprocess.run(["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, cwd=space_dir, timeout=60)
+    r = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=env, capture_output=True, text=True, cwd=space_dir, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
     fields = wait_for_job(job_id, env, space_dir)
@@ -91,10 +100,32 @@ def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir
     cfg = system_config(tiny_model_dir, "run")  # relative: lands in the submit directory
     (space_dir / "train config.yaml").write_text(yaml.safe_dump(cfg))
     r = subprocess.run(
-        [sys.executable, "-m", "scaletune", "slurm", "train config.yaml", "--nodes", "1", "--gpus-per-node", "0",
-         "--procs-per-node", "2", "--time", "0:10:00", "--job-name", "st train", "-o", "train job.sbatch", "--submit"],
-        env=slurm_cluster, capture_output=True, text=True, cwd=space_dir, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletune",
+            "slurm",
+            "train config.yaml",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "0",
+            "--procs-per-node",
+            "2",
+            "--time",
+            "0:10:00",
+            "--job-name",
+            "st train",
+            "-o",
+            "train job.sbatch",
+            "--submit",
+        ],
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        cwd=space_dir,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
     assert job_id.isdigit(), r.stdout
@@ -111,8 +142,24 @@ def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir
 def test_bad_time_limit_is_refused_before_sbatch(slurm_cluster, tmp_path, tiny_model_dir):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(system_config(tiny_model_dir, "run")))
     r = subprocess.run(
-        [sys.executable, "-m", "scaletune", "slurm", "c.yaml", "--gpus-per-node", "0", "--procs-per-node", "1",
-         "--time", "1:2:3:4", "--submit"],
-        env=slurm_cluster, capture_output=True, text=True, cwd=tmp_path, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "scaletune",
+            "slurm",
+            "c.yaml",
+            "--gpus-per-node",
+            "0",
+            "--procs-per-node",
+            "1",
+            "--time",
+            "1:2:3:4",
+            "--submit",
+        ],
+        env=slurm_cluster,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--time" in r.stderr and not list(tmp_path.glob("*.sbatch"))

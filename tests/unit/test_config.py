@@ -132,9 +132,7 @@ def test_offload_and_quantization_cross_checks(tmp_path):
     assert "repeated: a" in joined
 
 
-@pytest.mark.parametrize(
-    "world,gas", [(1, 8), (2, 4), (4, 2), (8, 1)]
-)
+@pytest.mark.parametrize("world,gas", [(1, 8), (2, 4), (4, 2), (8, 1)])
 def test_batch_arithmetic(tmp_path, world, gas):
     cfg = load_config(write(tmp_path, BASE + "training: {global_batch_size: 32, micro_batch_size: 4}\n"))
     b = batch_arithmetic(cfg.training, world, 128)
@@ -216,7 +214,11 @@ def test_quantization_with_sharded_strategies(tmp_path):
         tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n", [lora, "model.quantization={bits: 8}"]
     )
     assert any("bits 8 cannot be sharded by deepspeed zero_stage 3" in p for p in probs)
-    ok = resolved(tmp_path, BASE + "distributed: {strategy: fsdp}\n", [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"])
+    ok = resolved(
+        tmp_path,
+        BASE + "distributed: {strategy: fsdp}\n",
+        [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"],
+    )
     assert ok.model.quantization.storage_dtype == "bfloat16"
     resolved(tmp_path, BASE + "distributed: {strategy: ddp}\n", [lora, "model.quantization={bits: 8}"])
 
@@ -240,7 +242,9 @@ def test_liger_is_rejected_under_zero3(tmp_path):
     assert "model.liger cannot run under deepspeed zero_stage 3" in probs[0]
     assert "lm_head.weight outside lm_head's forward" in probs[0] and "partitioned" in probs[0]
     # the same from the command line, and not for the strategies where the head's weight is whole
-    assert problems_of(tmp_path, BASE, ["model.liger=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
+    assert problems_of(
+        tmp_path, BASE, ["model.liger=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"]
+    )
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
         assert resolved(tmp_path, liger + f"distributed: {dist}\n").model.liger
     resolved(tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n")
@@ -249,7 +253,9 @@ def test_liger_is_rejected_under_zero3(tmp_path):
 def test_compile_is_off_by_default_and_rejected_under_zero3(tmp_path):
     assert load_config(write(tmp_path, BASE)).model.compile is False
     assert load_config(write(tmp_path, BASE), ["model.compile=true"]).model.compile is True
-    probs = problems_of(tmp_path, BASE, ["model.compile=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"])
+    probs = problems_of(
+        tmp_path, BASE, ["model.compile=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"]
+    )
     assert len(probs) == 1 and "model.compile cannot run under deepspeed zero_stage 3" in probs[0]
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
         assert resolved(tmp_path, BASE + f"distributed: {dist}\n", ["model.compile=true"]).model.compile

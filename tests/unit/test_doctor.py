@@ -51,8 +51,15 @@ def test_stale_world_size_without_launcher_is_fatal():
 
 
 def test_world_size_disagreeing_with_slurm_is_fatal():
-    environ = {"WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500",
-               "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}  # fmt: skip
+    environ = {
+        "WORLD_SIZE": "4",
+        "RANK": "1",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+    }
     c = doctor.check_launcher_vars(env_from(environ), environ)
     assert c.status == "FAIL" and c.fatal and "SLURM" in c.message
 
@@ -125,7 +132,10 @@ def test_cli_train_with_liger_on_this_cpu_exits_2_before_loading(tmp_path, tiny_
     path.write_text(yaml.safe_dump(config))
     proc = run_cli(["train", str(path)], timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "cannot start training" in proc.stderr and "model.liger (Liger's Triton kernels) needs a CUDA GPU" in proc.stderr
+    assert (
+        "cannot start training" in proc.stderr
+        and "model.liger (Liger's Triton kernels) needs a CUDA GPU" in proc.stderr
+    )
     assert "set model.liger: false" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists(), "the run directory was written before the check"
     assert "trainable" not in proc.stdout + proc.stderr, "the model was loaded before the check"
@@ -143,12 +153,18 @@ def _bypass(c, **quant):
 
     m = c.config.model
     q = m.quantization.model_copy(update=quant)
-    return dataclasses.replace(c, config=c.config.model_copy(update={"model": m.model_copy(update={"quantization": q})}))
+    return dataclasses.replace(
+        c, config=c.config.model_copy(update={"model": m.model_copy(update={"quantization": q})})
+    )
 
 
 def test_quantization_with_sharding_strategies(tmp_path):
-    base = cfg(tmp_path, GPU8, model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
-               distributed={"strategy": "fsdp"})  # fmt: skip
+    base = cfg(
+        tmp_path,
+        GPU8,
+        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+        distributed={"strategy": "fsdp"},
+    )
     assert doctor.check_quantization(GPU8, base)[1].status == "OK"
     bad_storage = _bypass(base, storage_dtype="uint8")
     c = doctor.check_quantization(GPU8, bad_storage)[1]
@@ -210,8 +226,15 @@ def test_deepspeed_op_that_cannot_build(monkeypatch):
 
 def test_nccl_variables():
     env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
-    res = doctor.check_nccl_env(env, {"NCCL_SOCKET_IFNAME": "nosuchif0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
-                                      "NCCL_P2P_DISABLE": "1", "CUDA_LAUNCH_BLOCKING": "1"})  # fmt: skip
+    res = doctor.check_nccl_env(
+        env,
+        {
+            "NCCL_SOCKET_IFNAME": "nosuchif0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+            "NCCL_P2P_DISABLE": "1",
+            "CUDA_LAUNCH_BLOCKING": "1",
+        },
+    )
     names = {c.name: c for c in res}
     assert names["NCCL_SOCKET_IFNAME"].status == "FAIL" and names["NCCL_SOCKET_IFNAME"].fatal
     assert names["TORCH_NCCL_ASYNC_ERROR_HANDLING"].status == "WARN"
@@ -286,14 +309,33 @@ def test_comm_test_under_torchrun(tmp_path):
 
     from tests.conftest import REPO_ROOT
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "scaletune", "doctor", "--comm-test", "--json"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "scaletune",
+            "doctor",
+            "--comm-test",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(proc.stdout)
     ops = {(r["op"], r["bytes"]) for r in data["comm_test"]}

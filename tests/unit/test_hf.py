@@ -17,8 +17,17 @@ LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "CROSS_RANK",
-                "LOCAL_SIZE", "SLURM_PROCID", "SLURM_STEP_ID"):
+    for var in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "CROSS_RANK",
+        "LOCAL_SIZE",
+        "SLURM_PROCID",
+        "SLURM_STEP_ID",
+    ):
         monkeypatch.delenv(var, raising=False)
 
 

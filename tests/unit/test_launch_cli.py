@@ -14,8 +14,14 @@ QUICKSTART = REPO / "examples" / "quickstart.yaml"
 
 
 def run(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "scaletune", *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, **(env or {})}, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "scaletune", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -31,7 +37,19 @@ def config(tmp_path):
 
 
 def test_launch_dry_run(config, tmp_path):
-    r = run("launch", config, "training.max_steps=2", "--gpus-per-node", "0", "--procs-per-node", "2", "--dry-run", "--python", "py", cwd=tmp_path)
+    r = run(
+        "launch",
+        config,
+        "training.max_steps=2",
+        "--gpus-per-node",
+        "0",
+        "--procs-per-node",
+        "2",
+        "--dry-run",
+        "--python",
+        "py",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert "hf_zzz" not in r.stdout
     assert "export NCCL_SOCKET_IFNAME=eth0" in r.stdout
@@ -42,7 +60,21 @@ def test_launch_dry_run(config, tmp_path):
 
 def test_launch_script(config, tmp_path):
     out = tmp_path / "node1.sh"
-    r = run("launch", config, "--nodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--gpus-per-node", "4", "--script", out, cwd=tmp_path)
+    r = run(
+        "launch",
+        config,
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.5",
+        "--gpus-per-node",
+        "4",
+        "--script",
+        out,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert os.access(out, os.X_OK) and "hf_zzz" not in text and "HF_TOKEN" in text
@@ -72,7 +104,19 @@ def test_launch_bad_config_exit_2(tmp_path):
 
 
 def test_slurm_prints_and_writes(config, tmp_path):
-    r = run("slurm", config, "--nodes", "2", "--gpus-per-node", "8", "--time", "1-00:00:00", "--partition", "gpu", cwd=tmp_path)
+    r = run(
+        "slurm",
+        config,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "1-00:00:00",
+        "--partition",
+        "gpu",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert '#SBATCH --time="1-00:00:00"' in r.stdout and f'#SBATCH --chdir="{tmp_path}"' in r.stdout
     assert "hf_zzz" not in r.stdout

@@ -9,14 +9,8 @@ import sys
 import pytest
 
 from scaletune.errors import UserError
-from scaletune.launch.commands import (
-    LaunchOptions,
-    build_launch,
-    endpoint,
-    render_script,
-    shell_join,
-    single_node_torchrun_argv,
-)
+from scaletune.launch.commands import LaunchOptions, build_launch, endpoint, single_node_torchrun_argv
+from scaletune.launch.shell import render_script, shell_join
 
 PY = "/venv/bin/python"
 
@@ -24,9 +18,19 @@ PY = "/venv/bin/python"
 def test_single_node_torchrun_standalone():
     cmd = build_launch(LaunchOptions(config="cfg.yaml", gpus_per_node=8, python=PY))
     assert cmd.argv == [
-        PY, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "8",
-        "-m", "scaletune", "train", "cfg.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "scaletune",
+        "train",
+        "cfg.yaml",
+    ]
     assert cmd.env == {} and cmd.role == "master" and cmd.files == {}
 
 
@@ -50,10 +54,26 @@ def test_config_num_processes_is_the_default_rank_count():
 def test_single_node_with_port_uses_c10d_on_loopback():
     cmd = build_launch(LaunchOptions(config="c.yaml", gpus_per_node=2, master_port=29600, python=PY))
     assert cmd.argv == [
-        PY, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "127.0.0.1:29600", "--rdzv-id", "scaletune-29600", "--nproc-per-node", "2",
-        "-m", "scaletune", "train", "c.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29600",
+        "--rdzv-id",
+        "scaletune-29600",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "scaletune",
+        "train",
+        "c.yaml",
+    ]
 
 
 def test_multi_node_master_and_worker():
@@ -62,19 +82,49 @@ def test_multi_node_master_and_worker():
     worker = build_launch(LaunchOptions(**base, node_rank=1))
     common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.1.2.3:29400", "--rdzv-id", "scaletune-29400"]
     assert master.argv == [
-        PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "0", *common,
-        "--rdzv-conf", "is_host=1", "--nproc-per-node", "8", "-m", "scaletune", "train", "c.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "0",
+        *common,
+        "--rdzv-conf",
+        "is_host=1",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "scaletune",
+        "train",
+        "c.yaml",
+    ]
     assert worker.argv == [
-        PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1", *common,
-        "--rdzv-conf", "is_host=0", "--nproc-per-node", "8", "-m", "scaletune", "train", "c.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        *common,
+        "--rdzv-conf",
+        "is_host=0",
+        "--nproc-per-node",
+        "8",
+        "-m",
+        "scaletune",
+        "train",
+        "c.yaml",
+    ]
     assert (master.role, worker.role) == ("master", "worker")
     assert "rendezvous at 10.1.2.3:29400" in worker.summary
 
 
 def test_multi_node_default_port_and_rdzv_id():
-    cmd = build_launch(LaunchOptions(config="c.yaml", nodes=3, node_rank=2, gpus_per_node=4, master_addr="head", rdzv_id="job-7"))
+    cmd = build_launch(
+        LaunchOptions(config="c.yaml", nodes=3, node_rank=2, gpus_per_node=4, master_addr="head", rdzv_id="job-7")
+    )
     assert "head:29500" in cmd.argv and cmd.argv[cmd.argv.index("--rdzv-id") + 1] == "job-7"
 
 
@@ -98,9 +148,19 @@ def test_restarts():
 def test_deepspeed_single_node():
     cmd = build_launch(LaunchOptions(config="c.yaml", gpus_per_node=4, launcher="deepspeed", python=PY))
     assert cmd.argv == [
-        PY, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_port", "29500", "--no_local_rank",
-        "--module", "scaletune", "train", "c.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "4",
+        "--master_port",
+        "29500",
+        "--no_local_rank",
+        "--module",
+        "scaletune",
+        "train",
+        "c.yaml",
+    ]
 
 
 def test_deepspeed_all_gpus_omits_num_gpus():
@@ -110,14 +170,40 @@ def test_deepspeed_all_gpus_omits_num_gpus():
 
 def test_deepspeed_multi_node_uses_no_ssh_and_a_hostfile():
     cmd = build_launch(
-        LaunchOptions(config="c.yaml", nodes=2, node_rank=1, gpus_per_node=8, master_addr="10.0.0.1",
-                      launcher="deepspeed", hostfile="/tmp/hf", python=PY)  # fmt: skip
+        LaunchOptions(
+            config="c.yaml",
+            nodes=2,
+            node_rank=1,
+            gpus_per_node=8,
+            master_addr="10.0.0.1",
+            launcher="deepspeed",
+            hostfile="/tmp/hf",
+            python=PY,
+        )
     )
     assert cmd.argv == [
-        PY, "-m", "deepspeed.launcher.runner", "--hostfile", "/tmp/hf", "--no_ssh", "--node_rank", "1",
-        "--num_nodes", "2", "--master_addr", "10.0.0.1", "--num_gpus", "8", "--master_port", "29500",
-        "--no_local_rank", "--module", "scaletune", "train", "c.yaml",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        "/tmp/hf",
+        "--no_ssh",
+        "--node_rank",
+        "1",
+        "--num_nodes",
+        "2",
+        "--master_addr",
+        "10.0.0.1",
+        "--num_gpus",
+        "8",
+        "--master_port",
+        "29500",
+        "--no_local_rank",
+        "--module",
+        "scaletune",
+        "train",
+        "c.yaml",
+    ]
     assert cmd.files == {"/tmp/hf": "node-0 slots=8\nnode-1 slots=8\n"}
 
 
@@ -127,8 +213,17 @@ def test_deepspeed_runner_parses_the_argv():
     from deepspeed.launcher.runner import parse_args
 
     cmd = build_launch(
-        LaunchOptions(config="c.yaml", overrides=("seed=3",), nodes=2, node_rank=1, gpus_per_node=8,
-                      master_addr="10.0.0.1", launcher="deepspeed", hostfile="/tmp/hf", python=PY)  # fmt: skip
+        LaunchOptions(
+            config="c.yaml",
+            overrides=("seed=3",),
+            nodes=2,
+            node_rank=1,
+            gpus_per_node=8,
+            master_addr="10.0.0.1",
+            launcher="deepspeed",
+            hostfile="/tmp/hf",
+            python=PY,
+        )
     )
     args = parse_args(cmd.argv[3:])
     assert (args.no_ssh, args.node_rank, args.num_nodes, args.num_gpus, args.master_addr) == (True, 1, 2, 8, "10.0.0.1")
@@ -141,8 +236,18 @@ def test_torchrun_parses_the_argv():
     from torch.distributed.run import get_args_parser
 
     cmd = build_launch(
-        LaunchOptions(config="c.yaml", overrides=("seed=3",), nodes=2, node_rank=1, gpus_per_node=0,
-                      procs_per_node=2, master_addr="h", master_port=1234, max_restarts=2, python=PY)  # fmt: skip
+        LaunchOptions(
+            config="c.yaml",
+            overrides=("seed=3",),
+            nodes=2,
+            node_rank=1,
+            gpus_per_node=0,
+            procs_per_node=2,
+            master_addr="h",
+            master_port=1234,
+            max_restarts=2,
+            python=PY,
+        )
     )
     args = get_args_parser().parse_args(cmd.argv[3:])
     assert (args.nnodes, args.nproc_per_node, args.node_rank, args.max_restarts) == ("2", "2", 1, 2)
@@ -153,11 +258,32 @@ def test_torchrun_parses_the_argv():
 
 def test_single_node_torchrun_argv_for_reexec():
     assert single_node_torchrun_argv(PY, 2, ["c.yaml", "seed=1"]) == [
-        PY, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-        "-m", "scaletune", "train", "c.yaml", "seed=1",
-    ]  # fmt: skip
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "scaletune",
+        "train",
+        "c.yaml",
+        "seed=1",
+    ]
     argv = single_node_torchrun_argv(PY, 4, ["c.yaml"], master_port=29555, max_restarts=1)
-    assert argv[3:12] == ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29555", "--rdzv-id", "scaletune-29555", "--nproc-per-node"]
+    assert argv[3:12] == [
+        "--nnodes",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:29555",
+        "--rdzv-id",
+        "scaletune-29555",
+        "--nproc-per-node",
+    ]
     assert argv[argv.index("--max-restarts") + 1] == "1"
     with pytest.raises(UserError):
         single_node_torchrun_argv(PY, 0, ["c.yaml"])
@@ -201,8 +327,13 @@ HOSTILE = ["a b", "it's", 'say "hi"', "$(touch /tmp/pwned)", "`id`", "x;rm -rf /
 def test_values_stay_inert_in_the_shell(value, tmp_path):
     """Config path, overrides and env values with spaces, quotes and $(...) reach the program verbatim."""
     cmd = build_launch(
-        LaunchOptions(config=value, overrides=(f"output_dir={value}",), gpus_per_node=1, python="printf",
-                      config_env={"MY_VAR": value})  # fmt: skip
+        LaunchOptions(
+            config=value,
+            overrides=(f"output_dir={value}",),
+            gpus_per_node=1,
+            python="printf",
+            config_env={"MY_VAR": value},
+        )
     )
     script = render_script(cmd, workdir=str(tmp_path / value.replace("/", "_")))
     (tmp_path / value.replace("/", "_")).mkdir()
@@ -219,8 +350,13 @@ def test_values_stay_inert_in_the_shell(value, tmp_path):
 
 def test_dry_run_text_is_shell_and_hides_secrets():
     cmd = build_launch(
-        LaunchOptions(config="my config.yaml", gpus_per_node=2, python=PY,
-                      config_env={"HF_TOKEN": "hf_secret", "NCCL_SOCKET_IFNAME": "eth0"}, env_presets=("no-ib",))  # fmt: skip
+        LaunchOptions(
+            config="my config.yaml",
+            gpus_per_node=2,
+            python=PY,
+            config_env={"HF_TOKEN": "hf_secret", "NCCL_SOCKET_IFNAME": "eth0"},
+            env_presets=("no-ib",),
+        )
     )
     text = cmd.dry_run_text()
     assert "hf_secret" not in text
@@ -233,8 +369,14 @@ def test_dry_run_text_is_shell_and_hides_secrets():
 
 def test_script_never_contains_secret_values(tmp_path):
     cmd = build_launch(
-        LaunchOptions(config="c.yaml", nodes=2, node_rank=1, master_addr="10.0.0.1", gpus_per_node=2,
-                      config_env={"WANDB_API_KEY": "k-123", "X": "1"})  # fmt: skip
+        LaunchOptions(
+            config="c.yaml",
+            nodes=2,
+            node_rank=1,
+            master_addr="10.0.0.1",
+            gpus_per_node=2,
+            config_env={"WANDB_API_KEY": "k-123", "X": "1"},
+        )
     )
     script = render_script(cmd, workdir="/work dir", command_line="scaletune launch c.yaml")
     assert "k-123" not in script
@@ -247,8 +389,16 @@ def test_script_never_contains_secret_values(tmp_path):
 
 def test_deepspeed_script_writes_its_hostfile(tmp_path):
     cmd = build_launch(
-        LaunchOptions(config="c.yaml", nodes=2, node_rank=0, gpus_per_node=0, procs_per_node=3,
-                      master_addr="10.0.0.1", launcher="deepspeed", python="echo")  # fmt: skip
+        LaunchOptions(
+            config="c.yaml",
+            nodes=2,
+            node_rank=0,
+            gpus_per_node=0,
+            procs_per_node=3,
+            master_addr="10.0.0.1",
+            launcher="deepspeed",
+            python="echo",
+        )
     )
     script = render_script(cmd, workdir=str(tmp_path))
     out = subprocess.run(["bash", "-c", script + 'cat "$SCALETUNE_FILE_0"\n'], capture_output=True, text=True)

@@ -23,7 +23,14 @@ def test_defaults_are_auto_where_the_trainer_fills():
 
 
 def test_stage3_offload():
-    c = deepspeed_config(3, offload_optimizer=True, offload_params=True, precision="bf16", gradient_accumulation_steps=4, gradient_clipping=1.0)
+    c = deepspeed_config(
+        3,
+        offload_optimizer=True,
+        offload_params=True,
+        precision="bf16",
+        gradient_accumulation_steps=4,
+        gradient_clipping=1.0,
+    )
     z = c["zero_optimization"]
     assert z["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert z["offload_param"] == {"device": "cpu", "pin_memory": True}
@@ -74,9 +81,24 @@ VARIANTS = [
     ([], "auto", False, 2),
     (["--zero-stage", "1"], "auto", False, 1),
     (["--zero-stage", "3", "--offload-optimizer", "--offload-params", "--bf16"], "bf16", False, 3),
-    (["--zero-stage", "2", "--offload-optimizer", "--fp32", "--micro-batch-size", "2",
-      "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"], "fp32", True, 2),
-]  # fmt: skip
+    (
+        [
+            "--zero-stage",
+            "2",
+            "--offload-optimizer",
+            "--fp32",
+            "--micro-batch-size",
+            "2",
+            "--gradient-accumulation-steps",
+            "4",
+            "--gradient-clipping",
+            "1.0",
+        ],
+        "fp32",
+        True,
+        2,
+    ),
+]
 
 
 def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path):
@@ -87,15 +109,31 @@ def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path):
     cases = []
     for i, (cli_args, precision, concrete, _) in enumerate(VARIANTS):
         path = tmp_path / f"ds{i}.json"
-        r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", *cli_args, "-o", str(path)],
-                           capture_output=True, text=True)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "scaletune", "config", "deepspeed", *cli_args, "-o", str(path)],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         json.loads(path.read_text())
         cases.append([str(path), precision, concrete])
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", CHECK, str(tmp_path / "o"), json.dumps(cases)],
-                       capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29531",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK, str(tmp_path / "o"), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = [json.loads(l[7:]) for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     assert len(results) == len(VARIANTS)
@@ -106,7 +144,9 @@ def test_cli_json_accepted_by_deepspeed_and_transformers(tmp_path):
 
 
 def test_cli_rejects_two_precisions_with_exit_2():
-    r = subprocess.run([sys.executable, "-m", "scaletune", "config", "deepspeed", "--bf16", "--fp16"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "scaletune", "config", "deepspeed", "--bf16", "--fp16"], capture_output=True, text=True
+    )
     assert r.returncode == 2 and "at most one of" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -126,7 +166,9 @@ def test_fsdp_trainer_json_accepted_by_training_arguments(tmp_path):
         print("OK")
         """
     )
-    r = subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "o")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path / "o")], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 

@@ -63,7 +63,9 @@ def test_hub_ids_stay(workdir):
 def test_written_app_imports_and_declares_gpus(workdir, count, gpu, torchrun):
     pytest.importorskip("modal")
     plan = plan_inputs(CONFIG, workdir)
-    opts = ModalOptions(gpu_count=count, gpu_type=gpu, app_name="st-test", secrets=("huggingface",), requirements=("torch>=2.6",))
+    opts = ModalOptions(
+        gpu_count=count, gpu_type=gpu, app_name="st-test", secrets=("huggingface",), requirements=("torch>=2.6",)
+    )
     text = render_modal_app(opts, plan, local_dirs=frozenset({str(workdir / "models" / "tiny")}))
     assert "hf_secret" not in text
     path = workdir / f"app_{count}.py"

@@ -16,7 +16,11 @@ def test_known_presets():
     assert preset_env(["no-p2p"]) == {"NCCL_P2P_DISABLE": "1"}
     assert preset_env(["no-ib"]) == {"NCCL_IB_DISABLE": "1"}
     d = preset_env(["debug"])
-    assert d["NCCL_DEBUG"] == "INFO" and d["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL" and d["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert (
+        d["NCCL_DEBUG"] == "INFO"
+        and d["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+        and d["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    )
     assert preset_env(["socket-ifname=eth0"]) == {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
     assert preset_env(["socket-ifname=^docker,lo"])["NCCL_SOCKET_IFNAME"] == "^docker,lo"
     assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC" in preset_env(["long-timeouts"])
@@ -28,8 +32,15 @@ def test_order_config_then_presets():
     assert list(env)[:2] == ["NCCL_DEBUG", "A"]
 
 
-@pytest.mark.parametrize("bad, msg", [("turbo", "unknown env preset"), ("socket-ifname", "needs a value"),
-                                      ("debug=1", "takes no value"), ("socket-ifname=eth0;id", "not an interface")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ("turbo", "unknown env preset"),
+        ("socket-ifname", "needs a value"),
+        ("debug=1", "takes no value"),
+        ("socket-ifname=eth0;id", "not an interface"),
+    ],
+)
 def test_bad_presets(bad, msg):
     with pytest.raises(UserError, match=msg):
         preset_env([bad])

@@ -23,7 +23,16 @@ def sbatch_lines(text: str) -> list[str]:
 
 
 def test_gpu_job_directives_are_literal_and_quoted():
-    text = render_sbatch(opts(time="12:00:00", partition="gpu", account="proj-1", job_name="my run", mem_per_gpu="80G", workdir="/home/u/my proj"))
+    text = render_sbatch(
+        opts(
+            time="12:00:00",
+            partition="gpu",
+            account="proj-1",
+            job_name="my run",
+            mem_per_gpu="80G",
+            workdir="/home/u/my proj",
+        )
+    )
     assert sbatch_lines(text) == [
         '#SBATCH --job-name="my run"',
         '#SBATCH --nodes="2"',
@@ -51,7 +60,7 @@ def test_directives_come_before_the_first_command():
 def test_master_port_and_srun_torchrun_line():
     text = render_sbatch(opts(overrides=("training.max_steps=5",), max_restarts=2))
     assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1 || true)"' in text
-    assert "s.bind((\"\", 0))" in text and "export MASTER_ADDR MASTER_PORT" in text
+    assert 's.bind(("", 0))' in text and "export MASTER_ADDR MASTER_PORT" in text
     assert text.endswith(
         'srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --cpus-per-task=8 --kill-on-bad-exit=1 \\\n'
         '    "$PYTHON" -m torch.distributed.run --nnodes "$SLURM_JOB_NUM_NODES" '
@@ -71,15 +80,23 @@ def test_cpu_nodes():
 
 
 def test_env_presets_and_secrets():
-    text = render_sbatch(opts(config_env={"HF_TOKEN": "hf_abc", "NCCL_SOCKET_IFNAME": "ib0"}, env_presets=("debug", "no-ib")))
+    text = render_sbatch(
+        opts(config_env={"HF_TOKEN": "hf_abc", "NCCL_SOCKET_IFNAME": "ib0"}, env_presets=("debug", "no-ib"))
+    )
     assert "hf_abc" not in text
-    assert "export NCCL_SOCKET_IFNAME=ib0\n" in text and "export NCCL_DEBUG=INFO\n" in text and "export NCCL_IB_DISABLE=1\n" in text
+    assert (
+        "export NCCL_SOCKET_IFNAME=ib0\n" in text
+        and "export NCCL_DEBUG=INFO\n" in text
+        and "export NCCL_IB_DISABLE=1\n" in text
+    )
     assert "--export=ALL" in text and '[ -n "${HF_TOKEN+x}" ]' in text
 
 
 def test_hostile_values_are_quoted(tmp_path):
     evil = "$(touch pwned) `id` it's"
-    text = render_sbatch(opts(config=evil, overrides=(f"output_dir={evil}",), config_env={"V": evil}, python=evil, workdir=str(tmp_path)))
+    text = render_sbatch(
+        opts(config=evil, overrides=(f"output_dir={evil}",), config_env={"V": evil}, python=evil, workdir=str(tmp_path))
+    )
     assert "export V='$(touch pwned) `id` it'\"'\"'s'" in text
     assert "PYTHON='$(touch pwned) `id` it'\"'\"'s'" in text
     assert "train '$(touch pwned) `id` it'\"'\"'s' 'output_dir=$(touch pwned) `id` it'\"'\"'s'" in text
@@ -92,12 +109,30 @@ def test_sbatch_directives_reject_quotes_and_newlines():
             render_sbatch(opts(job_name=bad))
 
 
-@pytest.mark.parametrize("value", ["30", "90", "1:30", "12:00:00", "2-0", "2-12", "2-12:30", "1-00:00:00", "UNLIMITED", "infinite"])
+@pytest.mark.parametrize(
+    "value", ["30", "90", "1:30", "12:00:00", "2-0", "2-12", "2-12:30", "1-00:00:00", "UNLIMITED", "infinite"]
+)
 def test_valid_time_limits(value):
     assert time_problems(value) == []
 
 
-@pytest.mark.parametrize("value", ["abc", "1:2:3:4", "12:60:00", "1:99:00", "0:00:70", "2-24", "-1", "0", "00:00:00", "1h", "1:00:00 "[:-1] + "x", ""])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "abc",
+        "1:2:3:4",
+        "12:60:00",
+        "1:99:00",
+        "0:00:70",
+        "2-24",
+        "-1",
+        "0",
+        "00:00:00",
+        "1h",
+        "1:00:00 "[:-1] + "x",
+        "",
+    ],
+)
 def test_invalid_time_limits(value):
     assert time_problems(value)
 

@@ -55,7 +55,9 @@ def test_chunked_loss_and_grads_equal_plain_cross_entropy(n):
     assert_grads_close(ours_grads, plain_grads, ["hidden", "head.weight"])
 
     with torch.no_grad():  # the evaluation path (no checkpointing) gives the same sum
-        assert abs(chunked_head_cross_entropy(hidden, head, targets, chunk=CHUNK).item() - plain.item()) <= TOL * abs(plain.item())
+        assert abs(chunked_head_cross_entropy(hidden, head, targets, chunk=CHUNK).item() - plain.item()) <= TOL * abs(
+            plain.item()
+        )
 
 
 def test_default_chunk_keeps_cpu_logits_under_the_mmap_threshold():
@@ -77,7 +79,12 @@ def test_chunked_loss_with_the_default_chunk_equals_plain_cross_entropy():
     ours = chunked_head_cross_entropy(hidden, head, targets)
     plain = F.cross_entropy(head(hidden), targets, reduction="sum")
     assert abs(ours.item() - plain.item()) <= TOL * abs(plain.item())
-    assert_grads_close(torch.autograd.grad(ours, [hidden, head.weight]), torch.autograd.grad(plain, [hidden, head.weight]), ["hidden", "head.weight"])
+    assert_grads_close(
+        torch.autograd.grad(ours, [hidden, head.weight]),
+        torch.autograd.grad(plain, [hidden, head.weight]),
+        ["hidden", "head.weight"],
+    )
+
 
 def test_chunked_loss_of_no_targets_is_zero_and_backward_able():
     head = nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -100,9 +107,16 @@ def tiny_causal_lm(arch: str) -> nn.Module:
     import transformers
 
     common = dict(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     config = {"olmo2": transformers.Olmo2Config, "llama": transformers.LlamaConfig}[arch](**common)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -136,8 +150,9 @@ def with_lora(model):
     return peft_model
 
 
-@pytest.mark.parametrize("arch, lora", [("olmo2", False), ("llama", False), ("llama", True)],
-                         ids=["olmo2", "llama", "llama-lora"])  # fmt: skip
+@pytest.mark.parametrize(
+    "arch, lora", [("olmo2", False), ("llama", False), ("llama", True)], ids=["olmo2", "llama", "llama-lora"]
+)
 def test_causal_lm_loss_equals_the_models_own_loss(arch, lora):
     model = tiny_causal_lm(arch)
     if lora:
@@ -235,16 +250,24 @@ def test_liger_loss_without_a_gpu_is_a_clear_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel (pip install 'scaletune[liger]')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel (pip install 'scaletune[liger]')"
+)
 def test_liger_loss_equals_chunked_loss_in_bf16():
     import transformers
 
     from scaletune.models import apply_liger_kernels
 
     config = transformers.LlamaConfig(
-        vocab_size=32_000, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=32_000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
     g = torch.Generator().manual_seed(1)

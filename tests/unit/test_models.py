@@ -66,7 +66,11 @@ def test_fixture_presets_load_back_through_from_pretrained(fixture, request):
 
 @pytest.mark.parametrize(
     ("preset", "model_type", "params"),
-    [("qwen2-tiny", "qwen2", 6_545_984), ("mistral-tiny", "mistral", 12_968_256), ("gpt-neox-tiny", "gpt_neox", 12_945_152)],
+    [
+        ("qwen2-tiny", "qwen2", 6_545_984),
+        ("mistral-tiny", "mistral", 12_968_256),
+        ("gpt-neox-tiny", "gpt_neox", 12_945_152),
+    ],
 )
 def test_other_presets_build_and_load(tmp_path, preset, model_type, params):
     from transformers import AutoModelForCausalLM
@@ -80,7 +84,9 @@ def test_other_presets_build_and_load(tmp_path, preset, model_type, params):
 def test_init_model_with_the_gpt_neox_tokenizer(tmp_path, shared_data):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = init_model("gpt-neox-tiny", tmp_path / "neox", tokenizer_file=shared_data / "tokenizers" / "gpt-neox-20b.json")
+    out = init_model(
+        "gpt-neox-tiny", tmp_path / "neox", tokenizer_file=shared_data / "tokenizers" / "gpt-neox-20b.json"
+    )
     tok = AutoTokenizer.from_pretrained(out)
     config = AutoModelForCausalLM.from_pretrained(out).config
     assert len(tok) == 50_280 and config.vocab_size == 50_304  # rounded up to a multiple of 128
@@ -143,8 +149,15 @@ def test_cli_init_model_verb(tmp_path, tiny_model_dir, capsys):
 # ---------------------------------------------------------------------------------------------
 # resolve_device_map under simulated launchers
 
-TORCHRUN_2 = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN_2 = {
+    "TORCHELASTIC_RUN_ID": "x",
+    "RANK": "1",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
 DEEPSPEED = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "CROSS_RANK": "0", "LOCAL_SIZE": "4"}
 
 
@@ -279,12 +292,18 @@ def _custom_code_folder(tmp_path: Path) -> tuple[Path, Path]:
     folder = tmp_path / "custom"
     folder.mkdir()
     sentinel = tmp_path / "custom-code-ran"
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "scaletune_custom",
-        "architectures": ["CustomForCausalLM"],
-        "auto_map": {"AutoConfig": "modeling_custom.CustomConfig",
-                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"},
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "scaletune_custom",
+                "architectures": ["CustomForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "modeling_custom.CustomConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+                },
+            }
+        )
+    )
     (folder / "modeling_custom.py").write_text(
         f"open({str(sentinel)!r}, 'w').write('ran')\n"
         "from transformers import PretrainedConfig\n"
@@ -334,7 +353,9 @@ def test_quantization_without_bitsandbytes_says_what_to_install(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(RuntimeError, match=r"pip install 'scaletune\[gpu\]'"):
         models.bnb_config(QuantizationConfig(bits=8))
 
@@ -345,10 +366,14 @@ def test_quantization_config_is_built_as_asked(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: SimpleNamespace() if name == "bitsandbytes" else real(name, *a))
-    q = models.bnb_config(QuantizationConfig(bits=4, quant_type="fp4", double_quant=False,
-                                             compute_dtype="float16", storage_dtype="bfloat16"))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: SimpleNamespace() if name == "bitsandbytes" else real(name, *a)
+    )
+    q = models.bnb_config(
+        QuantizationConfig(
+            bits=4, quant_type="fp4", double_quant=False, compute_dtype="float16", storage_dtype="bfloat16"
+        )
+    )
     assert q.load_in_4bit and not q.load_in_8bit
     assert (q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant) == ("fp4", False)
     assert (q.bnb_4bit_compute_dtype, q.bnb_4bit_quant_storage) == (torch.float16, torch.bfloat16)
@@ -389,8 +414,10 @@ def test_meta_loading_allocates_nothing(tiny_model_dir):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize(("preset", "params"), [("llama-3.2-1b", 1_235_814_400), ("llama-3-8b", 8_030_261_248),
-                                                 ("llama-3-70b", 70_553_706_496)])
+@pytest.mark.parametrize(
+    ("preset", "params"),
+    [("llama-3.2-1b", 1_235_814_400), ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496)],
+)
 def test_large_preset_shapes_on_meta(preset, params):
     model = load_model(ModelConfig(name_or_path=preset), CPU, meta=True)
     assert all(p.is_meta for p in model.parameters())
@@ -548,7 +575,13 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(tiny_model_di
     results = []
     for model in (eager, compiled):
         module = CausalLMLoss(model)
-        loss = module(batch["input_ids"], batch["labels"], target_index(batch["labels"]), batch["attention_mask"], batch["position_ids"])
+        loss = module(
+            batch["input_ids"],
+            batch["labels"],
+            target_index(batch["labels"]),
+            batch["attention_mask"],
+            batch["position_ids"],
+        )
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (l0, g0), (l1, g1) = results

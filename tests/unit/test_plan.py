@@ -3,25 +3,27 @@ the strategy choice for Llama-3 shapes, the JSON shape, and the fake-process-gro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-import dataclasses
-
 from scaletune.config import load_config
 from scaletune.env import DistributedEnv
-from scaletune.plan import GiB, ORDER, activation_bytes, choose_auto, model_shape, plan, plan_name, simulate_fsdp
+from scaletune.plan import ORDER, GiB, activation_bytes, choose_auto, model_shape, plan, plan_name, simulate_fsdp
 from scaletune.resolve import decide
 
 
 def cfg_for(name: str, env: DistributedEnv | None = None, **model) -> object:
     """The run of a planner-only preset, decided for `env` (default: one process)."""
-    cfg = load_config(None, data={
-        "model": {"name_or_path": name, "dtype": "bfloat16", **model},
-        "data": {"dummy": {}, "max_seq_length": 2048},
-        "training": {"global_batch_size": 32, "micro_batch_size": 1},
-    })  # fmt: skip
+    cfg = load_config(
+        None,
+        data={
+            "model": {"name_or_path": name, "dtype": "bfloat16", **model},
+            "data": {"dummy": {}, "max_seq_length": 2048},
+            "training": {"global_batch_size": 32, "micro_batch_size": 1},
+        },
+    )
     return decide(cfg, env or DistributedEnv("none"))
 
 
@@ -41,7 +43,9 @@ def test_llama3_8b_on_8x80gib_full(llama8b):
     cfg, shape = llama8b
     p = plan(cfg, world_size=8, gpu_memory_bytes=80 * GiB, shape=shape)
     ddp, fsdp = p.get("ddp"), p.get("fsdp")
-    assert ddp.model_states == 16 * shape.total + 4 * len(shape.params)  # 4 + 4 + 8 bytes per parameter, + a 4-byte step per tensor
+    assert ddp.model_states == 16 * shape.total + 4 * len(
+        shape.params
+    )  # 4 + 4 + 8 bytes per parameter, + a 4-byte step per tensor
     assert 7.9 < ddp.model_states / fsdp.model_states <= 8.01
     assert ddp.fits is False
     assert p.chosen != "ddp" and p.get(p.chosen).fits
@@ -105,9 +109,14 @@ def test_activations_checkpointing_and_attention(llama8b):
     ckpt = activation_bytes(shape, cfg, checkpointing=True)
     assert ckpt < full / 3
     c = cfg.config
-    eager = dataclasses.replace(cfg, config=c.model_copy(update={"model": c.model.model_copy(update={"attn_implementation": "eager"})}))
+    eager = dataclasses.replace(
+        cfg, config=c.model_copy(update={"model": c.model.model_copy(update={"attn_implementation": "eager"})})
+    )
     s, a = c.data.max_seq_length, shape.heads
-    assert activation_bytes(shape, eager, checkpointing=False) - full == shape.layers * 2 * a * s * s * 2 - shape.layers * 4 * a * s
+    assert (
+        activation_bytes(shape, eager, checkpointing=False) - full
+        == shape.layers * 2 * a * s * s * 2 - shape.layers * 4 * a * s
+    )
 
 
 def test_plan_names():
@@ -121,15 +130,29 @@ def test_plan_names():
 def test_choose_auto_strategy(llama8b):
     def choice(name, env):
         c = choose_auto(cfg_for(name, env))
-        return c.strategy, {k: v for k, v in (("zero_stage", c.zero_stage), ("offload_optimizer", c.offload_optimizer),
-                                              ("offload_params", c.offload_params)) if v}  # fmt: skip
+        return c.strategy, {
+            k: v
+            for k, v in (
+                ("zero_stage", c.zero_stage),
+                ("offload_optimizer", c.offload_optimizer),
+                ("offload_params", c.offload_params),
+            )
+            if v
+        }
 
     cpu1 = DistributedEnv("none")
     cpu2 = DistributedEnv("torchrun", world_size=2, local_world_size=2)
     assert choice("llama-3-8b", cpu1) == ("single", {})
     assert choice("llama-3-8b", cpu2) == ("ddp", {})
-    env8 = DistributedEnv("torchrun", world_size=8, local_world_size=8, cuda_available=True, cuda_device_count=8,
-                          device_memory_bytes=80 * GiB, bf16_supported=True)  # fmt: skip
+    env8 = DistributedEnv(
+        "torchrun",
+        world_size=8,
+        local_world_size=8,
+        cuda_available=True,
+        cuda_device_count=8,
+        device_memory_bytes=80 * GiB,
+        bf16_supported=True,
+    )
     assert choice("llama-3-8b", env8) == ("deepspeed", {"zero_stage": 1})
     assert choice("llama-3.2-1b", env8) == ("ddp", {})
 

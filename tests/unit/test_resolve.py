@@ -22,18 +22,26 @@ from scaletune.strategies.deepspeed_config import engine_config
 def gpus(world: int, memory_gib: float) -> DistributedEnv:
     """A job of `world` ranks on GPUs of `memory_gib` (facts as DistributedEnv.from_environ reports them)."""
     return DistributedEnv(
-        "torchrun", world_size=world, local_world_size=world, cuda_available=True, cuda_device_count=world,
-        device_memory_bytes=int(memory_gib * GiB), bf16_supported=True,
-    )  # fmt: skip
+        "torchrun",
+        world_size=world,
+        local_world_size=world,
+        cuda_available=True,
+        cuda_device_count=world,
+        device_memory_bytes=int(memory_gib * GiB),
+        bf16_supported=True,
+    )
 
 
 def llama70b_lora(tmp_path, **model):
-    return load_config(None, data={
-        "output_dir": str(tmp_path / "run"),
-        "model": {"name_or_path": "llama-3-70b", "dtype": "bfloat16", "lora": {"r": 16}, **model},
-        "data": {"dummy": {}, "max_seq_length": 2048},
-        "training": {"global_batch_size": 32, "micro_batch_size": 1, "save_every": 0},
-    })  # fmt: skip
+    return load_config(
+        None,
+        data={
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": "llama-3-70b", "dtype": "bfloat16", "lora": {"r": 16}, **model},
+            "data": {"dummy": {}, "max_seq_length": 2048},
+            "training": {"global_batch_size": 32, "micro_batch_size": 1, "save_every": 0},
+        },
+    )
 
 
 @pytest.mark.parametrize(
@@ -72,12 +80,15 @@ def test_the_doctor_sees_the_auto_choice(tmp_path):
 
 
 def tiny_cfg(dtype: str, **distributed):
-    return load_config(None, data={
-        "model": {"name_or_path": "llama-3.2-1b", "dtype": dtype},
-        "data": {"dummy": {}, "max_seq_length": 256},
-        "training": {"global_batch_size": 8, "micro_batch_size": 1},
-        "distributed": distributed,
-    })  # fmt: skip
+    return load_config(
+        None,
+        data={
+            "model": {"name_or_path": "llama-3.2-1b", "dtype": dtype},
+            "data": {"dummy": {}, "max_seq_length": 256},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1},
+            "distributed": distributed,
+        },
+    )
 
 
 @pytest.mark.parametrize("env, want", [(DistributedEnv("none"), "float32"), (gpus(1, 80), "bfloat16")])
@@ -97,7 +108,8 @@ def test_dtype_auto_is_one_precision_everywhere(env, want):
 
 
 @pytest.mark.parametrize(
-    "zero_stage, offload", [(1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "both")]
+    "zero_stage, offload",
+    [(1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "both")],
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_deepspeed_json_equals_config_deepspeed(zero_stage, offload, dtype):
@@ -108,11 +120,29 @@ def test_engine_deepspeed_json_equals_config_deepspeed(zero_stage, offload, dtyp
 
     from scaletune.cli import app
 
-    dist = {"strategy": "deepspeed", "zero_stage": zero_stage, "offload_optimizer": offload != "none", "offload_params": offload == "both"}
+    dist = {
+        "strategy": "deepspeed",
+        "zero_stage": zero_stage,
+        "offload_optimizer": offload != "none",
+        "offload_params": offload == "both",
+    }
     spec = decide(tiny_cfg(dtype, **dist), DistributedEnv("torchrun", world_size=2, local_world_size=2))
     engine = engine_config(spec)
-    args = ["config", "deepspeed", "--zero-stage", str(zero_stage), "--bf16" if dtype == "bfloat16" else "--fp32",
-            "--train-batch-size", "8", "--micro-batch-size", "1", "--gradient-accumulation-steps", "4", "--gradient-clipping", "1.0"]  # fmt: skip
+    args = [
+        "config",
+        "deepspeed",
+        "--zero-stage",
+        str(zero_stage),
+        "--bf16" if dtype == "bfloat16" else "--fp32",
+        "--train-batch-size",
+        "8",
+        "--micro-batch-size",
+        "1",
+        "--gradient-accumulation-steps",
+        "4",
+        "--gradient-clipping",
+        "1.0",
+    ]
     args += ["--offload-optimizer"] if offload != "none" else []
     args += ["--offload-params"] if offload == "both" else []
     res = CliRunner().invoke(app, args)
@@ -124,11 +154,14 @@ def test_engine_deepspeed_json_equals_config_deepspeed(zero_stage, offload, dtyp
 
 
 def test_a_stage_that_names_only_its_train_file_inherits_the_rest(tmp_path):
-    cfg = load_config(None, data={
-        "model": {"name_or_path": "m"},
-        "data": {"train": {"path": "a.json"}, "max_seq_length": 128, "packing": True, "eval_fraction": 0.1},
-        "stages": [{"name": "one"}, {"name": "two", "data": {"train": {"path": "b.jsonl", "format": "text"}}}],
-    })  # fmt: skip
+    cfg = load_config(
+        None,
+        data={
+            "model": {"name_or_path": "m"},
+            "data": {"train": {"path": "a.json"}, "max_seq_length": 128, "packing": True, "eval_fraction": 0.1},
+            "stages": [{"name": "one"}, {"name": "two", "data": {"train": {"path": "b.jsonl", "format": "text"}}}],
+        },
+    )
     one, two = resolve_stages(cfg)
     assert two.data.train.path == "b.jsonl" and two.data.train.format == "text"
     assert two.data.max_seq_length == 128 and two.data.packing is True and two.data.eval_fraction == 0.1
@@ -136,15 +169,20 @@ def test_a_stage_that_names_only_its_train_file_inherits_the_rest(tmp_path):
     # The position check runs on the merged value: 128 fits a model of 512 positions.
     spec = resolve(cfg, DistributedEnv("none"), max_positions=512)
     assert [s.data.max_seq_length for s in spec.stages] == [128, 128]
-    with pytest.raises(UserError, match=r"data.max_seq_length \(128\) is larger than the model's max_position_embeddings \(64\)"):
+    with pytest.raises(
+        UserError, match=r"data.max_seq_length \(128\) is larger than the model's max_position_embeddings \(64\)"
+    ):
         resolve(cfg, DistributedEnv("none"), max_positions=64)
 
 
 def test_a_stage_source_replaces_the_top_level_source_of_either_kind():
-    cfg = load_config(None, data={
-        "model": {"name_or_path": "m"},
-        "data": {"dummy": {"num_samples": 8}, "max_seq_length": 64},
-        "stages": [{"name": "real", "data": {"train": {"path": "a.json"}}}],
-    })  # fmt: skip
+    cfg = load_config(
+        None,
+        data={
+            "model": {"name_or_path": "m"},
+            "data": {"dummy": {"num_samples": 8}, "max_seq_length": 64},
+            "stages": [{"name": "real", "data": {"train": {"path": "a.json"}}}],
+        },
+    )
     (stage,) = resolve_stages(cfg)
     assert stage.data.dummy is None and stage.data.train.path == "a.json" and stage.data.max_seq_length == 64

@@ -60,7 +60,15 @@ def test_deepspeed_config_from_yaml():
 
 def test_user_deepspeed_json_merged_keeps_its_own_keys(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}, "communication_data_type": "fp32"}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+                "communication_data_type": "fp32",
+            }
+        )
+    )
     c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
     assert read_user_config(str(path))["communication_data_type"] == "fp32"
     out = ds(c)
@@ -71,10 +79,17 @@ def test_user_deepspeed_json_merged_keeps_its_own_keys(tmp_path):
 
 def test_user_deepspeed_json_disagreeing_is_one_error_naming_every_key(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({
-        "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 64,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 8,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3},
+            }
+        )
+    )
     c = cfg(strategy="deepspeed", zero_stage=2, deepspeed_config=str(path))
     with pytest.raises(ConfigError) as info:
         ds(c)
@@ -144,13 +159,15 @@ def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_p
     from scaletune.run import prepare as preflight
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
-    c = Config.model_validate({
-        "output_dir": str(tmp_path / "run"),
-        "model": {"name_or_path": str(tiny_model_dir)},
-        "data": {"dummy": {"num_samples": 8}, "max_seq_length": 32},
-        "training": {"global_batch_size": 4, "micro_batch_size": 2},
-        "distributed": {"strategy": "deepspeed"},
-    })
+    c = Config.model_validate(
+        {
+            "output_dir": str(tmp_path / "run"),
+            "model": {"name_or_path": str(tiny_model_dir)},
+            "data": {"dummy": {"num_samples": 8}, "max_seq_length": 32},
+            "training": {"global_batch_size": 4, "micro_batch_size": 2},
+            "distributed": {"strategy": "deepspeed"},
+        }
+    )
     with pytest.raises(UserError) as info:
         preflight(c, env())
     assert info.value.problems == [

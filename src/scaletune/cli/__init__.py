@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -25,14 +25,19 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-config_app = typer.Typer(help="Standalone DeepSpeed / FSDP configs, and the config's resolved form and reference.", no_args_is_help=True)
+config_app = typer.Typer(
+    help="Standalone DeepSpeed / FSDP configs, and the config's resolved form and reference.", no_args_is_help=True
+)
 app.add_typer(config_app, name="config")
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config.")]
-OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")]
+OverridesArg = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")]
 EnvPresetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--env-preset", help="NCCL/torch.distributed env preset, repeatable: debug, no-p2p, no-ib, no-shm, long-timeouts, socket-ifname=IFACE (docs/launch.md)."),
+    list[str] | None,
+    typer.Option(
+        "--env-preset",
+        help="NCCL/torch.distributed env preset, repeatable: debug, no-p2p, no-ib, no-shm, long-timeouts, socket-ifname=IFACE (docs/launch.md).",
+    ),
 ]
 
 
@@ -46,7 +51,12 @@ def emit(text: str, output: Path | None) -> None:
 
 
 def resolved(
-    config: Path, overrides: list[str] | None, *, world_size: int | None = None, env: DistributedEnv | None = None, check: bool = True
+    config: Path,
+    overrides: list[str] | None,
+    *,
+    world_size: int | None = None,
+    env: DistributedEnv | None = None,
+    check: bool = True,
 ) -> RunSpec:
     """The run a verb works on: the config read and resolved (`auto` by the planner) for this
     process's environment, or `env` (a machine planned for).
@@ -60,7 +70,9 @@ def resolved(
     from scaletune.resolve import resolve
 
     env = env or DistributedEnv.from_environ()
-    return resolve(read_config(config, overrides or []), env, choose_auto=choose_auto, world_size=world_size, check=check)
+    return resolve(
+        read_config(config, overrides or []), env, choose_auto=choose_auto, world_size=world_size, check=check
+    )
 
 
 def command_line() -> str:

@@ -4,7 +4,7 @@ with every default (`show`), and the reference generated from the schema (`refer
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,17 +14,28 @@ from scaletune.errors import UserError
 
 @config_app.command("deepspeed")
 def config_deepspeed(
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the JSON here (default: print it).")] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the JSON here (default: print it).")
+    ] = None,
     zero_stage: Annotated[int, typer.Option(help="ZeRO stage 0-3.")] = 2,
-    offload_optimizer: Annotated[bool, typer.Option("--offload-optimizer", help="Optimizer state and step on the CPU.")] = False,
+    offload_optimizer: Annotated[
+        bool, typer.Option("--offload-optimizer", help="Optimizer state and step on the CPU.")
+    ] = False,
     offload_params: Annotated[bool, typer.Option("--offload-params", help="Parameters on the CPU (ZeRO-3).")] = False,
     bf16: Annotated[bool, typer.Option("--bf16", help="bf16 mixed precision (default: auto).")] = False,
-    fp16: Annotated[bool, typer.Option("--fp16", help="fp16 mixed precision with dynamic loss scaling (default: auto).")] = False,
+    fp16: Annotated[
+        bool, typer.Option("--fp16", help="fp16 mixed precision with dynamic loss scaling (default: auto).")
+    ] = False,
     fp32: Annotated[bool, typer.Option("--fp32", help="No mixed precision (default: auto).")] = False,
-    gradient_accumulation_steps: Annotated[Optional[int], typer.Option(help="Default: auto.")] = None,
-    gradient_clipping: Annotated[Optional[float], typer.Option(help="Default: auto.")] = None,
-    micro_batch_size: Annotated[Optional[int], typer.Option(help="Per-GPU micro batch (default: auto).")] = None,
-    train_batch_size: Annotated[Optional[int], typer.Option(help="Global batch, all GPUs (default: auto, or derived by DeepSpeed when micro batch and accumulation are given).")] = None,
+    gradient_accumulation_steps: Annotated[int | None, typer.Option(help="Default: auto.")] = None,
+    gradient_clipping: Annotated[float | None, typer.Option(help="Default: auto.")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option(help="Per-GPU micro batch (default: auto).")] = None,
+    train_batch_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Global batch, all GPUs (default: auto, or derived by DeepSpeed when micro batch and accumulation are given)."
+        ),
+    ] = None,
 ) -> None:
     """DeepSpeed JSON (`auto` where the Hugging Face Trainer fills the value)."""
     import json
@@ -34,26 +45,59 @@ def config_deepspeed(
     if bf16 + fp16 + fp32 > 1:
         raise UserError("give at most one of --bf16, --fp16, --fp32", title="invalid deepspeed options")
     precision = "bf16" if bf16 else "fp16" if fp16 else "fp32" if fp32 else "auto"
-    cfg = deepspeed_config(zero_stage, offload_optimizer, offload_params, precision, gradient_accumulation_steps,
-                           gradient_clipping, micro_batch_size, train_batch_size)  # fmt: skip
+    cfg = deepspeed_config(
+        zero_stage,
+        offload_optimizer,
+        offload_params,
+        precision,
+        gradient_accumulation_steps,
+        gradient_clipping,
+        micro_batch_size,
+        train_batch_size,
+    )
     text = json.dumps(cfg, indent=2) + "\n"
     emit(text, output)
 
+
 @config_app.command("fsdp")
 def config_fsdp(
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the config here (default: print it).")] = None,
-    reshard_after_forward: Annotated[bool, typer.Option("--reshard-after-forward/--no-reshard-after-forward", help="Free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).")] = True,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the config here (default: print it).")
+    ] = None,
+    reshard_after_forward: Annotated[
+        bool,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="Free gathered parameters after forward (ZeRO-3-like) or keep them (ZeRO-2-like).",
+        ),
+    ] = True,
     mixed_precision: Annotated[str, typer.Option(help="bf16, fp16 or no.")] = "bf16",
-    cpu_offload: Annotated[bool, typer.Option("--cpu-offload", help="Parameters, gradients and optimizer state on the CPU.")] = False,
+    cpu_offload: Annotated[
+        bool, typer.Option("--cpu-offload", help="Parameters, gradients and optimizer state on the CPU.")
+    ] = False,
     state_dict_type: Annotated[str, typer.Option(help="Checkpoints: sharded or full.")] = "sharded",
-    activation_checkpointing: Annotated[bool, typer.Option("--activation-checkpointing", help="FSDP's own activation checkpointing.")] = False,
-    format: Annotated[str, typer.Option("--format", help="trainer (JSON for TrainingArguments.fsdp_config) or accelerate (YAML for accelerate launch).")] = "trainer",
+    activation_checkpointing: Annotated[
+        bool, typer.Option("--activation-checkpointing", help="FSDP's own activation checkpointing.")
+    ] = False,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="trainer (JSON for TrainingArguments.fsdp_config) or accelerate (YAML for accelerate launch).",
+        ),
+    ] = "trainer",
 ) -> None:
     """FSDP2 config for the Hugging Face Trainer or `accelerate launch`."""
     from scaletune.launch.configs import fsdp_config
 
-    text, _ = fsdp_config(reshard_after_forward, mixed_precision, cpu_offload, state_dict_type,  # type: ignore[arg-type]
-                          activation_checkpointing, format)  # type: ignore[arg-type]  # fmt: skip
+    text, _ = fsdp_config(
+        reshard_after_forward,
+        mixed_precision,
+        cpu_offload,
+        state_dict_type,  # type: ignore[arg-type]
+        activation_checkpointing,
+        format,
+    )  # type: ignore[arg-type]
     emit(text, output)
 
 
@@ -71,13 +115,18 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
         f"{', autocast' if spec.precision.autocast else ''}",
         f"# batch: {spec.batch.describe()}",
     ]
-    header += [f"# stage {s.name}: data.max_seq_length {s.data.max_seq_length}, learning_rate {s.training.learning_rate}" for s in spec.stages]
+    header += [
+        f"# stage {s.name}: data.max_seq_length {s.data.max_seq_length}, learning_rate {s.training.learning_rate}"
+        for s in spec.stages
+    ]
     typer.echo("\n".join(header) + "\n" + dump_config(spec.config), nl=False)
 
 
 @config_app.command("reference")
 def config_reference(
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write the Markdown here (default: print it).")] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the Markdown here (default: print it).")
+    ] = None,
 ) -> None:
     """The config reference (every key, type, default and meaning), generated from the schema: the
     text of docs/config.md."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,9 @@ from scaletune.errors import UserError
 @app.command()
 def train(
     config: Annotated[Path, typer.Argument(help="YAML config (see README: config reference).")],
-    overrides: Annotated[Optional[list[str]], typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")] = None,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
+    ] = None,
 ) -> None:
     """Train. Under torchrun, the deepspeed launcher or srun, each rank runs this. Started plainly
     with more than one process wanted (distributed.num_processes), it re-executes itself under
@@ -23,6 +25,7 @@ def train(
     from scaletune.run import run_from_cli
 
     run_from_cli(config, overrides or [])
+
 
 @app.command("init-model")
 def init_model(
@@ -40,10 +43,18 @@ def init_model(
 
 @app.command("export")
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="A checkpoints/step-N folder, or a run directory (its latest checkpoint).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the Hugging Face model to (must be empty).")],
-    merge_lora: Annotated[bool, typer.Option("--merge-lora", help="Fold a LoRA adapter into the base weights.")] = False,
-    dtype: Annotated[Optional[str], typer.Option(help="Weights dtype: bfloat16, float16 or float32 (default: as trained).")] = None,
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A checkpoints/step-N folder, or a run directory (its latest checkpoint).")
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Folder to write the Hugging Face model to (must be empty).")
+    ],
+    merge_lora: Annotated[
+        bool, typer.Option("--merge-lora", help="Fold a LoRA adapter into the base weights.")
+    ] = False,
+    dtype: Annotated[
+        str | None, typer.Option(help="Weights dtype: bfloat16, float16 or float32 (default: as trained).")
+    ] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file, e.g. 5GB.")] = "5GB",
 ) -> None:
     """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
@@ -55,15 +66,25 @@ def export(
     out = export_checkpoint(checkpoint, output, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size)
     typer.echo(str(out))
 
+
 @app.command(context_settings={"allow_interspersed_args": True})
 def plan(
-    config: Annotated[Path, typer.Argument(help="YAML config (model.name_or_path may be a preset name such as llama-3-8b).")],
+    config: Annotated[
+        Path, typer.Argument(help="YAML config (model.name_or_path may be a preset name such as llama-3-8b).")
+    ],
     overrides: OverridesArg = None,
-    gpus: Annotated[Optional[int], typer.Option(help="GPUs per node (default: the GPUs visible here).")] = None,
-    gpu_memory: Annotated[Optional[float], typer.Option(help="Memory per GPU in GiB (default: the first visible GPU's).")] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs per node (default: the GPUs visible here).")] = None,
+    gpu_memory: Annotated[
+        float | None, typer.Option(help="Memory per GPU in GiB (default: the first visible GPU's).")
+    ] = None,
     nodes: Annotated[int, typer.Option(help="Number of nodes.")] = 1,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
-    simulate_world_size: Annotated[Optional[int], typer.Option(help="Also shard the meta model with FSDP2 over a fake process group of W ranks and report rank 0's shard.")] = None,
+    simulate_world_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Also shard the meta model with FSDP2 over a fake process group of W ranks and report rank 0's shard."
+        ),
+    ] = None,
 ) -> None:
     """Memory per rank of every strategy (parameters, gradients, optimizer state, activations) and
     the chosen strategy, from the model's config alone (meta device, no weights)."""
@@ -71,7 +92,8 @@ def plan(
 
     from rich.console import Console
 
-    from scaletune.plan import describe_shape, plan as make_plan, render_table, simulate_fsdp, target_env
+    from scaletune.plan import describe_shape, render_table, simulate_fsdp, target_env
+    from scaletune.plan import plan as make_plan
 
     env, world, note = target_env(gpus, gpu_memory, nodes)
     spec = resolved(config, overrides, world_size=world, env=env, check=False)
@@ -99,16 +121,23 @@ def plan(
 
 @app.command()
 def doctor(
-    comm_test: Annotated[bool, typer.Option("--comm-test", help="Run all_reduce / all_gather / reduce_scatter across the launched ranks (under torchrun).")] = False,
+    comm_test: Annotated[
+        bool,
+        typer.Option(
+            "--comm-test",
+            help="Run all_reduce / all_gather / reduce_scatter across the launched ranks (under torchrun).",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
-    config: Annotated[Optional[Path], typer.Option(help="Also run the checks that need a config.")] = None,
+    config: Annotated[Path | None, typer.Option(help="Also run the checks that need a config.")] = None,
 ) -> None:
     """Environment report and checks, each OK / WARN / FAIL with the fix. Exits 1 when a check fails."""
     import json
 
     from rich.console import Console
 
-    from scaletune.doctor import checks, comm_test as run_comm_test, render, render_comm, report
+    from scaletune.doctor import checks, render, render_comm, report
+    from scaletune.doctor import comm_test as run_comm_test
     from scaletune.env import DistributedEnv
 
     env = DistributedEnv.from_environ()

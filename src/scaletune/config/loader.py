@@ -90,9 +90,7 @@ def _inner_model(annotation: Any) -> Any:
     return annotation if isinstance(annotation, type) else None
 
 
-def _format_errors(
-    err: ValidationError, source: str, lines: dict[tuple, int], override_keys: set[tuple]
-) -> list[str]:
+def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int], override_keys: set[tuple]) -> list[str]:
     out = []
     for e in err.errors():
         # Drop the tagged-union / model_validator markers pydantic puts in `loc`.
@@ -152,7 +150,9 @@ class LoadedConfig:
         return f"{self.source}:{self.lines[probe]}" if probe in self.lines else self.source
 
 
-def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, data: dict | None = None) -> LoadedConfig:
+def read_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, data: dict | None = None
+) -> LoadedConfig:
     """Read a YAML config (or a mapping), apply dotted overrides, validate against the schema.
 
     Never raises for bad input: problems are returned (see :func:`load_config`).
@@ -207,7 +207,9 @@ def read_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return LoadedConfig(cfg, best, problems, source, lines, override_keys)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, data: dict | None = None) -> Config:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *, data: dict | None = None
+) -> Config:
     """:func:`read_config`, raising on its problems. Cross-field rules are not run here: they need
     the resolved run (:func:`scaletune.resolve.resolve`).
 

@@ -40,16 +40,19 @@ from scaletune.data.batching import (
     make_eval_loader,
     make_loader,
 )
-from scaletune.data.build import DataBundle, _cache_root as _cache_root, build_datasets
+from scaletune.data.build import DataBundle, build_datasets
+from scaletune.data.build import _cache_root as _cache_root
 from scaletune.data.packing import check_packing_support, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
 from scaletune.data.templates import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     CHATML_TEMPLATE,
-    _Encoder as _Encoder,
     resolve_chat_template,
     tokenizer_fingerprint,
+)
+from scaletune.data.templates import (
+    _Encoder as _Encoder,
 )
 
 _pack = pack_rows  # the name before the split into a package

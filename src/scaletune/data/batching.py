@@ -4,7 +4,8 @@ and loaders that deal rows to ranks and micro-batches (resumable mid-epoch)."""
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -124,7 +125,9 @@ def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: Distri
     return loader, sampler
 
 
-def global_batches(loader: Any, sampler: Any, batch: BatchArithmetic, steps_per_epoch: int, first_epoch: int = 0, first_step: int = 0) -> Iterator[tuple[int, int, list]]:
+def global_batches(
+    loader: Any, sampler: Any, batch: BatchArithmetic, steps_per_epoch: int, first_epoch: int = 0, first_step: int = 0
+) -> Iterator[tuple[int, int, list]]:
     """Yield (epoch, step_in_epoch, micro_batches) forever, one global batch per step, starting at
     step `first_step` of epoch `first_epoch` (a resumed run)."""
     gas = batch.gradient_accumulation_steps
@@ -143,6 +146,4 @@ def make_eval_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: D
     from torch.utils.data import DataLoader
 
     indices = list(range(env.rank, len(dataset), env.world_size))
-    return DataLoader(
-        torch.utils.data.Subset(dataset, indices), batch_size=batch.micro_batch_size, collate_fn=collator
-    )
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch.micro_batch_size, collate_fn=collator)

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from scaletune.resolve import positions_problem
 from scaletune.config import DataConfig, DataSource
 from scaletune.data.packing import _PACK_CHUNK, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, load_records, split_records
 from scaletune.data.templates import _Encoder, resolve_chat_template, tokenizer_fingerprint
 from scaletune.errors import DataError
+from scaletune.resolve import positions_problem
 
 if TYPE_CHECKING:
     import datasets
@@ -41,8 +41,8 @@ class DataBundle:
             with an ``eval_`` prefix (``eval_dropped_empty``, ``eval_truncated``, ...).
     """
 
-    train: "datasets.Dataset"
-    eval: "datasets.Dataset | None"
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
     stats: dict = field(default_factory=dict)
 
 
@@ -56,7 +56,7 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
 
 def _tokenize(
     records: list[dict], source: DataSource, data_cfg: DataConfig, tokenizer, tok_hash: str, cache: Path, name: str
-) -> tuple["datasets.Dataset", dict]:
+) -> tuple[datasets.Dataset, dict]:
     import datasets
     import pyarrow.compute as pc
 
@@ -122,7 +122,7 @@ def _prefixed(name: str, **counts: int) -> dict:
     return {(k if k in bare else f"{name}_{k}"): v for k, v in counts.items()}
 
 
-def _row_stats(ds: "datasets.Dataset", name: str) -> dict:
+def _row_stats(ds: datasets.Dataset, name: str) -> dict:
     import pyarrow.compute as pc
 
     labels = pc.list_flatten(ds.data.column("labels"))
@@ -143,9 +143,7 @@ def _dummy_rows(data_cfg: DataConfig, vocab_size: int, seed: int) -> list[dict]:
         )
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (n, length), generator=gen).tolist()
-    return [
-        {"input_ids": row, "labels": [IGNORE_INDEX] + row[1:], "position_ids": list(range(length))} for row in ids
-    ]
+    return [{"input_ids": row, "labels": [IGNORE_INDEX] + row[1:], "position_ids": list(range(length))} for row in ids]
 
 
 def build_datasets(

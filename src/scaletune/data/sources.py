@@ -127,7 +127,7 @@ def load_records(source: DataSource) -> list[dict]:
             data = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
             where = f"{path}:{exc.lineno}"
-            raise DataError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data")
+            raise DataError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data") from None
         if not isinstance(data, list):
             raise DataError(
                 f"{path}: a .json data file must hold a list of records (use .jsonl for one record per line)",
@@ -164,7 +164,7 @@ def _load_hf(source: DataSource, path: str) -> list[dict]:
     except Exception as exc:  # noqa: BLE001 - load_dataset raises many types; the user needs the message
         kind = "local folder" if Path(path).is_dir() else "not a local file or folder, so tried as a data set name;"
         msg = f"{path}: {kind} datasets.load_dataset failed: {type(exc).__name__}: {exc}"
-        raise DataError(msg, title="invalid data")
+        raise DataError(msg, title="invalid data") from None
     if source.max_samples is not None:
         ds = ds.select(range(min(source.max_samples, len(ds))))
     return ds.to_list()
@@ -203,9 +203,7 @@ def validate_data(data_cfg: DataConfig) -> None:
 def _split_sizes(n: int, fraction: float) -> tuple[int, int]:
     n_eval = max(1, round(n * fraction))
     if n - n_eval < 1:
-        raise DataError(
-            f"data.eval_fraction {fraction} of {n} records leaves no training record", title="invalid data"
-        )
+        raise DataError(f"data.eval_fraction {fraction} of {n} records leaves no training record", title="invalid data")
     return n - n_eval, n_eval
 
 

@@ -91,7 +91,8 @@ class _Encoder:
         if eos is None:
             raise DataError(
                 f"the tokenizer has no eos_token, which format {self.fmt} appends to every target; "
-                "set tokenizer.eos_token", title="invalid data",
+                "set tokenizer.eos_token",
+                title="invalid data",
             )
         return eos
 
@@ -154,8 +155,7 @@ class _Encoder:
         out = []
         for ids, offsets, conv_spans in zip(enc["input_ids"], enc["offset_mapping"], spans):
             labels = [
-                t if any(s <= start < e for s, e in conv_spans) else IGNORE_INDEX
-                for t, (start, _) in zip(ids, offsets)
+                t if any(s <= start < e for s, e in conv_spans) else IGNORE_INDEX for t, (start, _) in zip(ids, offsets)
             ]
             out.append((ids, labels))
         return out

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from scaletune.doctor.checks import (
     Check,
     Status,
-    _version as _version,
     check_batch,
     check_checkpointing,
     check_deepspeed_ops,
@@ -17,6 +17,9 @@ from scaletune.doctor.checks import (
     check_liger,
     check_processes_vs_gpus,
     check_quantization,
+)
+from scaletune.doctor.checks import (
+    _version as _version,
 )
 from scaletune.doctor.comm import comm_test, render_comm
 from scaletune.doctor.report import render, report
@@ -71,7 +74,9 @@ def _environment_checks(spec: RunSpec | None, env: DistributedEnv, e: Mapping[st
     ]
 
 
-def checks(spec: RunSpec | None, env: DistributedEnv | None = None, environ: Mapping[str, str] | None = None) -> list[Check]:
+def checks(
+    spec: RunSpec | None, env: DistributedEnv | None = None, environ: Mapping[str, str] | None = None
+) -> list[Check]:
     """Every check in a fixed order: the environment's, with the resolve rules on the run shown
     as checks too (docs/plan.md lists them). `env` defaults to the run's."""
     from scaletune.resolve import rule_problems
@@ -96,7 +101,9 @@ def checks(spec: RunSpec | None, env: DistributedEnv | None = None, environ: Map
     return out
 
 
-def environment_problems(spec: RunSpec, environ: Mapping[str, str] | None = None, *, warn: list[Check] | None = None) -> list[Problem]:
+def environment_problems(
+    spec: RunSpec, environ: Mapping[str, str] | None = None, *, warn: list[Check] | None = None
+) -> list[Problem]:
     """The fatal environment checks of a run as problems (train's preflight reports them with the
     config's); WARN checks are appended to `warn` when given."""
     from scaletune.resolve import Problem

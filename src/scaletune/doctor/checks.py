@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import TYPE_CHECKING, Literal
 
 from scaletune.env import DistributedEnv
 
@@ -62,29 +63,39 @@ def check_launcher_vars(env: DistributedEnv, environ: Mapping[str, str]) -> Chec
         slurm_tasks = environ.get("SLURM_NTASKS")
         if env.world_size > 1 and missing:
             return Check(
-                name, "FAIL",
+                name,
+                "FAIL",
                 f"WORLD_SIZE={env.world_size} (RANK={environ.get('RANK', 'unset')}) is set but no launcher started "
                 f"this process and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: a stale "
                 "variable from another job or shell, and the run would wait for peers that never come",
-                fix, fatal=True,
-            )  # fmt: skip
+                fix,
+                fatal=True,
+            )
         if env.world_size > 1 and slurm_tasks and "SLURM_STEP_ID" in environ and slurm_tasks.isdigit():
-            if int(slurm_tasks) != env.world_size and int(slurm_tasks) != env.world_size // max(1, env.local_world_size):
+            if int(slurm_tasks) != env.world_size and int(slurm_tasks) != env.world_size // max(
+                1, env.local_world_size
+            ):
                 return Check(
-                    name, "FAIL",
+                    name,
+                    "FAIL",
                     f"WORLD_SIZE={env.world_size} disagrees with this SLURM step's {slurm_tasks} task(s): "
                     "variables left over from another job",
-                    fix + " (under srun let scaletune read SLURM_PROCID/SLURM_NTASKS)", fatal=True,
-                )  # fmt: skip
+                    fix + " (under srun let scaletune read SLURM_PROCID/SLURM_NTASKS)",
+                    fatal=True,
+                )
         if env.world_size > 1:
-            return _ok(name, f"RANK/WORLD_SIZE set by an external launcher: rank {env.rank} of {env.world_size}, "
-                             f"rendezvous {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}")  # fmt: skip
+            return _ok(
+                name,
+                f"RANK/WORLD_SIZE set by an external launcher: rank {env.rank} of {env.world_size}, "
+                f"rendezvous {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}",
+            )
         return Check(
-            name, "WARN",
+            name,
+            "WARN",
             f"distributed variables ({', '.join(v for v in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE') if v in environ)}) are set "
             "without a launcher at world size 1: probably left over; device_map is ignored while they are set",
             fix,
-        )  # fmt: skip
+        )
     stray = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v in environ]
     if stray:
         return Check(name, "WARN", f"{' and '.join(stray)} set without a launcher (harmless for one process)", fix)
@@ -111,15 +122,19 @@ def check_processes_vs_gpus(env: DistributedEnv, spec: RunSpec | None, environ: 
     if env.cuda_available:
         if env.launched and env.local_world_size > env.cuda_device_count:
             return Check(
-                name, "FAIL",
+                name,
+                "FAIL",
                 f"{env.local_world_size} processes on this node but {env.cuda_device_count} visible GPU(s) "
                 f"(CUDA_VISIBLE_DEVICES={visible}): ranks would share a GPU (NCCL 'Duplicate GPU detected')",
-                f"start at most {env.cuda_device_count} processes per node (--nproc_per_node {env.cuda_device_count})", fatal=True,
-            )  # fmt: skip
+                f"start at most {env.cuda_device_count} processes per node (--nproc_per_node {env.cuda_device_count})",
+                fatal=True,
+            )
         bad = _rule(spec, name)
         if bad is not None:
             return _fail(bad)
-        return _ok(name, f"{env.local_world_size if env.launched else 1} process(es), {env.cuda_device_count} GPU(s) visible")
+        return _ok(
+            name, f"{env.local_world_size if env.launched else 1} process(es), {env.cuda_device_count} GPU(s) visible"
+        )
     return _ok(name, f"no GPU: {env.local_world_size} CPU process(es) on this node (gloo)")
 
 
@@ -130,11 +145,12 @@ def check_device_map(env: DistributedEnv, spec: RunSpec | None) -> Check:
         return _ok(name, "no device_map")
     if env.launched:
         return Check(
-            name, "WARN",
+            name,
+            "WARN",
             f"model.device_map={device_map} under a launcher ({env.launcher}): it is set aside, each rank loads "
             "its replica or shard on its own device",
             "drop model.device_map when training with several processes",
-        )  # fmt: skip
+        )
     return _ok(name, f"device_map {device_map} in one process")
 
 
@@ -145,18 +161,31 @@ def check_quantization(env: DistributedEnv, spec: RunSpec | None) -> list[Check]
         return [_ok("quantization", "no quantization")]
     out = []
     if not env.cuda_available:
-        out.append(Check(
-            "quantization", "FAIL",
-            f"model.quantization ({q.bits}-bit bitsandbytes) needs a CUDA GPU and none is visible",
-            "drop model.quantization (LoRA on unquantized weights) or run on a GPU machine", fatal=True,
-        ))  # fmt: skip
+        out.append(
+            Check(
+                "quantization",
+                "FAIL",
+                f"model.quantization ({q.bits}-bit bitsandbytes) needs a CUDA GPU and none is visible",
+                "drop model.quantization (LoRA on unquantized weights) or run on a GPU machine",
+                fatal=True,
+            )
+        )
     elif _version("bitsandbytes") is None:
-        out.append(Check("quantization", "FAIL", "model.quantization needs bitsandbytes, which is not installed",
-                         "pip install 'scaletune[gpu]'", fatal=True))  # fmt: skip
+        out.append(
+            Check(
+                "quantization",
+                "FAIL",
+                "model.quantization needs bitsandbytes, which is not installed",
+                "pip install 'scaletune[gpu]'",
+                fatal=True,
+            )
+        )
     else:
         out.append(_ok("quantization", f"{q.bits}-bit on GPU with bitsandbytes {_version('bitsandbytes')}"))
     bad = _rule(spec, "quantization strategy", "quantization storage dtype")
-    out.append(_fail(bad) if bad else _ok("quantization strategy", f"{q.bits}-bit weights with strategy {spec.strategy_label}"))
+    out.append(
+        _fail(bad) if bad else _ok("quantization strategy", f"{q.bits}-bit weights with strategy {spec.strategy_label}")
+    )
     return out
 
 
@@ -167,12 +196,21 @@ def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
     if spec is None or not spec.config.model.liger:
         return _ok(name, "model.liger off")
     if not env.cuda_available:
-        return Check(name, "FAIL", "model.liger (Liger's Triton kernels) needs a CUDA GPU and none is visible",
-                     "set model.liger: false (the built-in chunked loss runs on any device) or run on a GPU machine",
-                     fatal=True)  # fmt: skip
+        return Check(
+            name,
+            "FAIL",
+            "model.liger (Liger's Triton kernels) needs a CUDA GPU and none is visible",
+            "set model.liger: false (the built-in chunked loss runs on any device) or run on a GPU machine",
+            fatal=True,
+        )
     if _version("liger-kernel") is None:
-        return Check(name, "FAIL", "model.liger needs liger-kernel, which is not installed",
-                     "pip install 'scaletune[liger]'", fatal=True)  # fmt: skip
+        return Check(
+            name,
+            "FAIL",
+            "model.liger needs liger-kernel, which is not installed",
+            "pip install 'scaletune[liger]'",
+            fatal=True,
+        )
     return _ok(name, f"Liger kernels on GPU with liger-kernel {_version('liger-kernel')}")
 
 
@@ -192,11 +230,13 @@ def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
     default = inspect.signature(models.enable_gradient_checkpointing).parameters["use_reentrant"].default
     if default is not False:
         return Check(
-            name, "FAIL",
+            name,
+            "FAIL",
             "LoRA with gradient checkpointing under DDP with reentrant checkpointing: backward fails with "
             "'Expected to mark a variable ready only once'",
-            "use non-reentrant checkpointing (use_reentrant=False)", fatal=True,
-        )  # fmt: skip
+            "use non-reentrant checkpointing (use_reentrant=False)",
+            fatal=True,
+        )
     return _ok(name, "LoRA + checkpointing under ddp uses non-reentrant checkpointing")
 
 
@@ -218,8 +258,13 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
     try:
         import deepspeed  # noqa: F401 - importable, not only installed (a broken build fails here)
     except ImportError:
-        return Check(name, "FAIL", "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' "
-                     "(or choose ddp or fsdp)", fatal=True)  # fmt: skip
+        return Check(
+            name,
+            "FAIL",
+            "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' "
+            "(or choose ddp or fsdp)",
+            fatal=True,
+        )
     if not builders:
         return _ok(name, f"deepspeed {_version('deepspeed')}; no custom op needed")
     try:
@@ -236,12 +281,19 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
             if builder is None or not builder.is_compatible(verbose=False):
                 bad.append(b)
     except Exception as exc:  # noqa: BLE001 - any failure here means the op cannot be built
-        return Check(name, "FAIL", f"DeepSpeed ops cannot be checked: {type(exc).__name__}: {exc}",
-                     "reinstall deepspeed matching this torch/CUDA (`ds_report`)", fatal=True)  # fmt: skip
+        return Check(
+            name,
+            "FAIL",
+            f"DeepSpeed ops cannot be checked: {type(exc).__name__}: {exc}",
+            "reinstall deepspeed matching this torch/CUDA (`ds_report`)",
+            fatal=True,
+        )
     if bad:
         return Check(
-            name, "FAIL", f"DeepSpeed op(s) {', '.join(bad)} cannot be built on this machine ({acc.device_name()})",
+            name,
+            "FAIL",
+            f"DeepSpeed op(s) {', '.join(bad)} cannot be built on this machine ({acc.device_name()})",
             "run `ds_report` and install the missing toolchain (a C++ compiler, libaio-dev, the CUDA toolkit), or drop the offload",
             fatal=True,
-        )  # fmt: skip
+        )
     return _ok(name, f"{', '.join(builders)} compatible ({acc.device_name()})")

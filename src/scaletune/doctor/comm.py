@@ -27,8 +27,10 @@ def comm_test(sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24), ite
     own = not dist.is_initialized()
     if own:
         if env.world_size < 2:
-            raise UserError("--comm-test needs several ranks: torchrun --nproc_per_node 2 -m scaletune doctor --comm-test",
-                            title="no ranks to test")  # fmt: skip
+            raise UserError(
+                "--comm-test needs several ranks: torchrun --nproc_per_node 2 -m scaletune doctor --comm-test",
+                title="no ranks to test",
+            )
         if env.cuda_available:
             torch.cuda.set_device(env.device)
         dist.init_process_group("nccl" if env.cuda_available else "gloo")
@@ -45,7 +47,8 @@ def comm_test(sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24), ite
                 "reduce_scatter": ((w - 1) / w),
             }
             for op, factor in cases.items():
-                def run() -> bool:
+
+                def run(op: str = op, n: int = n, chunk: int = chunk) -> bool:
                     if op == "all_reduce":
                         t = torch.full((n,), float(r + 1), device=dev)
                         dist.all_reduce(t)
@@ -72,8 +75,16 @@ def comm_test(sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24), ite
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 nbytes = n * 4
                 algbw = nbytes / elapsed / 1e9
-                out.append({"op": op, "bytes": nbytes, "ok": bool(flag.item() == 1.0), "time_s": elapsed,
-                            "algbw_GBps": algbw, "busbw_GBps": algbw * factor})  # fmt: skip
+                out.append(
+                    {
+                        "op": op,
+                        "bytes": nbytes,
+                        "ok": bool(flag.item() == 1.0),
+                        "time_s": elapsed,
+                        "algbw_GBps": algbw,
+                        "busbw_GBps": algbw * factor,
+                    }
+                )
         return out
     finally:
         if own:
@@ -87,6 +98,12 @@ def render_comm(records: list[dict]) -> Any:
     for col in ("op", "bytes", "ok", "ms", "algbw GB/s", "busbw GB/s"):
         t.add_column(col)
     for r in records:
-        t.add_row(r["op"], f"{r['bytes']:,}", "yes" if r["ok"] else "NO", f"{r['time_s'] * 1e3:.3f}",
-                  f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}")  # fmt: skip
+        t.add_row(
+            r["op"],
+            f"{r['bytes']:,}",
+            "yes" if r["ok"] else "NO",
+            f"{r['time_s'] * 1e3:.3f}",
+            f"{r['algbw_GBps']:.3f}",
+            f"{r['busbw_GBps']:.3f}",
+        )
     return t

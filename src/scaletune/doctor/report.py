@@ -7,13 +7,23 @@ import os
 import platform
 import shutil
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from scaletune.doctor.checks import _version
 from scaletune.env import DistributedEnv
 
-
-_PACKAGES = ("torch", "transformers", "peft", "datasets", "accelerate", "deepspeed", "bitsandbytes", "liger-kernel", "safetensors")
+_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "datasets",
+    "accelerate",
+    "deepspeed",
+    "bitsandbytes",
+    "liger-kernel",
+    "safetensors",
+)
 
 
 def report(env: DistributedEnv, environ: Mapping[str, str] | None = None) -> dict:
@@ -39,7 +49,16 @@ def report(env: DistributedEnv, environ: Mapping[str, str] | None = None) -> dic
         "distributed_vars": {
             k: e[k]
             for k in sorted(e)
-            if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+            if k
+            in (
+                "RANK",
+                "LOCAL_RANK",
+                "WORLD_SIZE",
+                "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID",
+            )
             or k.startswith(("NCCL_", "TORCH_NCCL_", "GLOO_", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"))
         },
     }

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from scaletune.doctor.checks import Check, _ok
 from scaletune.env import DistributedEnv
@@ -29,29 +30,61 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
             names = set()
         wanted = [p for p in ifname.split(",") if p and not p.startswith("^")]
         exclude = ifname.startswith("^")
-        missing = [] if exclude or not names else [w for w in wanted if not any(n == w or n.startswith(w) for n in names)]
+        missing = (
+            [] if exclude or not names else [w for w in wanted if not any(n == w or n.startswith(w) for n in names)]
+        )
         if missing:
-            out.append(Check(
-                "NCCL_SOCKET_IFNAME", "FAIL",
-                f"NCCL_SOCKET_IFNAME={ifname}: no interface {', '.join(missing)} here (have {', '.join(sorted(names))}); "
-                "NCCL hangs or fails at the first collective",
-                "set it to an interface that reaches the other nodes (`ip addr`), or unset it", fatal=gpu_dist,
-            ))  # fmt: skip
+            out.append(
+                Check(
+                    "NCCL_SOCKET_IFNAME",
+                    "FAIL",
+                    f"NCCL_SOCKET_IFNAME={ifname}: no interface {', '.join(missing)} here (have {', '.join(sorted(names))}); "
+                    "NCCL hangs or fails at the first collective",
+                    "set it to an interface that reaches the other nodes (`ip addr`), or unset it",
+                    fatal=gpu_dist,
+                )
+            )
     for var in ("NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         if environ.get(var) == "0":
-            out.append(Check(var, "WARN", f"{var}=0: a failed rank leaves the others hanging until the timeout",
-                             f"unset {var} (torch's default tears the job down on errors)"))  # fmt: skip
-    for var, why in (("NCCL_P2P_DISABLE", "GPU-to-GPU traffic goes through host memory"),
-                     ("NCCL_IB_DISABLE", "multi-node traffic uses TCP instead of InfiniBand/RoCE")):  # fmt: skip
+            out.append(
+                Check(
+                    var,
+                    "WARN",
+                    f"{var}=0: a failed rank leaves the others hanging until the timeout",
+                    f"unset {var} (torch's default tears the job down on errors)",
+                )
+            )
+    for var, why in (
+        ("NCCL_P2P_DISABLE", "GPU-to-GPU traffic goes through host memory"),
+        ("NCCL_IB_DISABLE", "multi-node traffic uses TCP instead of InfiniBand/RoCE"),
+    ):
         if environ.get(var) == "1":
-            out.append(Check(var, "WARN", f"{var}=1: {why} (slower; right only where the hardware needs it)",
-                             f"unset {var} unless it works around a known hang"))  # fmt: skip
+            out.append(
+                Check(
+                    var,
+                    "WARN",
+                    f"{var}=1: {why} (slower; right only where the hardware needs it)",
+                    f"unset {var} unless it works around a known hang",
+                )
+            )
     if environ.get("CUDA_LAUNCH_BLOCKING") == "1":
-        out.append(Check("CUDA_LAUNCH_BLOCKING", "WARN", "CUDA_LAUNCH_BLOCKING=1 serialises every kernel (debugging only)",
-                         "unset CUDA_LAUNCH_BLOCKING"))  # fmt: skip
+        out.append(
+            Check(
+                "CUDA_LAUNCH_BLOCKING",
+                "WARN",
+                "CUDA_LAUNCH_BLOCKING=1 serialises every kernel (debugging only)",
+                "unset CUDA_LAUNCH_BLOCKING",
+            )
+        )
     if environ.get("NCCL_BLOCKING_WAIT") or environ.get("TORCH_NCCL_BLOCKING_WAIT") == "1":
-        out.append(Check("TORCH_NCCL_BLOCKING_WAIT", "WARN", "blocking wait makes every collective poll the CPU",
-                         "unset NCCL_BLOCKING_WAIT / TORCH_NCCL_BLOCKING_WAIT"))  # fmt: skip
+        out.append(
+            Check(
+                "TORCH_NCCL_BLOCKING_WAIT",
+                "WARN",
+                "blocking wait makes every collective poll the CPU",
+                "unset NCCL_BLOCKING_WAIT / TORCH_NCCL_BLOCKING_WAIT",
+            )
+        )
     if not out:
         out.append(_ok("NCCL variables", "no variable known to cause hangs is set"))
     return out
@@ -105,7 +138,9 @@ def check_disk(spec: RunSpec | None) -> Check:
     c = _config_json(spec)
     n = estimate_parameters(c) if c else None
     if n is None:
-        return Check(name, "WARN", f"cannot size the model of {cfg.model.name_or_path} from a config.json; disk not checked")
+        return Check(
+            name, "WARN", f"cannot size the model of {cfg.model.name_or_path} from a config.json; disk not checked"
+        )
     if cfg.model.lora is not None:
         trainable = max(1, n // 200)  # adapters: well under 1% of the model at usual ranks
         final = 4 * trainable
@@ -119,8 +154,10 @@ def check_disk(spec: RunSpec | None) -> Check:
     where = _existing_parent(Path(cfg.output_dir))
     free = shutil.disk_usage(where).free
     gb = 1e9
-    msg = (f"{free / gb:,.1f} GB free at {where}; the run writes ~{need / gb:,.1f} GB "
-           f"({keep} checkpoint(s) of ~{ckpt / gb:,.1f} GB and a final model of ~{final / gb:,.1f} GB)")  # fmt: skip
+    msg = (
+        f"{free / gb:,.1f} GB free at {where}; the run writes ~{need / gb:,.1f} GB "
+        f"({keep} checkpoint(s) of ~{ckpt / gb:,.1f} GB and a final model of ~{final / gb:,.1f} GB)"
+    )
     if free < need_min:
         return Check(name, "FAIL", msg, "free disk space or point output_dir at a larger disk", fatal=True)
     if free < need:
@@ -154,10 +191,19 @@ def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
         if env.rank != 0 or env.world_size == 1:
             return _ok(name, f"rank {env.rank} connects to {environ.get('MASTER_ADDR')}:{port}")
         if not port_free(port):
-            return Check(name, "FAIL", f"MASTER_PORT {port} is already in use: rank 0 cannot open the rendezvous there",
-                         "choose a free MASTER_PORT or stop the process holding it (`ss -ltnp`)", fatal=True)  # fmt: skip
+            return Check(
+                name,
+                "FAIL",
+                f"MASTER_PORT {port} is already in use: rank 0 cannot open the rendezvous there",
+                "choose a free MASTER_PORT or stop the process holding it (`ss -ltnp`)",
+                fatal=True,
+            )
         return _ok(name, f"port {port} free for rank 0's rendezvous")
     if not port_free(port):
-        return Check(name, "WARN", f"port {port} (the rendezvous port `scaletune launch` would use) is in use",
-                     "pass --master-port with a free port (single-node `scaletune train` picks one itself)")  # fmt: skip
+        return Check(
+            name,
+            "WARN",
+            f"port {port} (the rendezvous port `scaletune launch` would use) is in use",
+            "pass --master-port with a free port (single-node `scaletune train` picks one itself)",
+        )
     return _ok(name, f"port {port} free")

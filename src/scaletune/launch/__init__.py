@@ -4,7 +4,9 @@ No torch import here: every function is pure (or writes/submits what a pure func
 and tests compare its output.
 
 * :mod:`.commands`: torchrun / deepspeed-launcher commands for one node
-  (:func:`~.commands.build_launch`, :func:`~.commands.single_node_torchrun_argv`).
+  (:func:`~.commands.build_launch`; :func:`~.commands.torchrun_argv`, the one torchrun command
+  line, also used by the trainer's re-exec and the sbatch script).
+* :mod:`.shell`: quoting and the per-node launch script.
 * :mod:`.slurm`: sbatch scripts (:func:`~.slurm.render_sbatch`, :func:`~.slurm.submit`).
 * :mod:`.modal_app`: Modal apps (:func:`~.modal_app.render_modal_app`).
 * :mod:`.presets`: NCCL / torch.distributed environment presets.
@@ -15,10 +17,11 @@ from scaletune.launch.commands import (
     LaunchCommand,
     LaunchOptions,
     build_launch,
-    render_script,
     single_node_torchrun_argv,
+    torchrun_argv,
 )
 from scaletune.launch.presets import PRESETS, merged_env
+from scaletune.launch.shell import render_script
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
 
 __all__ = [
@@ -31,4 +34,5 @@ __all__ = [
     "render_sbatch",
     "render_script",
     "single_node_torchrun_argv",
+    "torchrun_argv",
 ]

@@ -18,31 +18,19 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 from scaletune.errors import UserError
 from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
+from scaletune.launch.shell import Raw, shell_join
 
 LauncherName = Literal["torchrun", "deepspeed"]
 LAUNCHERS = ("torchrun", "deepspeed")
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_MODULE = "torch.distributed.run"
 DEEPSPEED_MODULE = "deepspeed.launcher.runner"
-
-
-class Raw(str):
-    """A shell fragment written verbatim (e.g. `"$MASTER_ADDR"`). Only builders create these,
-    never from user input; everything else is `shlex.quote`d."""
-
-
-def quote(token: str) -> str:
-    return str(token) if isinstance(token, Raw) else shlex.quote(str(token))
-
-
-def shell_join(argv: Sequence[str]) -> str:
-    """The argv as one shell line; literal tokens quoted, :class:`Raw` tokens verbatim."""
-    return " ".join(quote(t) for t in argv)
 
 
 def train_argv(config: str, overrides: Sequence[str] = ()) -> list[str]:
@@ -237,8 +225,7 @@ def nproc_problems(gpus_per_node: int | None, procs_per_node: int | None) -> lis
         out.append("--gpus-per-node 0 (CPU nodes) needs --procs-per-node P: how many ranks to start per node")
     if gpus_per_node and procs_per_node and procs_per_node > gpus_per_node:
         out.append(
-            f"--procs-per-node {procs_per_node} is more than --gpus-per-node {gpus_per_node}: "
-            "ranks would share a GPU"
+            f"--procs-per-node {procs_per_node} is more than --gpus-per-node {gpus_per_node}: ranks would share a GPU"
         )
     return out
 
@@ -307,7 +294,9 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
         if not standalone:
             port = port or DEFAULT_MASTER_PORT
         argv = torchrun_argv(
-            opts.python, nproc, program,
+            opts.python,
+            nproc,
+            program,
             nnodes=opts.nodes,
             rdzv_endpoint=None if standalone else endpoint(opts.master_addr or "127.0.0.1", port),
             rdzv_id=opts.rdzv_id or f"scaletune-{port}",
@@ -316,7 +305,7 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
             # name, which is ambiguous when several "nodes" share one machine.
             is_host=(opts.node_rank == 0) if opts.nodes > 1 else None,
             max_restarts=opts.max_restarts,
-        )  # fmt: skip
+        )
     else:
         argv = [opts.python, "-m", DEEPSPEED_MODULE]
         port = port or DEFAULT_MASTER_PORT
@@ -332,12 +321,16 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
             # With --no_ssh each node runs its own launcher; the names only label the slots.
             files[hostfile] = "".join(f"node-{i} slots={slots}\n" for i in range(opts.nodes))
             argv += [
-                "--hostfile", hostfile,
+                "--hostfile",
+                hostfile,
                 "--no_ssh",
-                "--node_rank", str(opts.node_rank),
-                "--num_nodes", str(opts.nodes),
-                "--master_addr", str(opts.master_addr),
-            ]  # fmt: skip
+                "--node_rank",
+                str(opts.node_rank),
+                "--num_nodes",
+                str(opts.nodes),
+                "--master_addr",
+                str(opts.master_addr),
+            ]
         if nproc != "gpu":
             argv += ["--num_gpus", nproc]
         argv += ["--master_port", str(port), "--no_local_rank"]
@@ -352,47 +345,3 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
     if opts.nodes > 1:
         summary += f"; rendezvous at {endpoint(str(opts.master_addr), port)}"
     return LaunchCommand(argv=argv, env=env, secret_names=secrets, files=files, role=role, summary=summary)
-
-
-def secret_passthrough_lines(names: Sequence[str], header: bool = True) -> list[str]:
-    """Shell lines for secret variables: a comment saying they are not written down, and a
-    warning at run time when one is missing from the environment."""
-    if not names:
-        return []
-    out = []
-    if header:
-        out += [
-            "# Secrets are never written into this script: they are passed through from the",
-            "# environment of whoever runs it (export them before, or use your secret store).",
-        ]
-    for n in names:
-        out.append(f'[ -n "${{{n}+x}}" ] || echo "warning: {n} is not set in the environment" >&2')
-    return out
-
-
-def render_script(cmd: LaunchCommand, workdir: str | None, command_line: str | None = None) -> str:
-    """A runnable, commented shell script for one node (`scaletune launch --script FILE`)."""
-    lines = ["#!/usr/bin/env bash", "# Written by `scaletune launch`."]
-    if command_line:
-        lines.append(f"#   {command_line}")
-    lines += [
-        f"# {cmd.summary}.",
-        "# Run the script of each node on that node (node 0, the master, hosts the rendezvous;",
-        "# workers wait for it up to the rendezvous timeout).",
-        "set -euo pipefail",
-    ]
-    if workdir:
-        lines += ["# Relative paths in the config are relative to this directory.", f"cd {shlex.quote(workdir)}"]
-    if cmd.public_env:
-        lines.append("# Environment: distributed.env from the config, then --env-preset (later wins).")
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in cmd.public_env.items()]
-    lines += secret_passthrough_lines(cmd.secret_names)
-    replace: dict[str, Raw] = {}
-    for i, (path, text) in enumerate(cmd.files.items()):
-        var = f"SCALETUNE_FILE_{i}"
-        lines.append(f'{var}="$(mktemp)"')
-        lines.append(f"cat >\"${var}\" <<'SCALETUNE_EOF'\n{text.rstrip()}\nSCALETUNE_EOF")
-        replace[path] = Raw(f'"${var}"')
-    argv = [replace.get(t, t) if not isinstance(t, Raw) else t for t in cmd.argv]
-    lines.append(shell_join(argv))
-    return "\n".join(lines) + "\n"

@@ -27,7 +27,21 @@ from scaletune.launch.presets import merged_env, split_secrets
 
 # GPU types Modal documents (https://modal.com/docs/guide/gpu); others are refused so a typo
 # does not surface only at deploy time. Compared case-insensitively.
-MODAL_GPU_TYPES = ("T4", "L4", "A10", "A10G", "A100", "A100-40GB", "A100-80GB", "L40S", "H100", "H100!", "H200", "B200", "B200+")
+MODAL_GPU_TYPES = (
+    "T4",
+    "L4",
+    "A10",
+    "A10G",
+    "A100",
+    "A100-40GB",
+    "A100-80GB",
+    "L40S",
+    "H100",
+    "H100!",
+    "H200",
+    "B200",
+    "B200+",
+)
 MAX_GPUS_PER_CONTAINER = 8
 REMOTE_ROOT = "/root/scaletune-run"
 REMOTE_INPUTS = "/root/scaletune-inputs"
@@ -185,7 +199,9 @@ def main() -> None:
 '''
 
 
-def render_modal_app(opts: ModalOptions, plan: ModalPlan, filename: str = "modal_app.py", local_dirs: frozenset[str] = frozenset()) -> str:
+def render_modal_app(
+    opts: ModalOptions, plan: ModalPlan, filename: str = "modal_app.py", local_dirs: frozenset[str] = frozenset()
+) -> str:
     """The Modal app's source.
 
     Args:
@@ -246,7 +262,7 @@ def scaletune_requirements(deepspeed: bool = False) -> list[str]:
     for r in reqs:
         spec, _, marker = r.partition(";")
         if "extra" in marker:
-            if deepspeed and "extra == \"deepspeed\"" in marker:
+            if deepspeed and 'extra == "deepspeed"' in marker:
                 out.append(spec.strip())
             continue
         out.append(spec.strip())

@@ -13,8 +13,8 @@ through from the environment of whoever runs it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 from scaletune.config import is_secret_name
 from scaletune.errors import UserError

@@ -21,17 +21,13 @@ import subprocess
 from dataclasses import dataclass, field
 
 from scaletune.errors import UserError
-from scaletune.launch.commands import (
-    Raw,
-    nproc_problems,
-    secret_passthrough_lines,
-    shell_join,
-    torchrun_argv,
-    train_argv,
-)
+from scaletune.launch.commands import nproc_problems, torchrun_argv, train_argv
 from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
+from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join
 
-_TIME = re.compile(r"^(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?|(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)$")
+_TIME = re.compile(
+    r"^(?:(?P<days>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?|(?P<a>\d+)(?::(?P<b>\d+)(?::(?P<c>\d+))?)?)$"
+)
 _MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 
 
@@ -47,8 +43,7 @@ def time_problems(value: str | None) -> list[str]:
     m = _TIME.match(v)
     if not m:
         return [
-            f"--time {value!r} is not a SLURM time limit; use MINUTES, HH:MM:SS, D-HH, D-HH:MM, "
-            "D-HH:MM:SS or UNLIMITED"
+            f"--time {value!r} is not a SLURM time limit; use MINUTES, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
         ]
     g = m.groupdict()
     if g["days"] is not None:
@@ -233,12 +228,14 @@ def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
     ]
     program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
     torchrun = torchrun_argv(
-        Raw('"$PYTHON"'), nproc, [],
+        Raw('"$PYTHON"'),
+        nproc,
+        [],
         nnodes=Raw('"$SLURM_JOB_NUM_NODES"'),
         rdzv_endpoint=Raw('"$MASTER_ADDR:$MASTER_PORT"'),
         rdzv_id=Raw('"scaletune-$SLURM_JOB_ID"'),
         max_restarts=opts.max_restarts,
-    )  # fmt: skip
+    )
     lines.append(" \\\n    ".join(shell_join(part) for part in (srun, torchrun, program)))
     return "\n".join(lines) + "\n"
 
@@ -255,7 +252,9 @@ def submit(script_path: str, sbatch: str = "sbatch") -> str:
     try:
         res = subprocess.run([sbatch, "--parsable", script_path], capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise UserError(f"{sbatch} not found: submit from a SLURM login node, or drop --submit", title="cannot submit")
+        raise UserError(
+            f"{sbatch} not found: submit from a SLURM login node, or drop --submit", title="cannot submit"
+        ) from None
     out = res.stdout.strip().splitlines()
     m = _JOB_ID.match(out[-1].strip()) if out else None
     if res.returncode != 0 or not m:

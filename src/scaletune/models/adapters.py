@@ -10,7 +10,8 @@ checkpointing, `torch.compile` of the decoder layers and Liger's kernels, and
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from scaletune.config import LoraConfig, ModelConfig
 from scaletune.env import get_logger
@@ -112,7 +113,9 @@ def _to_peft_config(model: Any, lora: LoraConfig | Mapping | Any) -> Any:
                 title="invalid LoRA config",
             ) from None
     if not isinstance(lora, LoraConfig):
-        raise TypeError(f"lora must be a scaletune LoraConfig, a peft LoraConfig or a mapping, not {type(lora).__name__}")
+        raise TypeError(
+            f"lora must be a scaletune LoraConfig, a peft LoraConfig or a mapping, not {type(lora).__name__}"
+        )
     targets = lora_target_modules(model) if lora.target_modules == "auto" else list(lora.target_modules)
     return peft.LoraConfig(
         r=lora.r,
@@ -222,7 +225,9 @@ def require_liger() -> None:
             "GPU machine."
         )
     if importlib.util.find_spec("liger_kernel") is None:
-        raise RuntimeError("model.liger asks for Liger's kernels, but liger-kernel is not installed: pip install 'scaletune[liger]'")
+        raise RuntimeError(
+            "model.liger asks for Liger's kernels, but liger-kernel is not installed: pip install 'scaletune[liger]'"
+        )
 
 
 def apply_liger_kernels(model: torch.nn.Module) -> bool:

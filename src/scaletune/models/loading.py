@@ -71,7 +71,9 @@ def _resolve_source(name: str, key: str, *, need_config: bool) -> str:
 
 
 def _hub_failure(key: str, name: str, exc: Exception) -> UserError:
-    offline = any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    offline = any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
     hint = (
         " The hub is switched off here (HF_HUB_OFFLINE): only models already in the cache can be used."
         if offline
@@ -127,7 +129,9 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         raise UserError(f"{key} {name!r}: cannot load a tokenizer from it: {exc}", title="invalid tokenizer") from exc
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise UserError(f"{key} {name!r}: the tokenizer has neither a pad nor an EOS token", title="invalid tokenizer")
+            raise UserError(
+                f"{key} {name!r}: the tokenizer has neither a pad nor an EOS token", title="invalid tokenizer"
+            )
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return tok
@@ -293,6 +297,8 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
                 raise
             # flash_attention_2 and friends check their kernels at construction; the shape does
             # not depend on them, so a planner on a machine without the kernel still works.
-            log.info(f"attn_implementation {cfg.attn_implementation} unavailable here ({exc}); building with the default")
+            log.info(
+                f"attn_implementation {cfg.attn_implementation} unavailable here ({exc}); building with the default"
+            )
             kwargs.pop("attn_implementation")
             return AutoModelForCausalLM.from_config(config, **kwargs)

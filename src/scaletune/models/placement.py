@@ -68,7 +68,11 @@ def resolve_device_map(
             is visible.
         UserError: `requested` is not one of the values above.
     """
-    if requested is not None and requested not in _SPLITTING_MAPS + ("cpu",) and not re.fullmatch(r"cuda:\d+", requested):
+    if (
+        requested is not None
+        and requested not in _SPLITTING_MAPS + ("cpu",)
+        and not re.fullmatch(r"cuda:\d+", requested)
+    ):
         raise UserError(
             f"model.device_map {requested!r}: must be null, auto, sequential, balanced, balanced_low_0, cpu or cuda:N",
             title="invalid config",

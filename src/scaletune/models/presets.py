@@ -12,9 +12,10 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from scaletune.env import get_logger
 from scaletune.errors import UserError
@@ -139,10 +140,19 @@ PRESETS: dict[str, Preset] = {
             "llama-3.2-1b",
             "LlamaConfig",
             dict(
-                vocab_size=_LLAMA3_VOCAB, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131_072,
-                rope_parameters=_LLAMA32_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                bos_token_id=128_000, eos_token_id=128_001,
+                vocab_size=_LLAMA3_VOCAB,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=16,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                head_dim=64,
+                max_position_embeddings=131_072,
+                rope_parameters=_LLAMA32_ROPE,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=True,
+                bos_token_id=128_000,
+                eos_token_id=128_001,
             ),
             "shape of Llama-3.2-1B (1.24B parameters; planner only)",
             tiny=False,
@@ -151,9 +161,17 @@ PRESETS: dict[str, Preset] = {
             "llama-3-8b",
             "LlamaConfig",
             dict(
-                vocab_size=_LLAMA3_VOCAB, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                rope_parameters=_LLAMA3_ROPE, rms_norm_eps=1e-5, bos_token_id=128_000, eos_token_id=128_001,
+                vocab_size=_LLAMA3_VOCAB,
+                hidden_size=4096,
+                intermediate_size=14_336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=8192,
+                rope_parameters=_LLAMA3_ROPE,
+                rms_norm_eps=1e-5,
+                bos_token_id=128_000,
+                eos_token_id=128_001,
             ),
             "shape of Meta-Llama-3-8B (8.03B parameters; planner only)",
             tiny=False,
@@ -162,9 +180,17 @@ PRESETS: dict[str, Preset] = {
             "llama-3-70b",
             "LlamaConfig",
             dict(
-                vocab_size=_LLAMA3_VOCAB, hidden_size=8192, intermediate_size=28_672, num_hidden_layers=80,
-                num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
-                rope_parameters=_LLAMA3_ROPE, rms_norm_eps=1e-5, bos_token_id=128_000, eos_token_id=128_001,
+                vocab_size=_LLAMA3_VOCAB,
+                hidden_size=8192,
+                intermediate_size=28_672,
+                num_hidden_layers=80,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                max_position_embeddings=8192,
+                rope_parameters=_LLAMA3_ROPE,
+                rms_norm_eps=1e-5,
+                bos_token_id=128_000,
+                eos_token_id=128_001,
             ),
             "shape of Meta-Llama-3-70B (70.6B parameters; planner only)",
             tiny=False,

@@ -1,8 +1,8 @@
 """The memory planner: model shapes, bytes per rank of every strategy, the `auto` choice, report."""
 
 from scaletune.plan.estimates import (
-    GiB,
     ORDER,
+    GiB,
     Plan,
     StrategyPlan,
     activation_bytes,

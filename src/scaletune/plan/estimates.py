@@ -295,10 +295,19 @@ def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> Strat
     # Allocator fragmentation and temporaries: 10% of the rest.
     margin += (params + grads + optimizer + act) // 10
     return StrategyPlan(
-        name=name, params=params, grads=grads, optimizer=optimizer, activations=act, margin=margin,
-        fits=None, activations_no_ckpt=act_full, activations_ckpt=act_ckpt, host_bytes=host,
+        name=name,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=act,
+        margin=margin,
+        fits=None,
+        activations_no_ckpt=act_full,
+        activations_ckpt=act_ckpt,
+        host_bytes=host,
         scaletune=_scaletune_settings(name),
-    )  # fmt: skip
+    )
+
 
 def deepspeed_available() -> bool:
     """DeepSpeed is importable here (ZeRO strategies are candidates only then)."""

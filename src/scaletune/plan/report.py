@@ -21,16 +21,36 @@ def render_table(p: Plan) -> Any:
 
     mem = f"{p.gpu_memory_bytes / GiB:.0f} GiB" if p.gpu_memory_bytes else "unknown memory"
     t = Table(title=f"memory per rank, world size {p.world_size} ({p.nodes} node(s)), {mem} per device; GiB")
-    for col in ("strategy", "params", "grads", "optimizer", "activations", "act. no ckpt", "act. ckpt", "margin", "total", "host", "fits"):
+    for col in (
+        "strategy",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "act. no ckpt",
+        "act. ckpt",
+        "margin",
+        "total",
+        "host",
+        "fits",
+    ):
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for s in p.strategies:
         fits = "-" if s.fits is None else ("yes" if s.fits else "no")
         mark = " *" if s.name == p.chosen else ""
         t.add_row(
-            s.name + mark, _gib(s.params), _gib(s.grads), _gib(s.optimizer), _gib(s.activations),
-            _gib(s.activations_no_ckpt), _gib(s.activations_ckpt), _gib(s.margin), _gib(s.total),
-            _gib(s.host_bytes), fits,
-        )  # fmt: skip
+            s.name + mark,
+            _gib(s.params),
+            _gib(s.grads),
+            _gib(s.optimizer),
+            _gib(s.activations),
+            _gib(s.activations_no_ckpt),
+            _gib(s.activations_ckpt),
+            _gib(s.margin),
+            _gib(s.total),
+            _gib(s.host_bytes),
+            fits,
+        )
     return t
 
 
@@ -79,7 +99,12 @@ def target_env(gpus: int | None, gpu_memory_gib: float | None, nodes: int = 1) -
     bf16 = bool(torch.cuda.is_bf16_supported()) if torch.cuda.is_available() else cuda
     world = gpus * nodes
     env = DistributedEnv(
-        "none" if world == 1 else "env", world_size=world, local_world_size=gpus, cuda_available=cuda,
-        cuda_device_count=gpus if cuda else 0, device_memory_bytes=mem, bf16_supported=bf16,
-    )  # fmt: skip
+        "none" if world == 1 else "env",
+        world_size=world,
+        local_world_size=gpus,
+        cuda_available=cuda,
+        cuda_device_count=gpus if cuda else 0,
+        device_memory_bytes=mem,
+        bf16_supported=bf16,
+    )
     return env, world, "; ".join(notes)

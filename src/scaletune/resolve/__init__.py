@@ -16,8 +16,8 @@ No torch import here: the environment's facts (GPU memory, bf16 support) come in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from scaletune.config import Config, DataConfig, LoadedConfig, TrainingConfig
 from scaletune.env import DistributedEnv
@@ -123,7 +123,13 @@ def decide(
     """
     w = world_size if world_size is not None else wanted_world_size(cfg, env)
     d = cfg.distributed
-    strategy, zero, off_opt, off_par, reason = d.strategy, d.zero_stage, d.offload_optimizer, d.offload_params, "configured"
+    strategy, zero, off_opt, off_par, reason = (
+        d.strategy,
+        d.zero_stage,
+        d.offload_optimizer,
+        d.offload_params,
+        "configured",
+    )
     if strategy == "auto":
         choice = auto or AutoChoice.default(w)
         strategy, reason = choice.strategy, choice.reason
@@ -133,12 +139,18 @@ def decide(
     if env.restart_count > 0 and training.resume is None:
         # torchrun restarted the job after a failure: continue from the latest checkpoint.
         training = training.model_copy(update={"resume": "auto"})
-    dist = d.model_copy(update={"strategy": strategy, "zero_stage": zero, "offload_optimizer": off_opt, "offload_params": off_par})
+    dist = d.model_copy(
+        update={"strategy": strategy, "zero_stage": zero, "offload_optimizer": off_opt, "offload_params": off_par}
+    )
     resolved = cfg.model_copy(update={"distributed": dist, "training": training})
     stages = tuple(resolve_stages(resolved))
     t = training
     batch = BatchArithmetic(
-        t.global_batch_size, t.micro_batch_size, w, t.global_batch_size // (t.micro_batch_size * w), stages[0].data.max_seq_length
+        t.global_batch_size,
+        t.micro_batch_size,
+        w,
+        t.global_batch_size // (t.micro_batch_size * w),
+        stages[0].data.max_seq_length,
     )
     return RunSpec(
         config=resolved,

@@ -44,17 +44,41 @@ def batch_arithmetic(training: TrainingConfig, world_size: int, max_seq_length: 
 def _strategy_rules(s: RunSpec) -> list[Problem]:
     out = []
     if s.strategy == "single" and s.world_size > 1:
-        out.append(Problem("strategy", "distributed.strategy", f"distributed.strategy single cannot run on {s.world_size} ranks",
-                           "use ddp, fsdp or deepspeed"))  # fmt: skip
+        out.append(
+            Problem(
+                "strategy",
+                "distributed.strategy",
+                f"distributed.strategy single cannot run on {s.world_size} ranks",
+                "use ddp, fsdp or deepspeed",
+            )
+        )
     if s.strategy in ("single", "ddp") and (s.offload_optimizer or s.offload_params):
-        out.append(Problem("offload", "distributed.strategy", f"distributed.strategy {s.strategy} has no offload",
-                           "use strategy deepspeed (offload_optimizer, offload_params) or fsdp (offload_params)"))  # fmt: skip
+        out.append(
+            Problem(
+                "offload",
+                "distributed.strategy",
+                f"distributed.strategy {s.strategy} has no offload",
+                "use strategy deepspeed (offload_optimizer, offload_params) or fsdp (offload_params)",
+            )
+        )
     if s.strategy == "fsdp" and s.offload_optimizer:
-        out.append(Problem("offload", "distributed.offload_optimizer", "distributed.offload_optimizer is DeepSpeed's",
-                           "under fsdp set offload_params: true, which offloads parameters, gradients and optimizer state together"))  # fmt: skip
+        out.append(
+            Problem(
+                "offload",
+                "distributed.offload_optimizer",
+                "distributed.offload_optimizer is DeepSpeed's",
+                "under fsdp set offload_params: true, which offloads parameters, gradients and optimizer state together",
+            )
+        )
     if s.strategy == "deepspeed" and s.offload_params and s.zero_stage != 3:
-        out.append(Problem("offload", "distributed.offload_params", "distributed.offload_params needs zero_stage 3",
-                           "ZeRO-1/2 do not partition parameters: set zero_stage: 3 or drop offload_params"))  # fmt: skip
+        out.append(
+            Problem(
+                "offload",
+                "distributed.offload_params",
+                "distributed.offload_params needs zero_stage 3",
+                "ZeRO-1/2 do not partition parameters: set zero_stage: 3 or drop offload_params",
+            )
+        )
     return out
 
 
@@ -62,34 +86,60 @@ def _model_rules(s: RunSpec) -> list[Problem]:
     m, out = s.config.model, []
     q = m.quantization
     if q is not None and m.lora is None:
-        out.append(Problem("quantization", "model.quantization", "model.quantization freezes the base weights: it needs model.lora (QLoRA)",
-                           "add model.lora or drop model.quantization"))  # fmt: skip
+        out.append(
+            Problem(
+                "quantization",
+                "model.quantization",
+                "model.quantization freezes the base weights: it needs model.lora (QLoRA)",
+                "add model.lora or drop model.quantization",
+            )
+        )
     if q is not None and s.shards_params:
         if q.bits == 8:
-            out.append(Problem("quantization strategy", "model.quantization.bits",
-                               f"model.quantization bits 8 cannot be sharded by {s.strategy_label} (LLM.int8()'s 8-bit weights keep per-row state FSDP and ZeRO-3 cannot flatten)",
-                               f"use bits: 4 with storage_dtype: {m.dtype}, or strategy ddp"))  # fmt: skip
+            out.append(
+                Problem(
+                    "quantization strategy",
+                    "model.quantization.bits",
+                    f"model.quantization bits 8 cannot be sharded by {s.strategy_label} (LLM.int8()'s 8-bit weights keep per-row state FSDP and ZeRO-3 cannot flatten)",
+                    f"use bits: 4 with storage_dtype: {m.dtype}, or strategy ddp",
+                )
+            )
         elif q.storage_dtype != m.dtype:
             # FSDP/ZeRO-3 flatten each unit's parameters into one tensor of one dtype; 4-bit weights
             # packed as uint8 cannot join the bf16 ones (QLoRA with FSDP, Answer.AI/HF 2024).
-            out.append(Problem("quantization storage dtype", "model.quantization.storage_dtype",
-                               f"model.quantization under {s.strategy_label}: 4-bit weights stored as {q.storage_dtype} cannot be "
-                               f"flattened into one shard with the other parameters ({m.dtype})",
-                               f"set model.quantization.storage_dtype: {m.dtype} (equal to model.dtype, bitsandbytes' bnb_4bit_quant_storage)"))  # fmt: skip
+            out.append(
+                Problem(
+                    "quantization storage dtype",
+                    "model.quantization.storage_dtype",
+                    f"model.quantization under {s.strategy_label}: 4-bit weights stored as {q.storage_dtype} cannot be "
+                    f"flattened into one shard with the other parameters ({m.dtype})",
+                    f"set model.quantization.storage_dtype: {m.dtype} (equal to model.dtype, bitsandbytes' bnb_4bit_quant_storage)",
+                )
+            )
     zero3 = s.strategy == "deepspeed" and s.zero_stage == 3
     chosen = " (chosen by distributed.strategy auto)" if s.requested == "auto" else ""
     if m.liger and zero3:
         # Liger's fused linear cross-entropy takes lm_head.weight as a tensor and multiplies it outside
         # lm_head's forward; ZeRO-3 gathers a partitioned weight only inside its owner's forward.
-        out.append(Problem("liger", "model.liger",
-                           f"model.liger cannot run under deepspeed zero_stage 3{chosen}: Liger's fused linear cross-entropy reads "
-                           "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned (an empty placeholder)",
-                           "use zero_stage 1 or 2, strategy fsdp, or model.liger: false"))  # fmt: skip
+        out.append(
+            Problem(
+                "liger",
+                "model.liger",
+                f"model.liger cannot run under deepspeed zero_stage 3{chosen}: Liger's fused linear cross-entropy reads "
+                "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned (an empty placeholder)",
+                "use zero_stage 1 or 2, strategy fsdp, or model.liger: false",
+            )
+        )
     if m.compile and zero3:
         # ZeRO-3 gathers and releases each parameter from module hooks, which torch.compile cannot trace.
-        out.append(Problem("compile", "model.compile",
-                           f"model.compile cannot run under deepspeed zero_stage 3{chosen} (its parameter-gathering hooks break the compiled graph)",
-                           "use zero_stage 1 or 2, strategy fsdp, or model.compile: false"))  # fmt: skip
+        out.append(
+            Problem(
+                "compile",
+                "model.compile",
+                f"model.compile cannot run under deepspeed zero_stage 3{chosen} (its parameter-gathering hooks break the compiled graph)",
+                "use zero_stage 1 or 2, strategy fsdp, or model.compile: false",
+            )
+        )
     return out
 
 
@@ -98,14 +148,21 @@ def _stage_rules(s: RunSpec) -> list[Problem]:
     names = [st.name for st in cfg.stages]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        out.append(Problem("stages", "stages", f"stages: names must be unique, repeated: {', '.join(dupes)}", "rename them"))
+        out.append(
+            Problem("stages", "stages", f"stages: names must be unique, repeated: {', '.join(dupes)}", "rename them")
+        )
     for i, st in enumerate(cfg.stages):
         given = st.training.model_dump(exclude_none=True) if st.training else {}
         clash = sorted(k for k in ("learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio") if k in given)
         if st.continue_schedule and clash:
-            out.append(Problem("stages", f"stages.{i}.continue_schedule",
-                               f"stages[{i}] continues the running schedule (continue_schedule: true), so its {', '.join(clash)} would be ignored",
-                               "remove them or set continue_schedule: false"))  # fmt: skip
+            out.append(
+                Problem(
+                    "stages",
+                    f"stages.{i}.continue_schedule",
+                    f"stages[{i}] continues the running schedule (continue_schedule: true), so its {', '.join(clash)} would be ignored",
+                    "remove them or set continue_schedule: false",
+                )
+            )
     resume = cfg.training.resume
     if isinstance(resume, str) and not resume.strip():
         out.append(Problem("resume", "training.resume", "training.resume must be null, auto or a checkpoint path"))
@@ -114,17 +171,25 @@ def _stage_rules(s: RunSpec) -> list[Problem]:
         too_long = positions_problem(stage.data.max_seq_length, s.max_positions, key)
         out += [too_long] if too_long else []
         if stage.data.packing:
-            out += packing_problems(cfg.model.attn_implementation, cfg.training.micro_batch_size, key.replace("max_seq_length", "packing"))
+            out += packing_problems(
+                cfg.model.attn_implementation, cfg.training.micro_batch_size, key.replace("max_seq_length", "packing")
+            )
     return out
 
 
-def positions_problem(max_seq_length: int, max_positions: int | None, key: str = "data.max_seq_length") -> Problem | None:
+def positions_problem(
+    max_seq_length: int, max_positions: int | None, key: str = "data.max_seq_length"
+) -> Problem | None:
     """Sequences may not be longer than the positions the model was built for."""
     if max_positions is None or max_seq_length <= max_positions:
         return None
-    return Problem("max positions", key,
-                   f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings "
-                   f"({max_positions}), the positions it was built for", f"set data.max_seq_length to {max_positions} or less")  # fmt: skip
+    return Problem(
+        "max positions",
+        key,
+        f"data.max_seq_length ({max_seq_length}) is larger than the model's max_position_embeddings "
+        f"({max_positions}), the positions it was built for",
+        f"set data.max_seq_length to {max_positions} or less",
+    )
 
 
 def packing_problems(attn: str | None, micro_batch_size: int, key: str = "data.packing") -> list[Problem]:
@@ -136,21 +201,37 @@ def packing_problems(attn: str | None, micro_batch_size: int, key: str = "data.p
     if impl in PACKING_SAFE_ATTENTION or (impl.startswith("flash_attention") and micro_batch_size == 1):
         return []
     if impl.startswith("flash_attention"):
-        return [Problem("packing", key,
-                        f"data.packing with model.attn_implementation {impl} keeps packed examples apart only with "
-                        f"training.micro_batch_size 1 (it is {micro_batch_size})", "set micro_batch_size: 1, or use sdpa")]  # fmt: skip
-    return [Problem("packing", key,
-                    f"data.packing: model.attn_implementation {impl} cannot keep packed examples apart (attention would leak between them)",
-                    f"use one of {', '.join(PACKING_SAFE_ATTENTION)} or set data.packing: false")]  # fmt: skip
+        return [
+            Problem(
+                "packing",
+                key,
+                f"data.packing with model.attn_implementation {impl} keeps packed examples apart only with "
+                f"training.micro_batch_size 1 (it is {micro_batch_size})",
+                "set micro_batch_size: 1, or use sdpa",
+            )
+        ]
+    return [
+        Problem(
+            "packing",
+            key,
+            f"data.packing: model.attn_implementation {impl} cannot keep packed examples apart (attention would leak between them)",
+            f"use one of {', '.join(PACKING_SAFE_ATTENTION)} or set data.packing: false",
+        )
+    ]
 
 
 def _environment_rules(s: RunSpec) -> list[Problem]:
     n = s.config.distributed.num_processes
     env = s.env
     if not env.launched and env.cuda_available and isinstance(n, int) and n > env.cuda_device_count:
-        return [Problem("processes per GPU", "distributed.num_processes",
-                        f"distributed.num_processes is {n} but only {env.cuda_device_count} GPU(s) are visible",
-                        f"set it to {env.cuda_device_count} or auto (check CUDA_VISIBLE_DEVICES)")]  # fmt: skip
+        return [
+            Problem(
+                "processes per GPU",
+                "distributed.num_processes",
+                f"distributed.num_processes is {n} but only {env.cuda_device_count} GPU(s) are visible",
+                f"set it to {env.cuda_device_count} or auto (check CUDA_VISIBLE_DEVICES)",
+            )
+        ]
     return []
 
 

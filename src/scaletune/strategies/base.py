@@ -17,8 +17,9 @@ import contextlib
 import datetime
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_process_group(env: DistributedEnv, backend: str = "auto", timeout_minutes: float = 30, *, even_alone: bool = False) -> bool:
+def init_process_group(
+    env: DistributedEnv, backend: str = "auto", timeout_minutes: float = 30, *, even_alone: bool = False
+) -> bool:
     """Start the default process group for a launched multi-rank job: NCCL on CUDA, gloo on CPU.
 
     `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
@@ -72,7 +75,9 @@ def init_process_group(env: DistributedEnv, backend: str = "auto", timeout_minut
         # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
         # Connection refused" (pytorch#167288).
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
         kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return True
@@ -145,7 +150,9 @@ class Strategy(ABC):
     # -- process group ---------------------------------------------------------------------
     def setup(self) -> None:
         d = self.spec.config.distributed
-        self._owns_group = init_process_group(self.env, d.backend, d.timeout_minutes, even_alone=self.needs_process_group)
+        self._owns_group = init_process_group(
+            self.env, d.backend, d.timeout_minutes, even_alone=self.needs_process_group
+        )
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -272,7 +279,9 @@ class Strategy(ABC):
         seen: dict = {}
         p_bytes = memory.count_bytes(self._param_tensors(), seen)
         o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
-        grads = self._grad_bytes if self._grad_bytes is not None else memory.count_bytes(self._grad_tensors(), dict(seen))
+        grads = (
+            self._grad_bytes if self._grad_bytes is not None else memory.count_bytes(self._grad_tensors(), dict(seen))
+        )
         return {
             "rank": self.env.rank,
             "params": int(p_bytes),
@@ -288,7 +297,7 @@ class Strategy(ABC):
         # Frozen weights (a LoRA base) come from model.name_or_path, not from the checkpoint.
         return StateDictOptions(ignore_frozen_params=True, **kw)
 
-    def prepare_resume(self, path: Path, world_size: int) -> None:
+    def prepare_resume(self, path: Path, world_size: int) -> None:  # noqa: B027 - a hook; most engines need none
         """Called before `wrap` when resuming from `path`, written by `world_size` ranks."""
 
     def save_state(self, path: Path) -> None:
@@ -322,9 +331,12 @@ class Strategy(ABC):
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "state"))
         set_state_dict(
-            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+            self.module,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
             options=self._state_options(strict=False),
-        )  # fmt: skip
+        )
 
     # -- export ----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

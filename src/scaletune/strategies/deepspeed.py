@@ -155,11 +155,17 @@ class DeepSpeedStrategy(Strategy):
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
             tmp = path / "deepspeed" / ".universal.tmp"
-            ds_to_universal(argparse.Namespace(
-                input_folder=str(path / "deepspeed" / "state"), output_folder=str(tmp),
-                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                inject_missing_state=True,  # plain (non-Megatron) models carry no universal_checkpoint_info
-            ))
+            ds_to_universal(
+                argparse.Namespace(
+                    input_folder=str(path / "deepspeed" / "state"),
+                    output_folder=str(tmp),
+                    num_extract_workers=1,
+                    num_merge_workers=1,
+                    keep_temp_folder=False,
+                    strict=True,
+                    inject_missing_state=True,  # plain (non-Megatron) models carry no universal_checkpoint_info
+                )
+            )
             os.replace(tmp, universal)
         self.barrier()
         self.ds_config.setdefault("checkpoint", {})["load_universal"] = True

@@ -70,8 +70,11 @@ def deepspeed_json(
         p.append("--offload-params needs --zero-stage 3 (only ZeRO-3 partitions parameters)")
     if offload_optimizer and zero_stage == 0:
         p.append("--offload-optimizer needs --zero-stage 1, 2 or 3")
-    for name, v in (("--gradient-accumulation-steps", gradient_accumulation_steps), ("--micro-batch-size", micro_batch_size),
-                    ("--train-batch-size", train_batch_size)):  # fmt: skip
+    for name, v in (
+        ("--gradient-accumulation-steps", gradient_accumulation_steps),
+        ("--micro-batch-size", micro_batch_size),
+        ("--train-batch-size", train_batch_size),
+    ):
         if v is not None and v < 1:
             p.append(f"{name} must be 1 or more, got {v}")
     if gradient_clipping is not None and gradient_clipping < 0:
@@ -90,7 +93,9 @@ def deepspeed_json(
     cfg["train_micro_batch_size_per_gpu"] = auto(micro_batch_size)
     cfg["gradient_accumulation_steps"] = auto(gradient_accumulation_steps)
     cfg["gradient_clipping"] = auto(gradient_clipping)
-    enabled = {"auto": ("auto", "auto"), "bf16": (True, False), "fp16": (False, True), "fp32": (False, False)}[precision]
+    enabled = {"auto": ("auto", "auto"), "bf16": (True, False), "fp16": (False, True), "fp32": (False, False)}[
+        precision
+    ]
     cfg["bf16"] = {"enabled": enabled[0]}
     cfg["fp16"] = {
         "enabled": enabled[1],
@@ -101,19 +106,24 @@ def deepspeed_json(
         "min_loss_scale": 1,
     }
     if optimizer_section:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage >= 1:
         zero.update({"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": REDUCE_BUCKET})
     if zero_stage in (1, 2):
         zero.update({"allgather_partitions": True, "allgather_bucket_size": ALLGATHER_BUCKET, "reduce_scatter": True})
     if zero_stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
-            "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
-            # So an exported model holds every weight, not rank 0's partition.
-            "stage3_gather_16bit_weights_on_model_save": True,
-        })  # fmt: skip
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": PREFETCH_BUCKET,
+                "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
+                # So an exported model holds every weight, not rank 0's partition.
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload_params:
@@ -147,12 +157,16 @@ def merge_user_config(generated: dict[str, Any], user: dict[str, Any] | None, so
         theirs, want = block.get("enabled", "auto"), generated[name]["enabled"]
         if theirs != "auto" and want != "auto" and bool(theirs) != want:
             dtype = {"bf16": "bfloat16", "fp16": "float16"}[name] if want else "another dtype"
-            problems.append(f"{source}: {name}.enabled is {theirs} but model.dtype is {dtype if want else _other(generated)}")
+            problems.append(
+                f"{source}: {name}.enabled is {theirs} but model.dtype is {dtype if want else _other(generated)}"
+            )
         cfg[name] = {**generated[name], **{k: v for k, v in block.items() if k != "enabled"}, "enabled": want}
     zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", "auto")
     if stage != "auto" and stage != generated["zero_optimization"]["stage"]:
-        problems.append(f"{source}: zero_optimization.stage is {stage} but distributed.zero_stage is {generated['zero_optimization']['stage']}")
+        problems.append(
+            f"{source}: zero_optimization.stage is {stage} but distributed.zero_stage is {generated['zero_optimization']['stage']}"
+        )
     merged_zero = {**generated["zero_optimization"], **zero, "stage": generated["zero_optimization"]["stage"]}
     for key in ("offload_optimizer", "offload_param", "stage3_gather_16bit_weights_on_model_save"):
         if key in generated["zero_optimization"]:

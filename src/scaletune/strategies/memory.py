@@ -4,7 +4,8 @@ gradients and optimizer state (`Strategy.memory_breakdown`); the counting is her
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
