@@ -67,7 +67,7 @@ def reference_markdown() -> str:
         "Generated from `src/scaletune/config/schema.py` by `scaletune config reference`; a test fails",
         "when this file is stale. Every key is optional unless marked required; unknown keys are errors.",
         "Cross-field rules (which combinations are refused, and why) run when a run is resolved",
-        "(`src/scaletune/resolve.py`); `scaletune config show CONFIG` prints a config with every default",
+        "(`src/scaletune/resolve/rules.py`); `scaletune config show CONFIG` prints a config with every default",
         "filled in and the decisions taken.",
         "",
     ]

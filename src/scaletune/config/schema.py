@@ -325,8 +325,8 @@ class Config(_Strict):
     seed: int = 42
     """Seeds Python, NumPy and torch on every rank (identical initial weights and data order)."""
     overwrite: bool = False
-    """Replace a finished or started run in `output_dir` (it is kept until the new run has passed
-    every check)."""
+    """Replace a finished or started run in `output_dir` (its outputs are deleted when the new run
+    starts)."""
     model: ModelConfig
     """The model."""
     data: DataConfig
