@@ -100,9 +100,13 @@ class DistributedEnv:
             local_rank = _int(e, "LOCAL_RANK", 0)
             world_size = _int(e, "WORLD_SIZE", 1)
             local_world_size = _int(e, "LOCAL_WORLD_SIZE", _int(e, "LOCAL_SIZE", world_size))
+        if world_size < 1:
+            raise RuntimeError(f"world size {world_size} is not a positive number of ranks (launcher: {launcher})")
         if not 0 <= rank < world_size:
             raise RuntimeError(f"rank {rank} is outside world size {world_size} (launcher: {launcher})")
         port = e.get("MASTER_PORT")
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise RuntimeError(f"environment variable MASTER_PORT={port!r} is not a TCP port (1-65535)")
         cuda_available, count, memory, bf16 = False, 0, None, False
         if probe_cuda:
             import torch

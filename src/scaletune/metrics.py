@@ -107,3 +107,24 @@ def truncate_metrics(path: Path, step: int) -> None:
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
     if path.is_file():
         path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
+def write_memory_report(run_dir: Path, ranks: list[dict], predicted: dict | None, strategy: str) -> None:
+    """`memory.json` (what every rank measured after its first optimizer step) and `plan.json` (the
+    planner's prediction for the run's strategy, when it models it), printed side by side."""
+    mine = ranks[0]
+    (run_dir / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
+    if predicted is None:
+        print0("[scaletune] no memory plan for this run (a layout the planner does not model)")
+        return
+    (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
+    per_rank = predicted["per_rank_bytes"]
+    lines = [
+        f"[scaletune] memory per rank (MiB) of strategy {strategy}: planned (plan entry "
+        f"{predicted['name']}) vs measured on rank 0:"
+    ]
+    for key in ("params", "grads", "optimizer"):
+        lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
+    peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
+    lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")
+    print0("\n".join(lines))

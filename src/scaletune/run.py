@@ -18,18 +18,15 @@ from pathlib import Path
 from scaletune.config import Config, LoadedConfig, read_config
 from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator
 from scaletune.errors import UserError
-from scaletune.resolve import RunSpec, resolve
+from scaletune.resolve import RunSpec, decide, resolve
 
 
 def _model_positions(cfg: Config, problems: list[str]) -> int | None:
-    from scaletune.models import load_config as load_model_config
-    from scaletune.models import max_positions
+    from scaletune.models.checks import model_facts
 
-    try:
-        return max_positions(load_model_config(cfg.model))
-    except UserError as exc:
-        problems += exc.problems
-        return None
+    positions, found = model_facts(cfg.model)
+    problems += found
+    return positions
 
 
 def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[str, str] | None = None) -> RunSpec:
@@ -56,6 +53,13 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
         spec = resolve(cfg, env, choose_auto=choose_auto, max_positions=positions)
     except UserError as exc:
         problems = exc.problems + problems
+    # The data are checked even when the config is not valid: one message, not one run each.
+    probe = spec or (decide(base, env, max_positions=positions) if base is not None else None)
+    for stage in probe.stages if probe is not None else ():
+        try:
+            validate_data(stage.data)
+        except UserError as exc:
+            problems += [p for p in exc.problems if p not in problems]
     if spec is None:
         raise UserError(problems, title="cannot start training")
     try:
@@ -71,11 +75,6 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
             engine_config(spec)
         except UserError as exc:
             problems += exc.problems
-    for stage in spec.stages:
-        try:
-            validate_data(stage.data)
-        except UserError as exc:
-            problems += [p for p in exc.problems if p not in problems]
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:
@@ -99,12 +98,17 @@ def predicted_memory(spec: RunSpec) -> dict | None:
 def reexec_under_torchrun(spec: RunSpec, config_path: Path | str, overrides: list[str]) -> None:
     """Replace this process by torchrun starting `spec.world_size` ranks on this machine, each with
     `distributed.env` set."""
+    from scaletune.config import public_overrides
     from scaletune.launch.commands import single_node_torchrun_argv
     from scaletune.launch.presets import merged_env, split_secrets
 
-    argv = single_node_torchrun_argv(sys.executable, spec.world_size, [str(config_path), *overrides])
-    env = merged_env(spec.config.distributed.env)
-    public, secrets = split_secrets(env)
+    d = spec.config.distributed
+    # Secret values reach the ranks through their environment, never their command line or a log.
+    argv = single_node_torchrun_argv(
+        sys.executable, spec.world_size, [str(config_path), *public_overrides(overrides, d.secret_env)]
+    )
+    env = merged_env(d.env)
+    public, secrets = split_secrets(env, d.secret_env)
     shown = " ".join(f"{k}={v}" for k, v in public.items()) + "".join(f" {k}=<secret>" for k in secrets)
     print0(f"[scaletune] starting {spec.world_size} processes:{' ' + shown if shown else ''} {' '.join(argv)}")
     sys.stdout.flush()
@@ -112,13 +116,38 @@ def reexec_under_torchrun(spec: RunSpec, config_path: Path | str, overrides: lis
     os.execve(argv[0], argv, {**os.environ, **env})
 
 
-def run_from_cli(config_path: Path | str, overrides: list[str]) -> Path:
-    """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes)."""
+def check_data(spec: RunSpec) -> None:
+    """Build every stage's data here (tokenise, pack, cache) and raise what stops training.
+
+    Raises:
+        UserError: a data problem found only by tokenising (every response truncated away, a chat
+            template that fails, fewer sequences than one global batch).
+    """
+    from scaletune.models import load_tokenizer
+    from scaletune.stages import data_problems
+
+    problems = data_problems(spec, load_tokenizer(spec.config.model))
+    if problems:
+        raise UserError(problems, title="cannot start training")
+
+
+def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: bool = False) -> Path | None:
+    """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes);
+    with `check_only`, every check that can run without training (data tokenised), then stop.
+    Returns the run directory (None after a check)."""
+    from scaletune.safe_load import enforce
+
+    enforce()  # every torch.load of this process and its ranks through the restricted unpickler
     env = DistributedEnv.from_environ()
     set_rank(env.rank)
     if env.device.type == "cpu":
         tune_host_allocator()  # before the model and data are allocated
     spec = prepare(read_config(config_path, overrides), env)
+    if check_only or (not env.launched and spec.world_size > 1):
+        check_data(spec)  # before the ranks start, so bad data ends here, once, with exit 2
+    if check_only:
+        print0(f"[scaletune] {config_path}: every check passed; {spec.batch.describe()}")
+        return None
     if not env.launched and spec.world_size > 1:
         reexec_under_torchrun(spec, config_path, overrides)
     return train(spec)

@@ -44,6 +44,33 @@ def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: Strategy)
     return bundle
 
 
+def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
+    if rows >= batch.global_batch_size:
+        return None
+    return (
+        f"stage {stage.name}: {rows} training sequences are fewer than one global batch "
+        f"({batch.global_batch_size}); add data or lower training.global_batch_size"
+    )
+
+
+def data_problems(spec: RunSpec, tokenizer: Any) -> list[str]:
+    """Build every stage's data in this process (filling the cache the ranks then read) and say
+    what stops training: for a parent that starts the ranks, so bad data ends in one message and
+    exit 2 rather than in every rank."""
+    from scaletune.data import build_datasets
+
+    problems: list[str] = []
+    for stage in spec.stages:
+        try:
+            bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+        except UserError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+            continue
+        small = _too_small(stage, len(bundle.train), spec.batch_for(stage))
+        problems += [small] if small else []
+    return problems
+
+
 def plan_stages(spec: RunSpec, tokenizer: Any, strategy: Strategy) -> list[StagePlan]:
     """Build every stage's data before the model loads (bad data fails early) and count its steps.
 
@@ -54,13 +81,10 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: Strategy) -> list[Stage
     for stage in spec.stages:
         batch = spec.batch_for(stage)
         bundle = _build_data(stage, tokenizer, spec, strategy)
+        small = _too_small(stage, len(bundle.train), batch)
+        if small:
+            raise UserError(small, title="cannot start training")
         steps_per_epoch = len(bundle.train) // batch.global_batch_size
-        if steps_per_epoch == 0:
-            raise UserError(
-                f"stage {stage.name}: {len(bundle.train)} training sequences are fewer than one global batch "
-                f"({batch.global_batch_size}); add data or lower training.global_batch_size",
-                title="cannot start training",
-            )
         total = steps_for(steps_per_epoch, stage.training)
         origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
         plans.append(StagePlan(stage, batch, bundle, steps_per_epoch, total, total, origin))

@@ -27,10 +27,10 @@ from scaletune.data import count_input_tokens, count_target_tokens
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
 from scaletune.loss import CausalLMLoss, target_index
-from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics
+from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics, write_memory_report
 from scaletune.optim import make_scheduler
 from scaletune.resolve import RunSpec
-from scaletune.rundir import prepare_run_dir
+from scaletune.rundir import opened as opened_run_dir
 from scaletune.stages import StagePlan, plan_stages, stage_loaders
 from scaletune.strategies import make_strategy
 from scaletune.strategies.base import Strategy, torn_down
@@ -154,17 +154,18 @@ class Trainer:
             progress = self.read_resume()
             seed_everything(self.cfg.seed)
             model = self.load_model()
-            prepare_run_dir(self.spec)
-            self.strategy.barrier()
-            self.wrap(model, progress)
-            self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
-            try:
-                for plan in self.plans:
-                    self.run_stage(plan)
-                self.export()
-            finally:
-                self.logger.close()
-            self.strategy.barrier()
+            with opened_run_dir(self.spec) as run_dir:
+                self.strategy.barrier()
+                with run_dir.checking():  # a replaced run is deleted only once this passes
+                    self.wrap(model, progress)
+                self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
+                try:
+                    for plan in self.plans:
+                        self.run_stage(plan)
+                    self.export()
+                finally:
+                    self.logger.close()
+                self.strategy.barrier()
         return self.spec.run_dir
 
     # -- steps -----------------------------------------------------------------------------
@@ -244,10 +245,19 @@ class Trainer:
         stage, strategy, state = plan.stage, self.strategy, self.state
         start = state.resume
         if start is not None and (
-            start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_complete)
+            start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_step >= plan.total)
         ):
+            if start.stage_index == stage.index and stage.index == self.plans[-1].stage.index:
+                print0(
+                    f"[scaletune] the checkpoint finished stage {stage.name} ({start.stage_step} of {plan.total} steps): nothing to train"
+                )
             return  # finished before the checkpoint
         resuming_here = start is not None and start.stage_index == stage.index
+        if resuming_here and start.stage_complete:
+            print0(
+                f"[scaletune] stage {stage.name} ended at step {start.stage_step} in the checkpoint; its steps are now "
+                f"{plan.total}: continuing, the learning-rate schedule stretched over {plan.schedule_steps} steps"
+            )
         batches, eval_loader = stage_loaders(plan, self.spec, self.tokenizer, start if resuming_here else None)
         if strategy.scheduler is None or plan.schedule_origin == stage.index:
             # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
@@ -256,9 +266,12 @@ class Trainer:
             strategy.scheduler = make_scheduler(strategy.optimizer, origin, plan.schedule_steps)
         if resuming_here:
             assert start is not None and state.resume_scheduler is not None
-            strategy.scheduler.load_state_dict(state.resume_scheduler)
-            for group, lr in zip(strategy.optimizer.param_groups, strategy.scheduler.get_last_lr()):
-                group["lr"] = lr
+            sched = strategy.scheduler
+            sched.load_state_dict(state.resume_scheduler)
+            # The position comes from the checkpoint, the horizon from this run's schedule (longer
+            # when max_steps was raised): the next step's rate, from the schedule's own lambdas.
+            for group, base, rate in zip(strategy.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                group["lr"] = base * rate(sched.last_epoch)
             load_rng(self.spec.resume_from, self.env.rank)  # after data building, right before the next step
         done = start.stage_step if resuming_here else 0
         state.resume = None
@@ -357,23 +370,7 @@ class Trainer:
             dist.all_gather_object(ranks, mine)
         if not self.env.is_main:
             return
-        run_dir = self.spec.run_dir
-        (run_dir / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
-        predicted = self.predicted_memory
-        if predicted is None:
-            print0("[scaletune] no memory plan for this run (a layout the planner does not model)")
-            return
-        (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
-        per_rank = predicted["per_rank_bytes"]
-        lines = [
-            f"[scaletune] memory per rank (MiB) of strategy {self.spec.strategy}: planned (plan entry "
-            f"{predicted['name']}) vs measured on rank 0:"
-        ]
-        for key in ("params", "grads", "optimizer"):
-            lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
-        peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
-        lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")
-        print0("\n".join(lines))
+        write_memory_report(self.spec.run_dir, ranks, self.predicted_memory, self.spec.strategy)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""

@@ -378,7 +378,7 @@ def test_script_never_contains_secret_values(tmp_path):
             config_env={"WANDB_API_KEY": "k-123", "X": "1"},
         )
     )
-    script = render_script(cmd, workdir="/work dir", command_line="scaletune launch c.yaml")
+    script = render_script(cmd, workdir="/work dir")
     assert "k-123" not in script
     assert "WANDB_API_KEY" in script and "passed through from the\n# environment" in script
     assert script.startswith("#!/usr/bin/env bash\n") and "cd '/work dir'\n" in script

@@ -75,10 +75,26 @@ def resolved(
     )
 
 
-def command_line() -> str:
-    import shlex
+def output_file(path: Path | None, option: str) -> None:
+    """A file a verb is to write must be writable as a file: checked before anything is computed.
 
-    return "scaletune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    Raises:
+        UserError: the path is a directory, or its folder does not exist or is not writable.
+    """
+    import os
+
+    if path is None:
+        return
+    problems = []
+    if path.is_dir():
+        problems.append(f"{option} {path}: is a directory; give a file name")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        problems.append(f"{option} {path}: the folder {parent} does not exist")
+    elif not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        problems.append(f"{option} {path}: not writable")
+    if problems:
+        raise UserError(problems, title="invalid arguments")
 
 
 def main(argv: list[str] | None = None) -> None:

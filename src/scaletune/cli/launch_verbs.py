@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import EnvPresetOpt, app, command_line, emit, resolved
+from scaletune.cli import EnvPresetOpt, app, emit, output_file, resolved
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
@@ -48,6 +48,7 @@ def launch(
     from scaletune.launch.commands import LaunchOptions, build_launch
     from scaletune.launch.shell import render_script
 
+    output_file(script, "--script")
     per_node = procs_per_node or gpus_per_node
     spec = resolved(config, overrides, world_size=nodes * per_node if per_node else None)
     cfg = spec.config
@@ -65,13 +66,14 @@ def launch(
         rdzv_id=rdzv_id,
         env_presets=tuple(env_preset or ()),
         config_env=dict(cfg.distributed.env),
+        secret_env=tuple(cfg.distributed.secret_env),
         config_num_processes=cfg.distributed.num_processes,
         python=python,
     )
     if dry_run or script is not None:
         cmd = build_launch(opts)
         if script is not None:
-            script.write_text(render_script(cmd, workdir=os.getcwd(), command_line=command_line()))
+            script.write_text(render_script(cmd, workdir=os.getcwd()))
             script.chmod(0o755)
             typer.echo(str(script))
         else:
@@ -125,6 +127,7 @@ def slurm(
     from scaletune.launch.slurm import SlurmOptions, render_sbatch
     from scaletune.launch.slurm import submit as sbatch_submit
 
+    output_file(output, "-o/--output")
     per_node = procs_per_node if procs_per_node is not None else gpus_per_node
     cfg = resolved(config, overrides, world_size=nodes * per_node if per_node else None).config
     text = render_sbatch(
@@ -144,11 +147,11 @@ def slurm(
             output=log,
             env_presets=tuple(env_preset or ()),
             config_env=dict(cfg.distributed.env),
+            secret_env=tuple(cfg.distributed.secret_env),
             max_restarts=max_restarts,
             python=python,
             workdir=os.getcwd(),
-        ),
-        command_line=command_line(),
+        )
     )
     if output is None and submit:
         output = Path(f"{job_name}.sbatch")
@@ -157,10 +160,20 @@ def slurm(
         return
     output.write_text(text)
     output.chmod(0o755)
+    from scaletune.launch.presets import merged_env, split_secrets
+
+    secrets = split_secrets(merged_env(cfg.distributed.env), cfg.distributed.secret_env)[1]
     if submit:
-        typer.echo(sbatch_submit(str(output)))
+        # sbatch hands its environment to the job (--export=ALL): the secrets travel that way.
+        values = {k: v for k, v in cfg.distributed.env.items() if k in secrets}
+        typer.echo(sbatch_submit(str(output), env=values))
     else:
         typer.echo(str(output))
+        if secrets:
+            typer.echo(
+                f"note: export {', '.join(secrets)} in the shell that runs sbatch (secrets are not written into the script)",
+                err=True,
+            )
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
@@ -188,6 +201,7 @@ def modal(
     from scaletune.config import load_config
     from scaletune.launch.modal_app import ModalOptions, plan_inputs, render_modal_app, scaletune_requirements
 
+    output_file(output, "-o/--output")
     resolved(config, overrides, world_size=gpu_count if gpu_count > 0 else None)  # every problem, before writing
     cfg = load_config(config, overrides or [])  # as written: `auto` is decided on Modal's GPUs
     plan = plan_inputs(cfg.model_dump(mode="json"), Path.cwd())
@@ -200,12 +214,10 @@ def modal(
         secrets=tuple(secret or ()),
         timeout_hours=timeout_hours,
         env_presets=tuple(env_preset or ()),
-        overrides=tuple(overrides or ()),
         requirements=tuple(scaletune_requirements(deepspeed=cfg.distributed.strategy in ("auto", "deepspeed"))),
-        source=str(config),
     )
     dirs = frozenset(p for p in plan.mounts if Path(p).is_dir())
-    text = render_modal_app(opts, plan, filename=output.name if output else "modal_app.py", local_dirs=dirs)
+    text = render_modal_app(opts, plan, local_dirs=dirs)
     if plan.secret_env_names and not secret:
         typer.echo(
             f"warning: distributed.env names {', '.join(plan.secret_env_names)}: they are not written into the app; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -18,13 +19,17 @@ def train(
     overrides: Annotated[
         list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")
     ] = None,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Check config, model, data, checkpoint and run directory; train nothing."),
+    ] = False,
 ) -> None:
     """Train. Under torchrun, the deepspeed launcher or srun, each rank runs this. Started plainly
     with more than one process wanted (distributed.num_processes), it re-executes itself under
     torchrun with one process per device."""
     from scaletune.run import run_from_cli
 
-    run_from_cli(config, overrides or [])
+    run_from_cli(config, overrides or [], check_only=check)
 
 
 @app.command("init-model")
@@ -95,6 +100,18 @@ def plan(
     from scaletune.plan import describe_shape, render_table, simulate_fsdp, target_env
     from scaletune.plan import plan as make_plan
 
+    bad = []
+    if nodes < 1:
+        bad.append(f"--nodes must be 1 or more, got {nodes}")
+    if gpus is not None and gpus < 0:
+        bad.append(f"--gpus must be 0 or more, got {gpus}")
+    if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory > 0):
+        bad.append(f"--gpu-memory must be a positive number of GiB, got {gpu_memory}")
+    if simulate_world_size is not None and simulate_world_size < 1:
+        bad.append(f"--simulate-world-size must be 1 or more, got {simulate_world_size}")
+    if bad:
+        raise UserError(bad, title="invalid arguments")
+
     env, world, note = target_env(gpus, gpu_memory, nodes)
     spec = resolved(config, overrides, world_size=world, env=env, check=False)
     result = make_plan(spec, gpu_memory_bytes=env.device_memory_bytes, nodes=nodes)
@@ -136,14 +153,15 @@ def doctor(
 
     from rich.console import Console
 
-    from scaletune.doctor import checks, render, render_comm, report
+    from scaletune.doctor import checks, read_environment, render, render_comm, report
     from scaletune.doctor import comm_test as run_comm_test
-    from scaletune.env import DistributedEnv
 
-    env = DistributedEnv.from_environ()
+    env, broken = read_environment()
     # The config's rules are shown as checks, so a config that resolves is enough here.
     spec = resolved(config, [], env=env, check=False) if config is not None else None
     rep, results = report(env), checks(spec, env)
+    if broken is not None:  # what the launcher variables say, in place of "no launcher"
+        results = [broken, *(c for c in results if c.name != broken.name)]
     comm = run_comm_test() if comm_test else None
     failed = any(c.status == "FAIL" for c in results) or (comm is not None and not all(r["ok"] for r in comm))
     if env.rank == 0:

@@ -1,14 +1,6 @@
 """Config: the typed schema (a docstring per field), YAML loading with overrides, error formatting."""
 
-from scaletune.config.loader import (
-    LoadedConfig,
-    dump_config,
-    is_secret_name,
-    load_config,
-    parse_override,
-    read_config,
-    redacted,
-)
+from scaletune.config.loader import LoadedConfig, dump_config, load_config, parse_override, read_config, redacted
 from scaletune.config.schema import (
     Config,
     DataConfig,
@@ -26,6 +18,7 @@ from scaletune.config.schema import (
     TrainingConfig,
     WandbConfig,
 )
+from scaletune.config.secrets import is_secret_name, public_overrides, secret_names
 
 __all__ = [
     "Config",
@@ -48,6 +41,8 @@ __all__ = [
     "is_secret_name",
     "load_config",
     "parse_override",
+    "public_overrides",
     "read_config",
     "redacted",
+    "secret_names",
 ]

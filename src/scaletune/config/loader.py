@@ -6,7 +6,6 @@ config back (`config.yaml`) with secret values redacted.
 from __future__ import annotations
 
 import difflib
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,22 +13,33 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from scaletune.config import yamlfile
 from scaletune.config.schema import Config
+from scaletune.config.secrets import redacted_env
 from scaletune.errors import ConfigError
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`training.learning_rate=1e-4` -> (["training", "learning_rate"], 1e-4). Values are YAML."""
+    """`training.learning_rate=1e-4` -> (["training", "learning_rate"], 1e-4). Values are YAML
+    (read as a config file is: no duplicate keys, bounded aliases); a value that is not valid YAML
+    is taken as a string.
+
+    Raises:
+        ValueError: no `=`, an empty key part, or a YAML value that is refused (its reason).
+    """
     if "=" not in item:
-        raise ValueError(f"override {item!r} is not of the form key.path=value")
+        raise ValueError(f"override {item.split()[0][:40]!r}... is not of the form key.path=value")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ValueError(f"override {item!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
+        raise ValueError(f"override for {key!r} has an empty key part")
+    if not raw.strip():
+        return parts, None
+    value, _, problems = yamlfile.parse(raw.encode(), f"override {key}")
+    if problems and any("not valid YAML" in p for p in problems):
+        return parts, raw
+    if problems:
+        raise ValueError("; ".join(problems))
     return parts, value
 
 
@@ -42,28 +52,15 @@ def _set_path(data: dict, parts: list[str], value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _key_lines(text: str) -> dict[tuple, int]:
-    """Map each key path in a YAML document to its 1-based line (list items by index)."""
-    lines: dict[tuple, int] = {}
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-
-    def walk(node: Any, path: tuple) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                p = path + (k.value,)
-                lines[p] = k.start_mark.line + 1
-                walk(v, p)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                lines[path + (i,)] = v.start_mark.line + 1
-                walk(v, path + (i,))
-
-    if root is not None:
-        walk(root, ())
-    return lines
+def _where(source: str, lines: dict[tuple, int], loc: tuple, override_keys: set[tuple] = frozenset()) -> str:
+    """Where a key path comes from: "command line" when an override set it (or set a key below it,
+    as `bogus.x=1` makes an unknown `bogus`), else `file:line` of it or its nearest parent."""
+    if any(loc[: len(k)] == k or k[: len(loc)] == loc for k in override_keys if loc):
+        return "command line"
+    probe = loc
+    while probe and probe not in lines:
+        probe = probe[:-1]
+    return f"{source}:{lines[probe]}" if probe in lines else source
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
@@ -96,14 +93,7 @@ def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int], o
         # Drop the tagged-union / model_validator markers pydantic puts in `loc`.
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
         key = ".".join(str(p) for p in loc) or "(top level)"
-        where = source
-        probe = loc
-        while probe and probe not in lines:
-            probe = probe[:-1]
-        if loc in override_keys or any(loc[: len(k)] == k for k in override_keys):
-            where = "command line"
-        elif probe in lines:
-            where = f"{source}:{lines[probe]}"
+        where = _where(source, lines, loc, override_keys)
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(Config, loc)
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
@@ -142,12 +132,7 @@ class LoadedConfig:
         if key is None:
             return self.source
         loc = tuple(int(p) if p.isdigit() else p for p in key.split("."))
-        if loc in self.override_keys or any(loc[: len(k)] == k for k in self.override_keys):
-            return "command line"
-        probe = loc
-        while probe and probe not in self.lines:
-            probe = probe[:-1]
-        return f"{self.source}:{self.lines[probe]}" if probe in self.lines else self.source
+        return _where(self.source, self.lines, loc, self.override_keys)
 
 
 def read_config(
@@ -170,19 +155,23 @@ def read_config(
         p = Path(path)  # type: ignore[arg-type]
         if not p.is_file():
             return LoadedConfig(None, None, [f"{source}: config file not found"], source)
-        text = p.read_text()
         try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{source}:{mark.line + 1}" if mark else source
-            return LoadedConfig(None, None, [f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"], source)
-        lines = _key_lines(text)
+            raw = p.read_bytes()
+        except OSError as exc:
+            return LoadedConfig(None, None, [f"{source}: cannot be read: {exc.strerror or exc}"], source)
+        data, lines, problems = yamlfile.parse(raw, source)
+        if problems:
+            return LoadedConfig(None, None, problems, source, lines)
+        data = {} if data is None else data
     if not isinstance(data, dict):
         return LoadedConfig(None, None, [f"{source}: the top level must be a mapping of keys"], source)
     data = _deepcopy(data)
     override_keys: set[tuple] = set()
     for item in overrides:
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in item):
+            key = item.split("=", 1)[0] if "=" in item else "an override"
+            problems.append(f"command line: {key}: contains a control character (newline, escape, ...): refused")
+            continue
         try:
             parts, value = parse_override(item)
         except ValueError as exc:
@@ -190,6 +179,8 @@ def read_config(
             continue
         _set_path(data, parts, value)
         override_keys.add(tuple(parts))
+    for loc, what in yamlfile.control_character_problems(data):
+        problems.append(f"{_where(source, lines, loc, override_keys)}: {'.'.join(map(str, loc))}: {what}")
     cfg = best = None
     try:
         cfg = best = Config.model_validate(data)
@@ -247,27 +238,15 @@ def _deepcopy(x: Any) -> Any:
     return x
 
 
-_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL", re.IGNORECASE)
-
-
-def is_secret_name(name: str) -> bool:
-    """True for environment variable names that usually hold credentials (HF_TOKEN, WANDB_API_KEY)."""
-    return bool(_SECRET.search(name))
-
-
 def redacted(cfg: Config) -> dict:
-    """The config as plain data with secret-looking `distributed.env` values replaced."""
+    """The config as plain data with the secret `distributed.env` values replaced."""
     data = cfg.model_dump(mode="json")
-    env = data["distributed"]["env"]
-    for k in env:
-        if is_secret_name(k):
-            env[k] = "<redacted>"
+    d = data["distributed"]
+    d["env"] = redacted_env(d["env"], d.get("secret_env", ()))
     return data
 
 
 def dump_config(cfg: Config) -> str:
-    """The fully resolved config as YAML, every default filled in (written as `config.yaml`).
-
-    Values of `distributed.env` whose names look like credentials are redacted.
-    """
+    """The fully resolved config as YAML, every default filled in (written as `config.yaml`), with
+    secret `distributed.env` values redacted (:mod:`scaletune.config.secrets`)."""
     return yaml.safe_dump(redacted(cfg), sort_keys=False, default_flow_style=False)

@@ -16,10 +16,14 @@ Scheduler = Literal["cosine", "linear", "constant"]
 
 
 class _Strict(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated, and
-    each field's docstring is its description."""
+    """Base for every config section: unknown keys are errors, assignments are validated, numbers
+    are finite, and each field's docstring is its description."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # Infinite or NaN numbers (an `inf` learning rate) are refused here rather than found as a
+    # divergence after training started.
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class LoraConfig(_Strict):
@@ -256,8 +260,12 @@ class DistributedConfig(_Strict):
     timeout_minutes: float = Field(30, gt=0)
     """Collective timeout (the NCCL watchdog's), in minutes."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables for every rank (e.g. NCCL_DEBUG: INFO); secret-looking names are never
-    written to a file."""
+    """Environment variables for every rank (e.g. NCCL_DEBUG: INFO). Secret values (names with
+    TOKEN, SECRET, PASSWORD, KEY, ... or listed in `secret_env`) are never written to a file, a log
+    or a script: they reach the ranks through the environment."""
+    secret_env: list[str] = Field(default_factory=list)
+    """Names of environment variables that hold secrets although their names do not say so; their
+    values in `env` are redacted like HF_TOKEN's."""
 
     @field_validator("num_processes")
     @classmethod

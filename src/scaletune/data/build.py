@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jinja2
 import torch
 
 from scaletune.config import DataConfig, DataSource
@@ -71,7 +72,10 @@ def _tokenize(
     encoder = _Encoder(tokenizer, source.format, data_cfg.max_seq_length, template)
     # Fail here, in this process, on what would fail for every record (no eos, a template that
     # cannot be split into turns): worker processes would re-raise it less legibly.
-    encoder({k: [v] for k, v in records[0].items()})
+    try:
+        encoder({k: [v] for k, v in records[0].items()})
+    except jinja2.TemplateError as exc:
+        raise DataError(f"data.{name}: the chat template fails on record 1: {exc}", title="invalid data") from None
     raw = datasets.Dataset.from_list(records)
     ints = datasets.Sequence(datasets.Value("int32"))
     ds = raw.map(

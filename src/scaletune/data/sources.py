@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,34 +108,17 @@ def load_records(source: DataSource) -> list[dict]:
 
     p = Path(path)
     suffix = p.suffix.lower()
-    if p.is_file() and suffix == ".jsonl":
-        n = 0
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and n >= limit:
-                    break
-                if not line.strip():
-                    continue
-                n += 1
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    problems.append(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})")
-                    continue
-                add(record, f"{path}:{lineno}: record {n}")
-    elif p.is_file() and suffix == ".json":
+    if p.is_file() and suffix in (".jsonl", ".json"):
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            where = f"{path}:{exc.lineno}"
-            raise DataError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data") from None
-        if not isinstance(data, list):
-            raise DataError(
-                f"{path}: a .json data file must hold a list of records (use .jsonl for one record per line)",
-                title="invalid data",
-            )
-        for i, record in enumerate(data[:limit] if limit else data, 1):
-            add(record, f"{path}: record {i}")
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise DataError(f"{path}: cannot be read: {exc.strerror or exc}", title="invalid data") from None
+        if suffix == ".jsonl":
+            for where, record in _jsonl_records(raw, path, limit, problems):
+                add(record, where)
+        else:
+            for i, record in enumerate(_json_records(raw, path, limit), 1):
+                add(record, f"{path}: record {i}")
     elif p.is_file() and suffix not in (".parquet", ".csv"):
         raise DataError(
             f"{path}: unsupported file type {suffix or '(none)'}; use .json, .jsonl, .parquet or .csv, "
@@ -150,6 +134,53 @@ def load_records(source: DataSource) -> list[dict]:
     if not records:
         raise DataError(f"{path}: no records", title="invalid data")
     return records
+
+
+def _jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]) -> Iterator[tuple[str, Any]]:
+    """("file:line: record n", record) of each non-empty line (n counts them); an undecodable or
+    invalid line becomes a problem, in line order with the records' own."""
+    n = 0
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if limit is not None and n >= limit:
+            break
+        if not line.strip():
+            continue
+        n += 1
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            problems.append(f"{path}:{lineno}: not UTF-8 text (byte 0x{line[exc.start]:02x} at column {exc.start + 1})")
+        except json.JSONDecodeError as exc:
+            problems.append(f"{path}:{lineno}: not valid JSON: {exc.msg} (column {exc.colno})")
+        except RecursionError:
+            problems.append(f"{path}:{lineno}: JSON nested too deeply")
+        else:
+            yield f"{path}:{lineno}: record {n}", record
+
+
+def _json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
+    """The records of a .json file holding a list.
+
+    Raises:
+        DataError: not UTF-8, not JSON, or not a list (with the line where it can be told).
+    """
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})", title="invalid data") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data"
+        ) from None
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply", title="invalid data") from None
+    if not isinstance(data, list):
+        raise DataError(
+            f"{path}: a .json data file must hold a list of records (use .jsonl for one record per line)",
+            title="invalid data",
+        )
+    return data[:limit] if limit else data
 
 
 def _load_hf(source: DataSource, path: str) -> list[dict]:
@@ -196,8 +227,22 @@ def validate_data(data_cfg: DataConfig) -> None:
             _split_sizes(n_train, data_cfg.eval_fraction)
         except DataError as exc:
             problems += exc.problems
+    if data_cfg.chat_template is not None:
+        problems += template_problems(data_cfg.chat_template)
     if problems:
         raise DataError(problems, title="invalid data")
+
+
+def template_problems(template: str) -> list[str]:
+    """A chat template must parse as Jinja (in the sandbox transformers renders it in)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        return [f"data.chat_template: line {exc.lineno} of the template: {exc.message}"]
+    return []
 
 
 def _split_sizes(n: int, fraction: float) -> tuple[int, int]:

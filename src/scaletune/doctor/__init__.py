@@ -24,7 +24,7 @@ from scaletune.doctor.checks import (
 from scaletune.doctor.comm import comm_test, render_comm
 from scaletune.doctor.report import render, report
 from scaletune.doctor.system import DEFAULT_PORT, check_disk, check_nccl_env, check_port, estimate_parameters, port_free
-from scaletune.env import DistributedEnv
+from scaletune.env import DISTRIBUTED_VARS, DistributedEnv
 from scaletune.errors import UserError
 
 if TYPE_CHECKING:
@@ -99,6 +99,22 @@ def checks(
     rules = rule_problems(spec) if spec is not None else []
     out += [Check(p.check, "FAIL", p.message, p.fix, fatal=True) for p in rules if p.check not in _SHOWN]
     return out
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> tuple[DistributedEnv, Check | None]:
+    """This process's launch environment, and a FAIL check when its variables are broken
+    (`WORLD_SIZE=abc`, `RANK` outside the world, `MASTER_PORT=99999`): the doctor reports them
+    instead of stopping on them, and looks at the rest as a plain process."""
+    e = os.environ if environ is None else environ
+    try:
+        return DistributedEnv.from_environ(e), None
+    except RuntimeError as exc:
+        fix = "unset or correct RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT"
+        broken = Check("distributed variables", "FAIL", str(exc), fix, fatal=True)
+        plain = {
+            k: v for k, v in e.items() if k not in DISTRIBUTED_VARS and not k.startswith(("SLURM_", "TORCHELASTIC_"))
+        }
+        return DistributedEnv.from_environ(plain), broken
 
 
 def environment_problems(

@@ -184,7 +184,7 @@ def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
     """
     name = "rendezvous port"
     raw = environ.get("MASTER_PORT")
-    port = int(raw) if raw and raw.isdigit() else DEFAULT_PORT
+    port = int(raw) if raw and raw.isdigit() and 1 <= int(raw) <= 65535 else DEFAULT_PORT
     if env.launcher in ("torchrun", "deepspeed", "srun") or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return _ok(name, f"port {port} held by the launcher")
     if env.launcher == "env":

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from scaletune.config.secrets import public_overrides
 from scaletune.errors import UserError
 from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
 from scaletune.launch.shell import Raw, shell_join
@@ -33,9 +34,10 @@ TORCHRUN_MODULE = "torch.distributed.run"
 DEEPSPEED_MODULE = "deepspeed.launcher.runner"
 
 
-def train_argv(config: str, overrides: Sequence[str] = ()) -> list[str]:
-    """The arguments after `python`: `-m scaletune train CONFIG [overrides]`."""
-    return ["-m", "scaletune", "train", str(config), *map(str, overrides)]
+def train_argv(config: str, overrides: Sequence[str] = (), secret_env: Sequence[str] = ()) -> list[str]:
+    """The arguments after `python`: `-m scaletune train CONFIG [overrides]`, without the overrides
+    that set a secret (its value reaches the ranks through their environment, never the argv)."""
+    return ["-m", "scaletune", "train", str(config), *public_overrides(list(map(str, overrides)), secret_env)]
 
 
 def endpoint(addr: str, port: int | str) -> str:
@@ -153,6 +155,7 @@ class LaunchOptions:
     rdzv_id: str | None = None
     env_presets: tuple[str, ...] = ()
     config_env: dict[str, str] = field(default_factory=dict)  # distributed.env of the config
+    secret_env: tuple[str, ...] = ()  # distributed.secret_env of the config
     # distributed.num_processes of the config: ranks per node when neither --gpus-per-node nor
     # --procs-per-node is given and it is a number (`auto`: one rank per visible GPU).
     config_num_processes: int | str = "auto"
@@ -278,7 +281,7 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
     """
     validate(opts)
     env = merged_env(opts.config_env, opts.env_presets)
-    _, secrets = split_secrets(env)
+    _, secrets = split_secrets(env, opts.secret_env)
     port = opts.master_port
     role = "master" if opts.node_rank == 0 else "worker"
     procs = opts.procs_per_node
@@ -289,7 +292,7 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
     files: dict[str, str] = {}
 
     if opts.launcher == "torchrun":
-        program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+        program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides, opts.secret_env)
         standalone = opts.nodes == 1 and port is None
         if not standalone:
             port = port or DEFAULT_MASTER_PORT
@@ -334,7 +337,7 @@ def build_launch(opts: LaunchOptions) -> LaunchCommand:
         if nproc != "gpu":
             argv += ["--num_gpus", nproc]
         argv += ["--master_port", str(port), "--no_local_rank"]
-        program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+        program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides, opts.secret_env)
         if program[0] == "-m":  # the runner's own spelling of `python -m MODULE`
             program = ["--module", *program[1:]]
         argv += program

@@ -20,7 +20,7 @@ from typing import Any
 import jinja2
 import yaml
 
-from scaletune.config import is_secret_name
+from scaletune.config import secret_names
 from scaletune.errors import UserError
 from scaletune.launch.commands import single_node_torchrun_argv
 from scaletune.launch.presets import merged_env, split_secrets
@@ -61,8 +61,6 @@ class ModalOptions:
     python_version: str = f"{sys.version_info.major}.{sys.version_info.minor}"
     requirements: tuple[str, ...] = ()
     env_presets: tuple[str, ...] = ()
-    overrides: tuple[str, ...] = ()  # recorded in the file's header; already applied to the config
-    source: str = ""  # the config file it was written from (header only)
 
 
 @dataclass(frozen=True)
@@ -118,32 +116,39 @@ def plan_inputs(config: dict[str, Any], cwd: Path) -> ModalPlan:
             localize(d.get("train"), "path")
             localize(d.get("eval"), "path")
     out = PurePosixPath(str(cfg.get("output_dir") or "runs/default"))
-    cfg["output_dir"] = str(PurePosixPath(RUNS_MOUNT) / (out.name or "run"))
-    env = (cfg.get("distributed") or {}).get("env") or {}
-    secrets = sorted(k for k in env if is_secret_name(k))
+    # The run directory's last name only, inside the volume: `..` or a path cannot step out of it.
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", out.name).strip(".-") or "run"
+    cfg["output_dir"] = str(PurePosixPath(RUNS_MOUNT) / name)
+    dist = cfg.get("distributed") or {}
+    env = dist.get("env") or {}
+    secrets = secret_names(env, dist.get("secret_env") or ())
     for k in secrets:
         del env[k]
     return ModalPlan(config=cfg, mounts=mounts, secret_env_names=secrets)
 
 
 _TEMPLATE = '''\
-"""Modal app written by `scaletune modal`{% if source %} from {{ source }}{% endif %}.
+"""Modal app written by `scaletune modal`.
 
-Runs `scaletune train` on {{ gpu_count }} x {{ gpu_type }} ({{ how }}).
-The config is embedded below (paths rewritten to the files added to the image); the run
-directory, {{ output_dir }}, is in the Modal volume {{ volume | py }}.
+Runs `scaletune train` on GPU_COUNT x GPU_TYPE (one process, or torchrun with one rank per GPU).
+The config is embedded below as CONFIG_YAML (paths rewritten to the files added to the image);
+the run directory, OUTPUT_DIR, is in the Modal volume VOLUME.
 
-    modal run {{ filename }}                        # run once (the volume keeps the results)
-    modal volume get {{ volume }} {{ output_dir_rel }} .   # fetch the run directory
-{% if secret_env_names %}
-Secrets are never written here. The config's distributed.env named {{ secret_env_names | join(", ") }}:
-put them in a Modal secret (`modal secret create NAME {{ secret_env_names[0] }}=...`) and pass
-`--secret NAME` to `scaletune modal`.
-{% endif %}"""
+    modal run THIS_FILE                                   # run once (the volume keeps the results)
+    modal volume get VOLUME OUTPUT_DIR_IN_VOLUME .        # fetch the run directory
+
+Secrets are never written here: the variables in SECRET_ENV_NAMES come from the Modal secrets
+attached to the function (`modal secret create NAME VAR=...`, then `scaletune modal --secret NAME`).
+Every value from the config or the command line below is a Python literal.
+"""
 
 import modal
 
 APP_NAME = {{ app_name | py }}
+VOLUME = {{ volume | py }}
+OUTPUT_DIR = {{ output_dir | py }}
+OUTPUT_DIR_IN_VOLUME = {{ output_dir_rel | py }}
+SECRET_ENV_NAMES = {{ secret_env_names | py }}
 GPU_TYPE = {{ gpu_type | py }}
 GPU_COUNT = {{ gpu_count | py }}
 GPU = f"{GPU_TYPE}:{GPU_COUNT}"
@@ -199,9 +204,7 @@ def main() -> None:
 '''
 
 
-def render_modal_app(
-    opts: ModalOptions, plan: ModalPlan, filename: str = "modal_app.py", local_dirs: frozenset[str] = frozenset()
-) -> str:
+def render_modal_app(opts: ModalOptions, plan: ModalPlan, local_dirs: frozenset[str] = frozenset()) -> str:
     """The Modal app's source.
 
     Args:
@@ -212,28 +215,23 @@ def render_modal_app(
     """
     validate(opts)
     env = merged_env((plan.config.get("distributed") or {}).get("env"), opts.env_presets)
-    public, _ = split_secrets(env)
+    public, _ = split_secrets(env, plan.secret_env_names)
     config_path = f"{REMOTE_ROOT}/config.yaml"
     if opts.gpu_count > 1:
         command = single_node_torchrun_argv("python", opts.gpu_count, [config_path])
-        how = f"torchrun, {opts.gpu_count} ranks"
     else:
         command = ["python", "-m", "scaletune", "train", config_path]
-        how = "one process"
     gpu_type = next(t for t in MODAL_GPU_TYPES if t.upper() == opts.gpu_type.upper())
     env_ = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env_.filters["py"] = repr
     output_dir = plan.config["output_dir"]
     return env_.from_string(_TEMPLATE).render(
-        source=opts.source + (" " + " ".join(opts.overrides) if opts.overrides else ""),
         gpu_count=opts.gpu_count,
         gpu_type=gpu_type,
-        how=how,
         output_dir=output_dir,
         output_dir_rel=output_dir[len(RUNS_MOUNT) + 1 :],
         volume=opts.volume,
-        filename=filename,
-        secret_env_names=plan.secret_env_names if not opts.secrets else [],
+        secret_env_names=plan.secret_env_names,
         app_name=opts.app_name,
         runs=RUNS_MOUNT,
         workdir=REMOTE_ROOT,

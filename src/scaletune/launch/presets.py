@@ -5,9 +5,9 @@ given on the command line (`--env-preset debug --env-preset no-ib`); `socket-ifn
 a value. The environment a launch sets is, in order (later wins): `distributed.env` from the
 YAML, then the presets in the order given.
 
-Variable names that look like credentials (:func:`scaletune.config.is_secret_name`) are never
-written into generated scripts: :func:`split_secrets` separates them so the script passes them
-through from the environment of whoever runs it.
+Secret variables (:mod:`scaletune.config.secrets`: names that look like credentials, or listed in
+`distributed.secret_env`) are never written into generated scripts: :func:`split_secrets`
+separates them so the script passes them through from the environment of whoever runs it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from scaletune.config import is_secret_name
+from scaletune.config import secret_names
 from scaletune.errors import UserError
 
 
@@ -160,8 +160,8 @@ def merged_env(config_env: Mapping[str, str] | None, presets: Iterable[str] = ()
     return env
 
 
-def split_secrets(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(variables safe to write down, sorted names of secret-looking variables)."""
-    public = {k: v for k, v in env.items() if not is_secret_name(k)}
-    secret = sorted(k for k in env if is_secret_name(k))
-    return public, secret
+def split_secrets(env: Mapping[str, str], extra: Iterable[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """(variables safe to write down, sorted names of the secret variables); `extra`: the config's
+    `distributed.secret_env`."""
+    names = secret_names(env, extra)
+    return {k: v for k, v in env.items() if k not in names}, names

@@ -41,11 +41,10 @@ def secret_passthrough_lines(names: Sequence[str], header: bool = True) -> list[
     return out
 
 
-def render_script(cmd: LaunchCommand, workdir: str | None, command_line: str | None = None) -> str:
-    """A runnable, commented shell script for one node (`scaletune launch --script FILE`)."""
+def render_script(cmd: LaunchCommand, workdir: str | None) -> str:
+    """A runnable, commented shell script for one node (`scaletune launch --script FILE`). Comments
+    carry no user text (a newline in it would start a command); every value is quoted."""
     lines = ["#!/usr/bin/env bash", "# Written by `scaletune launch`."]
-    if command_line:
-        lines.append(f"#   {command_line}")
     lines += [
         f"# {cmd.summary}.",
         "# Run the script of each node on that node (node 0, the master, hosts the rendezvous;",

@@ -15,6 +15,7 @@ The script (see :func:`render_sbatch`):
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -85,6 +86,7 @@ class SlurmOptions:
     output: str = "%x-%j.out"
     env_presets: tuple[str, ...] = ()
     config_env: dict[str, str] = field(default_factory=dict)
+    secret_env: tuple[str, ...] = ()  # distributed.secret_env of the config
     max_restarts: int = 0
     python: str = "python"
     workdir: str | None = None  # absolute; the job runs there (`#SBATCH --chdir`)
@@ -159,23 +161,22 @@ def sbatch_directives(opts: SlurmOptions) -> list[tuple[str, str]]:
     return d
 
 
-def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
-    """The sbatch script text.
+def render_sbatch(opts: SlurmOptions) -> str:
+    """The sbatch script text. Comments carry no user text (a newline in it would start a command);
+    `#SBATCH` values are validated literals; every other value is `shlex`-quoted.
 
     Raises:
         UserError: invalid options (every problem at once), unknown env preset.
     """
     validate(opts)
     env = merged_env(opts.config_env, opts.env_presets)
-    public, secrets = split_secrets(env)
+    public, secrets = split_secrets(env, opts.secret_env)
     nproc = ranks_per_node(opts)
     cpus = opts.cpus_per_task if opts.cpus_per_task is not None else nproc
     world = nproc * opts.nodes
     kind = f"{opts.gpus_per_node} GPU(s)" if opts.gpus_per_node else "no GPU (CPU ranks)"
 
     lines = ["#!/bin/bash", "# Written by `scaletune slurm`."]
-    if command_line:
-        lines.append(f"#   {command_line}")
     lines += [
         f"# {opts.nodes} node(s) x {nproc} rank(s) = world size {world}; each node: {kind}.",
         "# One srun task per node runs torchrun, which starts that node's ranks; all nodes meet",
@@ -226,7 +227,7 @@ def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
         f"--cpus-per-task={cpus}",
         "--kill-on-bad-exit=1",
     ]
-    program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides)
+    program = list(opts.program) if opts.program else train_argv(opts.config, opts.overrides, opts.secret_env)
     torchrun = torchrun_argv(
         Raw('"$PYTHON"'),
         nproc,
@@ -243,14 +244,18 @@ def render_sbatch(opts: SlurmOptions, command_line: str | None = None) -> str:
 _JOB_ID = re.compile(r"^(\d+)(?:;.*)?$")
 
 
-def submit(script_path: str, sbatch: str = "sbatch") -> str:
-    """`sbatch --parsable SCRIPT`; returns the job id.
+def submit(script_path: str, sbatch: str = "sbatch", env: dict[str, str] | None = None) -> str:
+    """`sbatch --parsable SCRIPT`; returns the job id. `env`: variables added to sbatch's
+    environment, which it hands to the job (`--export=ALL`): how secret values reach the ranks.
 
     Raises:
         UserError: sbatch is missing or refused the script (its message included).
     """
     try:
-        res = subprocess.run([sbatch, "--parsable", script_path], capture_output=True, text=True, timeout=120)
+        full_env = {**os.environ, **(env or {})}
+        res = subprocess.run(
+            [sbatch, "--parsable", script_path], capture_output=True, text=True, timeout=120, env=full_env
+        )
     except FileNotFoundError:
         raise UserError(
             f"{sbatch} not found: submit from a SLURM login node, or drop --submit", title="cannot submit"

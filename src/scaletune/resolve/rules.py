@@ -221,18 +221,18 @@ def packing_problems(attn: str | None, micro_batch_size: int, key: str = "data.p
 
 
 def _environment_rules(s: RunSpec) -> list[Problem]:
-    n = s.config.distributed.num_processes
-    env = s.env
+    """Settings that name devices this machine must have."""
+    out, env = [], s.env
+    n, device_map = s.config.distributed.num_processes, s.config.model.device_map or ""
+    if device_map.startswith("cuda:") and not env.launched and int(device_map[5:]) >= env.cuda_device_count:
+        seen = f"{env.cuda_device_count} GPU(s) are visible" if env.cuda_available else "no GPU is visible"
+        fix = "set it to a visible device, null, or cpu (check CUDA_VISIBLE_DEVICES)"
+        out.append(Problem("device_map", "model.device_map", f"model.device_map {device_map}: {seen}", fix))
     if not env.launched and env.cuda_available and isinstance(n, int) and n > env.cuda_device_count:
-        return [
-            Problem(
-                "processes per GPU",
-                "distributed.num_processes",
-                f"distributed.num_processes is {n} but only {env.cuda_device_count} GPU(s) are visible",
-                f"set it to {env.cuda_device_count} or auto (check CUDA_VISIBLE_DEVICES)",
-            )
-        ]
-    return []
+        message = f"distributed.num_processes is {n} but only {env.cuda_device_count} GPU(s) are visible"
+        fix = f"set it to {env.cuda_device_count} or auto (check CUDA_VISIBLE_DEVICES)"
+        out.append(Problem("processes per GPU", "distributed.num_processes", message, fix))
+    return out
 
 
 def rule_problems(spec: RunSpec) -> list[Problem]:

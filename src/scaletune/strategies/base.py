@@ -326,10 +326,12 @@ class Strategy(ABC):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from scaletune.safe_load import dcp_reader
+
         assert self.module is not None and self.optimizer is not None
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path / "state"))
+        dcp.load(state, storage_reader=dcp_reader(path / "state"))
         set_state_dict(
             self.module,
             self.optimizer,

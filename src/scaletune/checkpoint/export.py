@@ -1,0 +1,122 @@
+"""Export: a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not,
+in one process on the CPU, checked whole before anything is written and written atomically."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from scaletune.checkpoint.resume import checkpoint_problems, read_progress
+from scaletune.checkpoint.save import latest_checkpoint
+from scaletune.config import read_config
+from scaletune.errors import UserError
+from scaletune.safe_load import dcp_reader, enforce
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+
+
+def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -> dict[str, torch.Tensor]:
+    """The trainable weights of a checkpoint as full tensors keyed like `module`, in one process."""
+    if fmt == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        # Its torch.load calls run restricted (safe_load.enforce): the files were scanned too.
+        return get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = {"model": get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))}
+    dcp.load(state, storage_reader=dcp_reader(path / "state"))  # no process group: reads every shard
+    return state["model"]
+
+
+def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> list[str]:
+    """What stops an export, found before any model loads or anything is written."""
+    problems = []
+    if not _SIZE.match(max_shard_size):
+        problems.append(f"--max-shard-size {max_shard_size!r}: give a size such as 5GB, 500MB or 2GiB")
+    if out_dir.exists() and not out_dir.is_dir():
+        problems.append(f"-o {out_dir}: exists and is not a folder")
+    elif out_dir.is_dir() and any(out_dir.iterdir()):
+        problems.append(f"output folder {out_dir} is not empty")
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        problems.append(f"-o {out_dir}: cannot create it under {parent} (not a writable folder)")
+    if not (checkpoint / "progress.json").is_file():
+        problems.append(f"{checkpoint} is not a checkpoint (no progress.json)")
+    else:
+        problems += checkpoint_problems(checkpoint)
+    return problems
+
+
+def export_checkpoint(
+    checkpoint: Path, out_dir: Path, *, merge_lora: bool = False, dtype: str | None = None, max_shard_size: str = "5GB"
+) -> Path:
+    """Write a consolidated Hugging Face folder (safetensors, sharded into `max_shard_size` files)
+    from any checkpoint, sharded or not, in one process on the CPU. The folder is written under a
+    temporary name and renamed into place: an export that fails leaves nothing behind.
+
+    Args:
+        checkpoint: a `checkpoints/step-N` folder, or a run directory (its latest checkpoint).
+        merge_lora: fold the LoRA adapter into the base weights and write a plain model.
+        dtype: "bfloat16" / "float16" / "float32" for the written weights (default: as trained).
+        max_shard_size: the largest safetensors file, e.g. "5GB".
+
+    Raises:
+        UserError: not a checkpoint, a corrupt or unsafe one; an output that exists and is not an
+            empty folder; an unreadable shard size.
+    """
+    from scaletune.loss import CausalLMLoss
+    from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
+
+    enforce()
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "checkpoints").is_dir():
+        checkpoint = latest_checkpoint(checkpoint) or checkpoint
+    problems = export_problems(checkpoint, out_dir, max_shard_size)
+    if problems:
+        raise UserError(problems, title="cannot export")
+    progress = read_progress(checkpoint)
+    cfg = read_config(checkpoint / "config.yaml").config
+    assert cfg is not None  # checkpoint_problems read it
+    model_cfg = cfg.model.model_copy(
+        update={
+            "dtype": "float32",
+            "device_map": None,
+            "gradient_checkpointing": False,
+            "liger": False,
+            "activation_offload": False,
+        }
+    )
+    model = prepare_model(model_cfg, DevicePlacement(device_map=None, device="cpu", message=None))
+    module = CausalLMLoss(model)
+    state = _full_state_from_checkpoint(checkpoint, module, progress.checkpoint_format)
+    result = module.load_state_dict(state, strict=False)
+    if result.unexpected_keys:
+        raise UserError(f"{checkpoint}: tensor {result.unexpected_keys[0]} is not in the model", title="cannot export")
+    lora = cfg.model.lora is not None
+    if lora and merge_lora:
+        model = model.merge_and_unload()
+    if dtype:
+        model = model.to({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        if lora and not merge_lora:
+            model.save_pretrained(str(tmp))
+        else:
+            model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+        load_tokenizer(cfg.model).save_pretrained(str(tmp))
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty (checked above)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

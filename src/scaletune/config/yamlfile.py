@@ -1,0 +1,150 @@
+"""Reading a YAML config safely: UTF-8 only, duplicate keys refused, aliases allowed only while what
+they expand to stays small and acyclic, control characters refused in values that may reach a
+shell or a generated script; every problem with its file and line.
+
+PyYAML's `safe_load` builds no arbitrary objects, but it keeps the last of two equal keys
+silently (a second `training:` block drops the first) and expands aliases by reference: 538 bytes
+of nested aliases ("billion laughs") become gigabytes once anything copies the structure, and an
+anchor inside itself makes a cycle. Both are caught on the composed node graph, before any Python
+object is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+#: Values an expanded document may hold; a config has a few hundred.
+MAX_NODES = 100_000
+#: Keys whose values are multi-line text by nature (Jinja chat templates).
+MULTILINE_KEYS = ("chat_template",)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader (no Python object tags)."""
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _check_graph(root: yaml.Node, source: str) -> list[str]:
+    """Duplicate keys, cycles and the expanded size of the composed document."""
+    problems: list[str] = []
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise RecursionError(f"{source}:{_line(node)}: an anchor is used inside itself (a cycle)")
+        visiting.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    if k.value in seen:
+                        problems.append(
+                            f"{source}:{_line(k)}: duplicate key {k.value!r} (first at line {seen[k.value]}); "
+                            "YAML would keep only the last one"
+                        )
+                    seen.setdefault(k.value, _line(k))
+                total += size(k) + size(v)
+                if total > MAX_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for v in node.value:
+                total += size(v)
+                if total > MAX_NODES:
+                    break
+        visiting.discard(key)
+        sizes[key] = total
+        return total
+
+    try:
+        if size(root) > MAX_NODES:
+            problems.append(
+                f"{source}: the document's aliases expand to more than {MAX_NODES:,} values (an alias bomb?)"
+            )
+    except RecursionError as exc:
+        message = str(exc)
+        problems.append(message if message.startswith(source) else f"{source}: aliases nest too deeply")
+    return problems
+
+
+def key_lines(root: yaml.Node | None) -> dict[tuple, int]:
+    """Each key path of a composed document -> its 1-based line (list items by index)."""
+    lines: dict[tuple, int] = {}
+
+    def walk(node: Any, path: tuple, depth: int) -> None:
+        if depth > 64:  # aliases were bounded by _check_graph; depth bounds the walk itself
+            return
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                p = path + (k.value,)
+                lines.setdefault(p, _line(k))
+                walk(v, p, depth + 1)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                lines.setdefault(path + (i,), _line(v))
+                walk(v, path + (i,), depth + 1)
+
+    if root is not None:
+        walk(root, (), 0)
+    return lines
+
+
+def parse(raw: bytes, source: str) -> tuple[Any, dict[tuple, int], list[str]]:
+    """Parse a config file's bytes.
+
+    Returns:
+        (data or None, key path -> line, problems). `data` is None when there are problems.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        return None, {}, [f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"]
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return {}, {}, []
+        problems = _check_graph(root, source)
+        lines = key_lines(root)
+        if problems:
+            return None, lines, problems
+        return loader.construct_document(root), lines, []
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        return None, {}, [f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]
+    finally:
+        loader.dispose()
+
+
+def control_character_problems(data: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
+    """(key path, what) for every string value holding a control character, outside the keys whose
+    values are multi-line text. A newline or an escape in a path, a name or an environment value
+    would reach a log line, a job name or a generated script."""
+    out: list[tuple[tuple, str]] = []
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if k in MULTILINE_KEYS:
+                continue
+            out += control_character_problems(v, path + (k,))
+    elif isinstance(data, list):
+        for i, v in enumerate(data):
+            out += control_character_problems(v, path + (i,))
+    elif isinstance(data, str):
+        bad = sorted({c for c in data if ord(c) < 0x20 or ord(c) == 0x7F})
+        if bad:
+            names = ", ".join(repr(c) for c in bad)
+            out.append(
+                (path, f"contains control character(s) {names}: refused in values that can reach a shell or a log")
+            )
+    return out

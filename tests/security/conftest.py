@@ -1,0 +1,52 @@
+"""Fixtures of the security tier: real runs whose checkpoints the tests tamper with, and payloads
+that would leave a trace if anything executed them."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import base_config, train
+
+
+class Payload:
+    """Unpickling this runs `touch MARKER`: the file's existence is the proof that code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def pickle_payload(marker: Path) -> bytes:
+    return pickle.dumps(Payload(marker), protocol=4)
+
+
+@pytest.fixture(scope="session")
+def finished_runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two finished runs with two checkpoints each: DCP format (single) and DeepSpeed format
+    (ZeRO-2 at world size 1). Tests copy them before tampering."""
+    out = {}
+    for name, dist in (("dcp", {"strategy": "single"}), ("deepspeed", {"strategy": "deepspeed", "zero_stage": 2})):
+        tmp = tmp_path_factory.mktemp(f"finished-{name}")
+        cfg = base_config(tiny_model_dir, tmp / "run", training={"max_steps": 2, "save_every": 1}, distributed=dist)
+        train(cfg, tmp)
+        out[name] = tmp / "run"
+    return out
+
+
+@pytest.fixture
+def run_copy(finished_runs, tmp_path):
+    """`run_copy(kind)`: a private copy of a finished run to tamper with."""
+
+    def copy(kind: str) -> Path:
+        dst = tmp_path / f"run-{kind}"
+        shutil.copytree(finished_runs[kind], dst)
+        return dst
+
+    return copy
