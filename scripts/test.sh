@@ -8,4 +8,4 @@ python -m pip install -q -e '.[dev]'
 python -m ruff check src tests benchmarks
 python -m ruff format --check src tests benchmarks
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"

@@ -157,5 +157,8 @@ def train(spec: RunSpec) -> Path:
     """Train a prepared run as this rank; returns the run directory."""
     from scaletune.trainer import Trainer
 
+    if spec.env.restart_count > 0 and spec.config.training.resume == "auto":
+        attempt = spec.env.restart_count + 1
+        print0(f"[scaletune] restarted by torchrun: resuming from the latest checkpoint (attempt {attempt})")
     predicted = predicted_memory(spec) if spec.env.is_main else None
     return Trainer(spec, predicted_memory=predicted).fit()

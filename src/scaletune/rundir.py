@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scaletune.config import dump_config, read_config
+from scaletune.env import print0
 from scaletune.errors import UserError
 from scaletune.resolve import Problem, RunSpec
 
@@ -154,7 +155,7 @@ class RunDirectory:
         f.seek(0)
         stale = f.read().strip()
         if stale:
-            print(f"[scaletune] took over a stale lock of {self.path} ({stale}: that process is gone)", flush=True)
+            print0(f"[scaletune] took over a stale lock of {self.path} ({stale}: that process is gone)")
         f.seek(0)
         f.truncate()
         started = datetime.datetime.now().isoformat(timespec="seconds")
@@ -206,6 +207,7 @@ class RunDirectory:
     def release(self) -> None:
         if self._lock_file is not None:
             with contextlib.suppress(OSError):
+                self._lock_file.truncate(0)  # an empty lock file: released cleanly, not stale
                 self._lock_file.close()  # closing releases the flock
             self._lock_file = None
 

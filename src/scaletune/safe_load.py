@@ -51,6 +51,13 @@ def enforce() -> None:
     """Make every `torch.load` of this process and its children restricted (see the module docstring)."""
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     os.environ[FORCE] = "1"
+    _allow_deepspeed_globals()
+
+
+def _allow_deepspeed_globals() -> None:
+    # Added for the life of the process, never through torch's `safe_globals` context manager:
+    # leaving it removes its globals even where `enforce` had added them, and DeepSpeed's own
+    # loads that follow a scan would then be refused.
     torch.serialization.add_safe_globals(torch_save_globals())
 
 
@@ -115,11 +122,11 @@ def restricted_load(path: str | Path | io.BytesIO, map_location: Any = "cpu", so
     Raises:
         UnsafeCheckpointError: a global outside the allow-list, or not a readable `torch.save` file.
     """
-    with torch.serialization.safe_globals(torch_save_globals()):
-        try:
-            return torch.load(path, map_location=map_location, weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError, OSError) as exc:
-            raise _refusal(source or str(path), exc) from None
+    _allow_deepspeed_globals()
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError, OSError) as exc:
+        raise _refusal(source or str(path), exc) from None
 
 
 def _refusal(source: str, exc: Exception) -> UnsafeCheckpointError:
@@ -153,11 +160,11 @@ def scan_torch_file(path: Path) -> None:
     Raises:
         UnsafeCheckpointError: naming the file and the globals, or saying it is not a torch file.
     """
-    with torch.serialization.safe_globals(torch_save_globals()):
-        try:
-            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception as exc:  # noqa: BLE001 - any parse failure means: not a file we load
-            raise _refusal(str(path), exc) from None
+    _allow_deepspeed_globals()
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:  # noqa: BLE001 - any parse failure means: not a file we load
+        raise _refusal(str(path), exc) from None
     if unsafe:
         raise _refusal(str(path), ValueError(f"GLOBAL {', '.join(sorted(unsafe))} is not allowed"))
 
@@ -192,10 +199,13 @@ def _verify_dcp_bytes(folder: Path, meta: Any) -> None:
     """DCP's pickled (non-tensor) entries, through the restricted `torch.load`."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    storage = getattr(meta, "storage_data", None) or {}
-    for index, md in (getattr(meta, "state_dict_metadata", None) or {}).items():
-        info = storage.get(index) if isinstance(md, BytesStorageMetadata) and hasattr(storage, "get") else None
-        if info is None:
+    entries = getattr(meta, "state_dict_metadata", None) or {}
+    storage = getattr(meta, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise UnsafeCheckpointError(f"{folder}/.metadata: no storage index", title="unsafe or corrupt checkpoint")
+    # storage_data is keyed by MetadataIndex (fqn, offset, index); state_dict_metadata by fqn.
+    for index, info in storage.items():
+        if not isinstance(entries.get(getattr(index, "fqn", None)), BytesStorageMetadata):
             continue
         shard = folder / str(info.relative_path)
         if not shard.resolve().is_relative_to(folder.resolve()):

@@ -47,6 +47,10 @@ def run_copy(finished_runs, tmp_path):
     def copy(kind: str) -> Path:
         dst = tmp_path / f"run-{kind}"
         shutil.copytree(finished_runs[kind], dst)
+        # The saved config names the original run as output_dir: point it at the copy, so a test
+        # that trains from it never writes into the shared finished run.
+        saved = dst / "config.yaml"
+        saved.write_text(saved.read_text().replace(str(finished_runs[kind]), str(dst)))
         return dst
 
     return copy

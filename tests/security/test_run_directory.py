@@ -95,7 +95,8 @@ def test_overwrite_never_clears_a_folder_scaletune_did_not_make(tiny_model_dir, 
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "thesis.tex").write_text("years of work")
     (folder / "config.yaml").write_text("not: a scaletune config\n")
-    cfg = base_config(tiny_model_dir, folder, overwrite=True)
+    cfg = base_config(tiny_model_dir, folder)
+    cfg["overwrite"] = True
     cfg["overwrite"] = True
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "scaletune did not write" in proc.stderr

@@ -79,10 +79,14 @@ def _check_graph(root: yaml.Node, source: str) -> list[str]:
 def key_lines(root: yaml.Node | None) -> dict[tuple, int]:
     """Each key path of a composed document -> its 1-based line (list items by index)."""
     lines: dict[tuple, int] = {}
+    seen: set[int] = set()
 
     def walk(node: Any, path: tuple, depth: int) -> None:
-        if depth > 64:  # aliases were bounded by _check_graph; depth bounds the walk itself
+        # An alias is the anchored node object again: walk each node once (an alias bomb expands
+        # to millions of paths), and bound the depth of the walk itself.
+        if depth > 64 or id(node) in seen:
             return
+        seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 p = path + (k.value,)
@@ -109,8 +113,9 @@ def parse(raw: bytes, source: str) -> tuple[Any, dict[tuple, int], list[str]]:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         return None, {}, [f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"]
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)  # its reader refuses some characters (C1 controls) right here
         root = loader.get_single_node()
         if root is None:
             return {}, {}, []
@@ -119,12 +124,16 @@ def parse(raw: bytes, source: str) -> tuple[Any, dict[tuple, int], list[str]]:
         if problems:
             return None, lines, problems
         return loader.construct_document(root), lines, []
+    except yaml.reader.ReaderError as exc:
+        line = text[: exc.position].count("\n") + 1
+        return None, {}, [f"{source}:{line}: not valid YAML: the character {chr(exc.character)!r} is not allowed"]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         return None, {}, [f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}"]
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def control_character_problems(data: Any, path: tuple = ()) -> list[tuple[tuple, str]]:

@@ -121,6 +121,10 @@ def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: Distri
         num_workers=num_workers,
         pin_memory=env.cuda_available,
         persistent_workers=num_workers > 0,
+        # Its own generator: without one, each iter() draws the workers' base seed from the global
+        # RNG, so a resumed run (global RNG restored, then a new iterator) and the uninterrupted one
+        # (iterator made at the start) would run dropout with masks one draw apart.
+        generator=torch.Generator().manual_seed(seed),
     )
     return loader, sampler
 
