@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
-from tests.system.conftest import PAYLOAD, assert_losses_match, read_losses, system_config
+from tests.system.conftest import PAYLOAD, assert_trains_like_reference, system_config
 
 pytestmark = [pytest.mark.system]
 
@@ -96,7 +96,8 @@ def test_sbatch_script_runs_two_cpu_ranks(slurm_cluster, space_dir):
 
 def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir, tiny_model_dir, reference_run):
     """`scaletune slurm ... --submit` from a path with a space: the job trains on 2 CPU ranks and
-    logs the same loss per step as the single-process run (within 1e-4 relative)."""
+    logs the same loss and gradient norm per step as the single-process run (within 1e-4
+    relative), and its final/ computes the same logits."""
     cfg = system_config(tiny_model_dir, "run")  # relative: lands in the submit directory
     (space_dir / "train config.yaml").write_text(yaml.safe_dump(cfg))
     r = subprocess.run(
@@ -133,7 +134,7 @@ def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir
     log = job_log(space_dir, job_id)
     assert fields["JobState"] == "COMPLETED", log[-6000:]
     run = space_dir / "run"
-    assert_losses_match(read_losses(run), reference_run)
+    assert_trains_like_reference(run, reference_run)
     resolved = yaml.safe_load((run / "config.yaml").read_text())
     assert resolved["data"]["max_seq_length"] == 64
     assert (run / "final").is_dir()
