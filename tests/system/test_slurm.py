@@ -5,6 +5,7 @@ whose path contains a space, on CPU-only nodes (`--gpus-per-node 0 --procs-per-n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -164,3 +165,31 @@ def test_bad_time_limit_is_refused_before_sbatch(slurm_cluster, tmp_path, tiny_m
         timeout=60,
     )
     assert r.returncode == 2 and "--time" in r.stderr and not list(tmp_path.glob("*.sbatch"))
+
+
+@pytest.mark.parametrize("ci, outcome", [("false", "skipped"), ("true", "error")])
+def test_slurm_that_cannot_start_fails_under_ci(tmp_path, ci, outcome):
+    """Where SLURM cannot start (here: a pytest temporary directory with a space, which
+    slurm.conf cannot point into, found before any daemon starts), the SLURM tests skip, saying
+    why; under CI=true the same cause fails them (a failing fixture: pytest reports an error), so CI cannot pass without running them. The
+    control is the same run without CI=true."""
+    base = tmp_path / "base temp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={base}",
+            f"{Path(__file__)}::test_sbatch_script_runs_two_cpu_ranks",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CI": ci},
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert f"1 {outcome}" in proc.stdout, proc.stdout[-3000:]
+    assert "has a space" in proc.stdout, proc.stdout[-3000:]
