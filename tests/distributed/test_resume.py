@@ -18,7 +18,6 @@ from tests.helpers import (
     assert_same_steps,
     base_config,
     logits,
-    losses,
     run_cli,
     steps,
     train,
@@ -165,13 +164,6 @@ def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     cfg = base_config(other, tmp_path / "r", training={"resume": str(fake)})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "tensor model.causal_lm." in proc.stderr, proc.stderr[-2000:]
-
-
-def test_resume_auto_without_checkpoint_starts_fresh(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"resume": "auto", "max_steps": 2, "save_every": 0})
-    proc = train(cfg, tmp_path)
-    assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
-    assert len(losses(tmp_path / "run")) == 2
 
 
 def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):

@@ -18,8 +18,10 @@ DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", 
 def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     cfg = base_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
     cfg["data"]["eval_fraction"] = 0.1
-    cfg["training"]["eval_every"] = 3
-    train(cfg, tmp_path)
+    cfg["training"].update(eval_every=3, resume="auto")
+    proc = train(cfg, tmp_path)
+    # resume: auto in a run directory without checkpoints starts fresh, and says so.
+    assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
     run = tmp_path / "run"
     rows = metrics(run)
     steps = [r for r in rows if "loss" in r]
