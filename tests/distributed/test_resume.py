@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from tests.distributed.conftest import LORA
-from tests.distributed.test_parity import SINGLE, assert_same_logits, logits
-from tests.helpers import assert_close, base_config, losses, run_cli, train
+from tests.distributed.test_parity import SINGLE
+from tests.helpers import (
+    GRAD_REL,
+    assert_same_logits,
+    assert_same_steps,
+    base_config,
+    logits,
+    run_cli,
+    steps,
+    train,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -25,9 +34,13 @@ STRATEGIES = {
 }
 
 
-def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", **training):
+def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", model=None, **training):
     cfg = base_config(
-        tiny_model_dir, tmp_path / name, distributed=dist, training={"resume": str(checkpoint), **training}
+        tiny_model_dir,
+        tmp_path / name,
+        model=model or {},
+        distributed=dist,
+        training={"resume": str(checkpoint), **training},
     )
     proc = train(cfg, tmp_path, name=f"{name}.yaml")
     return tmp_path / name, proc
@@ -43,22 +56,63 @@ def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     run, proc = resume_run(tiny_model_dir, tmp_path, ckpt, STRATEGIES[case])
     assert "resumed from" in proc.stderr
     assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [5, 6, 7, 8]
-    assert_close(losses(run), losses(full)[4:], 1e-5, f"{case}: resumed steps 5-8")
+    assert_same_steps(run, full, 1e-5, f"{case}: resumed steps 5-8", first=4)
+
+
+DROPOUT_LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": "auto"}}
+# How far a resume without the RNG lands from the uninterrupted run, at the worst of steps 5-8
+# (relative; measured: loss 9.6e-5, grad_norm 1.6e-2): well above the 1e-5 of an exact resume.
+LOSS_GAP, NORM_GAP = 3e-5, 3e-3
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="scaletune bug (issue 12 audit): the resumed run's first iter(DataLoader) draws its base seed "
+    "from the just-restored global torch RNG, which the uninterrupted run drew before step 1, so dropout "
+    "masks shift by one draw (step 5 loss off by 5.8e-5 relative). Fix in src/scaletune/data/batching.py "
+    "make_loader: DataLoader(..., generator=torch.Generator().manual_seed(seed)); then remove this marker.",
+)
+def test_exact_resume_with_dropout_restores_the_rng(run_once, tiny_model_dir, tmp_path):
+    """LoRA dropout 0.1 draws a mask from the torch RNG at every forward, so restoring the RNG is
+    observable: a run resumed from step 4 gives steps 5-8 of the uninterrupted run within 1e-5,
+    and the control, the same resume from a copy of the checkpoint without its rng/ folder
+    (the loader then leaves the RNG as seeding and loading left it), draws other masks and
+    diverges by far more than that tolerance."""
+    import shutil
+
+    full, _ = run_once("single-lora-dropout", model=DROPOUT_LORA, distributed=SINGLE)
+    ckpt = full / "checkpoints" / "step-4"
+    assert (ckpt / "rng" / "rank-0.pt").is_file()
+    run, _ = resume_run(tiny_model_dir, tmp_path, ckpt, SINGLE, model=DROPOUT_LORA)
+    assert_same_steps(run, full, 1e-5, "LoRA dropout 0.1: resumed steps 5-8", first=4)
+    no_rng = tmp_path / "no-rng"
+    shutil.copytree(ckpt, no_rng)
+    shutil.rmtree(no_rng / "rng")
+    control, _ = resume_run(tiny_model_dir, tmp_path, no_rng, SINGLE, "control", model=DROPOUT_LORA)
+    got, want = steps(control), steps(full)[4:]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [5, 6, 7, 8]
+    assert got[0]["loss"] != want[0]["loss"]  # step 5 already runs on other dropout masks
+    loss_gap = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, want))
+    norm_gap = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(got, want))
+    assert loss_gap > LOSS_GAP and norm_gap > NORM_GAP, (
+        f"resume without RNG: loss {loss_gap:.1e}, grad_norm {norm_gap:.1e}"
+    )
 
 
 @pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
 def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
-    follows the uninterrupted single-process run within 1e-4."""
-    ref = losses(run_once("single", distributed=SINGLE)[0])
+    follows the uninterrupted single-process run within 1e-4 (the gradient norm within GRAD_REL)."""
+    ref = run_once("single", distributed=SINGLE)[0]
     two, _ = run_once(case, distributed=STRATEGIES[case])
     one_dist = {**STRATEGIES[case], "num_processes": 1}
     one, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", one_dist, "one", save_every=2)
     assert "resharded step-4: written by 2 rank(s)" in proc.stderr and "now 1" in proc.stderr
-    assert_close(losses(one), ref[4:], 1e-4, f"{case}: 2 -> 1 ranks, steps 5-8")
+    assert_same_steps(one, ref, 1e-4, f"{case}: 2 -> 1 ranks, steps 5-8", first=4, grad_rel=GRAD_REL)
     back, proc = resume_run(tiny_model_dir, tmp_path, one / "checkpoints" / "step-6", STRATEGIES[case], "back")
     assert "resharded step-6: written by 1 rank(s)" in proc.stderr and "now 2" in proc.stderr
-    assert_close(losses(back), ref[6:], 1e-4, f"{case}: 1 -> 2 ranks, steps 7-8")
+    assert_same_steps(back, ref, 1e-4, f"{case}: 1 -> 2 ranks, steps 7-8", first=6, grad_rel=GRAD_REL)
 
 
 @pytest.mark.parametrize("case", ["fsdp", "zero3"])
@@ -110,13 +164,6 @@ def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     cfg = base_config(other, tmp_path / "r", training={"resume": str(fake)})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "tensor model.causal_lm." in proc.stderr, proc.stderr[-2000:]
-
-
-def test_resume_auto_without_checkpoint_starts_fresh(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"resume": "auto", "max_steps": 2, "save_every": 0})
-    proc = train(cfg, tmp_path)
-    assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
-    assert len(losses(tmp_path / "run")) == 2
 
 
 def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tmp_path, monkeypatch):

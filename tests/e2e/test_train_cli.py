@@ -1,4 +1,4 @@
-"""`scaletune train` end to end through the CLI on real data: full and LoRA fine-tuning, the run
+"""`scaletune train` end to end through the CLI on real data: full fine-tuning (LoRA: test_lora_control.py), the run
 directory, the accumulation identity, and every bad input (exit 2, nothing written)."""
 
 from __future__ import annotations
@@ -11,14 +11,17 @@ import yaml
 from tests.conftest import ALPACA_5000
 from tests.helpers import assert_close, base_config, losses, metrics, run_cli, train
 
+EVAL_DROP = 0.1  # eval loss from step 3 to step 8 (measured: 0.20)
 DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
 
 
 def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     cfg = base_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
     cfg["data"]["eval_fraction"] = 0.1
-    cfg["training"]["eval_every"] = 3
-    train(cfg, tmp_path)
+    cfg["training"].update(eval_every=3, resume="auto")
+    proc = train(cfg, tmp_path)
+    # resume: auto in a run directory without checkpoints starts fresh, and says so.
+    assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
     run = tmp_path / "run"
     rows = metrics(run)
     steps = [r for r in rows if "loss" in r]
@@ -26,8 +29,11 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     for r in steps:
         assert DESIGN_FIELDS <= set(r), set(r) ^ DESIGN_FIELDS
         assert r["stage"] == "main" and r["tokens"] > 0 and r["tokens_per_s"] > 0
-    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6, 8]
-    assert steps[-1]["loss"] < steps[0]["loss"]
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert sorted(evals) == [3, 6, 8]
+    # Training moves the model: the same held-out records score better after more updates (the
+    # training loss alone would also move with each step's batch; see test_parity's lr=0 control).
+    assert evals[3] > evals[6] > evals[8] and evals[3] - evals[8] > EVAL_DROP, evals
     # warmup 2 then cosine: lr rises, then falls
     lrs = [r["lr"] for r in steps]
     assert lrs[0] < lrs[1] and lrs[2] > lrs[-1]
@@ -50,29 +56,6 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     # The exported weights are the trained ones, not the initial ones.
     init = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.equal(model.lm_head.weight, init.lm_head.weight)
-
-
-def test_lora_adapter_trains_saves_and_loads(tiny_model_dir, tmp_path):
-    cfg = base_config(
-        tiny_model_dir,
-        tmp_path / "run",
-        model={"lora": {"r": 4, "alpha": 8, "dropout": 0.0}, "gradient_checkpointing": True},
-    )
-    train(cfg, tmp_path)
-    final = tmp_path / "run" / "final"
-    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
-    assert not (final / "model.safetensors").exists()
-    from peft import AutoPeftModelForCausalLM
-    from safetensors.torch import load_file
-
-    model = AutoPeftModelForCausalLM.from_pretrained(final)
-    adapter = load_file(final / "adapter_model.safetensors")
-    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
-    assert lora_b and any(v.abs().sum() > 0 for v in lora_b), "lora_B starts at zero; training must move it"
-    assert sorted(json.loads((final / "adapter_config.json").read_text())["target_modules"]) == sorted(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    assert model.peft_config["default"].r == 4
 
 
 def test_accumulation_identity_4x1_equals_1x4(tiny_model_dir, tmp_path):

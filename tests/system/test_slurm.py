@@ -5,6 +5,7 @@ whose path contains a space, on CPU-only nodes (`--gpus-per-node 0 --procs-per-n
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
-from tests.system.conftest import PAYLOAD, assert_losses_match, read_losses, system_config
+from tests.system.conftest import PAYLOAD, assert_trains_like_reference, system_config
 
 pytestmark = [pytest.mark.system]
 
@@ -96,7 +97,8 @@ def test_sbatch_script_runs_two_cpu_ranks(slurm_cluster, space_dir):
 
 def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir, tiny_model_dir, reference_run):
     """`scaletune slurm ... --submit` from a path with a space: the job trains on 2 CPU ranks and
-    logs the same loss per step as the single-process run (within 1e-4 relative)."""
+    logs the same loss and gradient norm per step as the single-process run (within 1e-4
+    relative), and its final/ computes the same logits."""
     cfg = system_config(tiny_model_dir, "run")  # relative: lands in the submit directory
     (space_dir / "train config.yaml").write_text(yaml.safe_dump(cfg))
     r = subprocess.run(
@@ -133,7 +135,7 @@ def test_scaletune_slurm_submit_trains_like_one_process(slurm_cluster, space_dir
     log = job_log(space_dir, job_id)
     assert fields["JobState"] == "COMPLETED", log[-6000:]
     run = space_dir / "run"
-    assert_losses_match(read_losses(run), reference_run)
+    assert_trains_like_reference(run, reference_run)
     resolved = yaml.safe_load((run / "config.yaml").read_text())
     assert resolved["data"]["max_seq_length"] == 64
     assert (run / "final").is_dir()
@@ -163,3 +165,31 @@ def test_bad_time_limit_is_refused_before_sbatch(slurm_cluster, tmp_path, tiny_m
         timeout=60,
     )
     assert r.returncode == 2 and "--time" in r.stderr and not list(tmp_path.glob("*.sbatch"))
+
+
+@pytest.mark.parametrize("ci, outcome", [("false", "skipped"), ("true", "error")])
+def test_slurm_that_cannot_start_fails_under_ci(tmp_path, ci, outcome):
+    """Where SLURM cannot start (here: a pytest temporary directory with a space, which
+    slurm.conf cannot point into, found before any daemon starts), the SLURM tests skip, saying
+    why; under CI=true the same cause fails them (a failing fixture: pytest reports an error), so CI cannot pass without running them. The
+    control is the same run without CI=true."""
+    base = tmp_path / "base temp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={base}",
+            f"{Path(__file__)}::test_sbatch_script_runs_two_cpu_ranks",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CI": ci},
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert f"1 {outcome}" in proc.stdout, proc.stdout[-3000:]
+    assert "has a space" in proc.stdout, proc.stdout[-3000:]

@@ -1,8 +1,9 @@
 """Each doctor check, provoked: DistributedEnv values and environment dicts passed in, real
-sockets for the port, real disk numbers, a real DeepSpeed op builder."""
+sockets for the port, fixed (and real) disk numbers, a real DeepSpeed op builder."""
 
 from __future__ import annotations
 
+import collections
 import shutil
 import socket
 import time
@@ -247,13 +248,66 @@ def test_nccl_variables():
 # -- disk ------------------------------------------------------------------------------------
 
 
-def test_free_disk_real_numbers(tmp_path):
-    free = shutil.disk_usage(tmp_path).free
-    small = doctor.check_disk(cfg(tmp_path))  # 1.2B parameters: ~15 GB per checkpoint
-    need_one = 1_235_814_400 * (12 + 2)
-    assert small.status == ("OK" if free > need_one + 1_235_814_400 * 12 else small.status)
+LLAMA_32_1B = 1_235_814_400  # parameters of Llama 3.2 1B (tied embeddings), as published
+Usage = collections.namedtuple("Usage", "total used free")  # what shutil.disk_usage returns
+
+
+@pytest.fixture
+def disk_free(monkeypatch):
+    """Fixes the free bytes `check_disk` sees (the doctor module's `shutil.disk_usage`) and
+    records the paths it asked about."""
+    from scaletune.doctor import system
+
+    state = {"free": 0, "asked": []}
+
+    def fake_usage(path):
+        state["asked"].append(path)
+        return Usage(total=10**15, used=10**15 - state["free"], free=state["free"])
+
+    monkeypatch.setattr(system.shutil, "disk_usage", fake_usage)
+    return state
+
+
+@pytest.mark.parametrize(
+    ("case", "sections", "need_min", "need"),
+    [
+        # bf16 full fine-tuning, keep_last 2: final 2 B/param, each checkpoint 12 B/param (fp32
+        # weights + Adam's two moments): one checkpoint + final = 14 N, both = 26 N.
+        ("full bf16", {}, 14 * LLAMA_32_1B, 26 * LLAMA_32_1B),
+        # fp32 final (4 B/param), keep_last 3: 16 N and 40 N.
+        (
+            "full fp32 keep 3",
+            {"model": {"dtype": "float32"}, "training": {"keep_last": 3}},
+            16 * LLAMA_32_1B,
+            40 * LLAMA_32_1B,
+        ),
+        # LoRA: trainable = N // 200, final and checkpoints in fp32: 4 t + 12 t and 4 t + 24 t.
+        ("lora", {"model": {"lora": {"r": 8}}}, 16 * (LLAMA_32_1B // 200), 28 * (LLAMA_32_1B // 200)),
+        # no periodic checkpoints: only the final model (no WARN band).
+        ("no saves", {"training": {"save_every": 0}}, 2 * LLAMA_32_1B, 2 * LLAMA_32_1B),
+    ],
+)
+def test_free_disk_thresholds(tmp_path, disk_free, case, sections, need_min, need):
+    """FAIL (fatal) below the final model plus one checkpoint, WARN below every kept checkpoint,
+    OK from there: checked one byte either side of each threshold, with fixed free bytes."""
+    spec = cfg(tmp_path, **sections)
+    if need > need_min:
+        expected = {need_min - 1: "FAIL", need_min: "WARN", need - 1: "WARN", need: "OK"}
+    else:
+        expected = {need - 1: "FAIL", need: "OK"}
+    for free, status in sorted(expected.items()):
+        disk_free["free"] = free
+        c = doctor.check_disk(spec)
+        assert (c.status, c.fatal) == (status, status == "FAIL"), f"{case}: {free} bytes free -> {c}"
+        assert f"{free / 1e9:,.1f} GB free at {tmp_path.resolve()}" in c.message
+    # output_dir does not exist yet: its nearest existing parent is what is measured.
+    assert set(disk_free["asked"]) == {tmp_path.resolve()}
+
+
+def test_free_disk_real_disk_fails_for_a_70b_run(tmp_path):
+    """The real `shutil.disk_usage` (no patch): 50 checkpoints of a 70B model (~42 TB) fit nowhere."""
     huge = doctor.check_disk(cfg(tmp_path, model={"name_or_path": "llama-3-70b"}, training={"keep_last": 50}))
-    assert 70e9 * 12 > free, "this disk is too large for the test's model"
+    assert 70e9 * 12 > shutil.disk_usage(tmp_path).free, "this disk is too large for the test's model"
     assert huge.status == "FAIL" and huge.fatal and "GB free" in huge.message
 
 
