@@ -65,14 +65,6 @@ DROPOUT_LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": 
 LOSS_GAP, NORM_GAP = 3e-5, 3e-3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="scaletune bug (issue 12 audit): the resumed run's first iter(DataLoader) draws its base seed "
-    "from the just-restored global torch RNG, which the uninterrupted run drew before step 1, so dropout "
-    "masks shift by one draw (step 5 loss off by 5.8e-5 relative). Fix in src/scaletune/data/batching.py "
-    "make_loader: DataLoader(..., generator=torch.Generator().manual_seed(seed)); then remove this marker.",
-)
 def test_exact_resume_with_dropout_restores_the_rng(run_once, tiny_model_dir, tmp_path):
     """LoRA dropout 0.1 draws a mask from the torch RNG at every forward, so restoring the RNG is
     observable: a run resumed from step 4 gives steps 5-8 of the uninterrupted run within 1e-5,
