@@ -63,6 +63,12 @@ class DeepSpeedStrategy(Strategy):
         if not self.env.cuda_available:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         super().setup()  # DeepSpeed uses this group (one of one at world size 1)
+        import deepspeed
+        import torch.distributed as dist
+
+        # DeepSpeed's communication layer adopts that group now, not at `initialize`: ZeRO-3's
+        # zero.Init during loading reads the world size from it (else 1, and its batch check fails).
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
         if self.spec.zero_stage == 3:
             self._announce_zero3()
 
