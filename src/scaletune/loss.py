@@ -77,12 +77,20 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     chunk's product is never rounded to bf16 nor held as a bf16 and an fp32 temporary. Elsewhere
     (no such kernel on the CPU): the product in the compute dtype, upcast, added.
     """
+    global _ADDMM_OUT_DTYPE
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.device.type == "cuda":
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += (a @ b).to(acc.dtype)
+        return
+    if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE = False  # a torch or GPU without the kernel (aten::addmm.dtype_out)
+    acc += (a @ b).to(acc.dtype)
+
+
+_ADDMM_OUT_DTYPE = True
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -295,7 +295,9 @@ class Trainer:
     ) -> None:
         """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
         assert self.logger is not None
-        loss, grad_norm = float(result.loss), float(result.grad_norm)
+        # One device-to-host read for both (at log_every 1 this is the step's only sync).
+        both = torch.stack([result.loss.float(), result.grad_norm.float().to(result.loss.device)]).tolist()
+        loss, grad_norm = both[0], both[1]
         now = time.perf_counter()
         self.logger.log(
             {
