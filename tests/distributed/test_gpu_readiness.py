@@ -140,7 +140,8 @@ def test_zero3_no_rank_materialises_the_full_model_while_loading(wide_model, tmp
     on DeepSpeed's CPU accelerator zero.Init leaves memory no Python tensor holds (see there)."""
     out = tmp_path / "load.json"
     # A fixed mmap threshold returns freed tensors to the system at once, so RSS follows live tensors.
-    proc = torchrun("zero3-load", str(wide_model), str(out), extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    # 600 s: two ZeRO-3 loads and two plain ones at world size 2 took over 300 s on a shared 2-core machine.
+    proc = torchrun("zero3-load", str(wide_model), str(out), timeout=600, extra_env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     runs = json.loads(out.read_text())
     print(json.dumps(runs))
