@@ -1,19 +1,26 @@
-"""Throughput of scaletune against a plain Hugging Face Trainer script and a bare PyTorch loop.
+"""Throughput of scaletune against TRL's SFTTrainer, a plain Hugging Face Trainer script and a bare
+PyTorch loop.
 
-One command trains the same model, data, batch, sequence length and precision three ways, each in
+One command trains the same model, data, batch, sequence length and precision each way, each in
 its own process (so each one's peak memory is its own), and prints non-padding tokens per second,
-the ratio to HF Trainer, peak memory and MFU against a matmul timed on the same machine:
+the ratio to each peer, peak memory, MFU and the utilisation of the FLOPs each trainer really
+executes, against a matmul timed on the same machine:
 
-    python benchmarks/bench.py --preset cpu          # the issue's CPU target (tiny OLMo-2, fp32)
-    python benchmarks/bench.py --preset gpu-1b       # Llama-3.2-1B shapes, bf16, seq 2048 (GPU)
-    python benchmarks/bench.py --preset smoke        # seconds; what CI runs
+    python benchmarks/bench.py --preset cpu --model DIR   # a real model folder, fp32 (docs/benchmarks.md)
+    python benchmarks/bench.py --preset cpu               # tiny OLMo-2 with random weights
+    python benchmarks/bench.py --preset gpu-1b            # Llama-3.2-1B shapes, bf16, seq 2048 (GPU)
+    python benchmarks/bench.py --preset smoke             # seconds; what CI runs
 
-The three trainers:
+The trainers, all on the token sequences scaletune builds (prompt masked with -100), so only the
+trainer differs, not the tokenisation:
 
-- ``hf``: what most people would write: ``AutoModelForCausalLM`` + ``Trainer`` with
-  ``DataCollatorForSeq2Seq`` (pads each batch to its longest row), AdamW, the same schedule and
-  clipping. It trains on the same token sequences (prompt masked with -100) scaletune builds, so
-  only the trainer differs, not the tokenisation.
+- ``trl``: TRL's ``SFTTrainer`` with its best options: packing with best-fit decreasing into rows of
+  the sequence length, padding-free batches (position ids restart per example), completion-only
+  loss, TRL's fused LM head, and Liger's kernels on a GPU (``use_liger_kernel``). Given the
+  examples pre-tokenised (``input_ids`` + ``completion_mask``).
+- ``hf``: what most people would write: ``AutoModelForCausalLM`` + ``Trainer``, AdamW, the same
+  schedule and clipping; with packing (the default) on scaletune's own packed rows (same packing,
+  same attention separation by position ids), with ``--no-packing`` padded per batch.
 - ``bare``: the floor for framework overhead: scaletune's model + loss module
   (``scaletune.loss.CausalLMLoss``) on scaletune's batches (same sampler, same order) in a plain
   ``forward / backward / clip / AdamW.step`` loop, no strategy, scheduler, logging or checkpoint
@@ -29,6 +36,7 @@ tokens of exactly those steps.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -48,7 +56,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_ALPACA = REPO / "examples" / "data" / "alpaca_400.json"
 
-TRAINERS = ("hf", "bare", "scaletune")
+TRAINERS = ("trl", "hf", "bare", "scaletune")
 
 
 @dataclass
@@ -56,8 +64,8 @@ class Spec:
     """Everything the three trainers share. Serialised to JSON for the worker processes."""
 
     preset: str
-    model_preset: str  # scaletune.models preset the random-weight model is built from
-    model_dir: str = ""
+    model_preset: str  # scaletune.models preset the random-weight model is built from ("" with --model)
+    model_dir: str = ""  # the model folder every trainer loads (--model, or the preset built once)
     data: str = str(BUNDLED_ALPACA)
     dtype: str = "float32"  # float32 | bfloat16
     max_seq_length: int = 256
@@ -108,21 +116,34 @@ def model_flops_per_token(config: Any, trainable: int, total: int, mean_context:
     attention term 12·L·d·s (L layers, width d, context s) is the PaLM paper's MFU formula
     (Chowdhery et al. 2022, arXiv:2204.02311, appendix B). With frozen weights (LoRA) the backward
     still computes activation gradients (2·N) but no weight gradients: 4·N, plus 2·N_trainable for
-    the adapters' own weight gradients. N excludes the input embedding table: a lookup, not a matmul.
-    The output head counts at every token, as the formula does, although scaletune runs it only at
-    positions that have a target (that work is skipped, not credited twice: MFU is model FLOPs).
+    the adapters' own weight gradients.
+
+    N counts every matmul weight: the input embedding table is a lookup, not a matmul, and is left
+    out; the output head is a matmul at every token and is counted, also when it shares its weight
+    with the embeddings (tied, as Llama-3.2-1B and SmolLM2: `total` counts that tensor once, so it is
+    not subtracted then). Leaving a tied head out made Llama-3.2-1B's N 0.97B instead of 1.24B: MFU
+    understated by 27%.
 
     Args:
-        config: the model's transformers config (num_hidden_layers, hidden_size, vocab_size).
-        trainable: trainable parameters; total: all parameters.
+        config: the model's transformers config (num_hidden_layers, hidden_size, vocab_size,
+            tie_word_embeddings).
+        trainable: trainable parameters; total: all parameters (each tensor once).
         mean_context: mean attention span per token, sum(t_i^2) / sum(t_i) over the examples.
     """
     embed = config.vocab_size * config.hidden_size
-    n = total - embed
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    n = total if tied else total - embed  # a tied table is both the lookup and the head: keep it once
     attention = 12 * config.num_hidden_layers * config.hidden_size * mean_context
-    if trainable >= total - 1:  # full fine-tuning (a tied head counts once)
+    if trainable >= total - 1:  # full fine-tuning
         return 6 * n + attention
     return 4 * n + 2 * trainable + attention
+
+
+def executed_flops_per_token(config: Any, model_flops: float, target_fraction: float) -> float:
+    """The FLOPs a trainer executes per token when its head and loss run only at target positions
+    (scaletune and the bare loop): the model FLOPs less the head's 6·V·d at the tokens without a
+    target. Trainers that run the head at every token execute the model FLOPs."""
+    return model_flops - 6 * config.vocab_size * config.hidden_size * (1 - target_fraction)
 
 
 def measured_peak_flops(device: str, dtype: str, seconds: float = 3.0) -> dict:
@@ -255,35 +276,41 @@ def _load_model(spec: Spec):
 # The three trainers (each runs in its own process)
 
 
-def run_hf(spec: Spec) -> dict:
-    """A plain HF Trainer script on the same (unpacked) token sequences."""
-    from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+class StepClock:
+    """Per-step end times and logged losses for Trainer-based peers (a `TrainerCallback`)."""
 
-    tokenizer, train = _examples(spec, packing=False)
-    train = train.select_columns(["input_ids", "labels"])
-    model = _load_model(spec)
-    pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
-    tokens: list[int] = []
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
 
-    def collate(rows):
-        batch = pad(rows)
-        tokens.append(int(batch["attention_mask"].sum()))  # in step order (num_workers 0)
-        return batch
+        clock = self
+        self.ends: list[float] = []
+        self.losses: list[float] = []
 
-    ends: list[float] = []
-    losses: list[float] = []
+        class Callback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kw):
+                _sync()
+                clock.ends.append(time.perf_counter())
 
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            _sync()
-            ends.append(time.perf_counter())
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "loss" in logs:
+                    clock.losses.append(float(logs["loss"]))
 
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                losses.append(float(logs["loss"]))
+        self.callback = Callback()
 
-    args = TrainingArguments(
-        output_dir=str(Path(spec.work_dir) / "hf"),
+    def result(self, spec: Spec, tokens: list[int]) -> dict:
+        ends, w, n = self.ends, spec.warmup, spec.total_steps
+        return {
+            "tokens": sum(tokens[w:n]),
+            "seconds": ends[n - 1] - ends[w - 1],
+            "step_seconds": [b - a for a, b in zip(ends[w - 1 : n - 1], ends[w:n])],
+            "first_loss": self.losses[0] if self.losses else None,
+        }
+
+
+def _training_arguments(spec: Spec, cls: Any, name: str, **extra: Any) -> Any:
+    """The same optimisation for every Trainer-based peer (HF's default fused AdamW)."""
+    return cls(
+        output_dir=str(Path(spec.work_dir) / name),
         per_device_train_batch_size=spec.micro_batch_size,
         gradient_accumulation_steps=1,
         max_steps=spec.total_steps,
@@ -299,19 +326,80 @@ def run_hf(spec: Spec) -> dict:
         dataloader_num_workers=0,
         use_cpu=device_type() == "cpu",
         disable_tqdm=True,
+        **extra,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[Clock()])
+
+
+def run_hf(spec: Spec) -> dict:
+    """A plain HF Trainer script: on scaletune's packed rows (the same packing) or, with
+    `--no-packing`, on the unpacked examples padded per batch."""
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from scaletune.data import Collator, count_input_tokens
+
+    tokenizer, train = _examples(spec, packing=spec.packing)
+    if spec.packing:
+        # Packed rows carry position_ids restarting per example and no attention mask: transformers
+        # masks attention block-diagonally, as for scaletune (data/batching.py).
+        train = train.select_columns(["input_ids", "labels", "position_ids"])
+        pad = Collator(tokenizer.pad_token_id)
+    else:
+        train = train.select_columns(["input_ids", "labels"])
+        pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    model = _load_model(spec)
+    tokens: list[int] = []
+
+    def collate(rows):
+        batch = pad(rows)
+        tokens.append(count_input_tokens(batch) if spec.packing else int(batch["attention_mask"].sum()))
+        return batch
+
+    clock = StepClock()
+    args = _training_arguments(spec, TrainingArguments, "hf", remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock.callback])
     trainer.train()
-    seconds = ends[spec.total_steps - 1] - ends[spec.warmup - 1]
-    step_seconds = [
-        b - a for a, b in zip(ends[spec.warmup - 1 : spec.total_steps - 1], ends[spec.warmup : spec.total_steps])
-    ]
-    return {
-        "tokens": sum(tokens[spec.warmup : spec.total_steps]),
-        "seconds": seconds,
-        "step_seconds": step_seconds,
-        "first_loss": losses[0] if losses else None,
-    }
+    return clock.result(spec, tokens)
+
+
+def run_trl(spec: Spec) -> dict:
+    """TRL's SFTTrainer with its best options (see the module docstring) on the same examples."""
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer, train = _examples(spec, packing=False)
+    train = train.map(
+        lambda r: {"completion_mask": [int(x != -100) for x in r["labels"]]}, remove_columns=None
+    ).select_columns(["input_ids", "completion_mask"])
+    model = _load_model(spec)
+    cuda = device_type() == "cuda"
+    args = _training_arguments(
+        spec,
+        SFTConfig,
+        "trl",
+        max_length=spec.max_seq_length,
+        packing=spec.packing,
+        packing_strategy="bfd",
+        padding_free=spec.packing,
+        completion_only_loss=True,
+        use_liger_kernel=cuda and importlib.util.find_spec("liger_kernel") is not None,
+        gradient_checkpointing=spec.gradient_checkpointing,
+    )
+    clock = StepClock()
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[clock.callback]
+    )
+    tokens: list[int] = []
+    collate = trainer.data_collator
+
+    def counting(rows):
+        batch = collate(rows)
+        # Padding-free batches are one row of real tokens; padded ones carry an attention mask.
+        mask = batch.get("attention_mask")
+        tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        return batch
+
+    trainer.data_collator = counting
+    trainer.train()
+    return clock.result(spec, tokens)
 
 
 def full_logits_loss(model, mb: dict, device) -> torch.Tensor:
@@ -419,7 +507,7 @@ def run_scaletune(spec: Spec) -> dict:
     return {"tokens": tokens, "seconds": seconds, "step_seconds": step_seconds, "first_loss": rows[0]["loss"]}
 
 
-RUNNERS = {"hf": run_hf, "bare": run_bare, "scaletune": run_scaletune}
+RUNNERS = {"trl": run_trl, "hf": run_hf, "bare": run_bare, "scaletune": run_scaletune}
 
 
 def worker(name: str, spec_path: Path, result_path: Path) -> None:
@@ -458,11 +546,14 @@ def prepare_model(spec: Spec, cache: Path) -> Path:
     return out
 
 
-def mean_context(spec: Spec) -> float:
-    """sum(t^2) / sum(t) over the tokenised examples (unpacked): the mean attention span of a token."""
+def data_stats(spec: Spec) -> tuple[float, float]:
+    """Over the tokenised examples (unpacked): the mean attention span of a token, sum(t^2) / sum(t),
+    and the fraction of tokens whose next token is a target (where scaletune runs the head)."""
     _, train = _examples(spec, packing=False)
     lengths = [len(x) for x in train["input_ids"]]
-    return sum(t * t for t in lengths) / max(sum(lengths), 1)
+    targets = sum(sum(1 for y in labels[1:] if y != -100) for labels in train["labels"])
+    tokens = max(sum(lengths), 1)
+    return sum(t * t for t in lengths) / tokens, targets / tokens
 
 
 def config_and_size(model_dir: str) -> tuple[Any, int]:
@@ -513,10 +604,13 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     }
     results["peak"] = measured_peak_flops(device, spec.dtype)
     config, total = config_and_size(spec.model_dir)
-    ctx = mean_context(spec)
+    ctx, target_fraction = data_stats(spec)
     results["flops_per_token"] = model_flops_per_token(config, total, total, ctx)
+    results["executed_flops_per_token"] = executed_flops_per_token(config, results["flops_per_token"], target_fraction)
     results["mean_context"] = ctx
+    results["target_fraction"] = target_fraction
     results["parameters"] = total
+    results["tied_head"] = bool(getattr(config, "tie_word_embeddings", False))
     spec_path = Path(spec.work_dir) / "spec.json"
     spec_path.write_text(json.dumps(asdict(spec)))
     runs: dict[str, list[dict]] = {name: [] for name in trainers}
@@ -526,11 +620,23 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     for name, rs in runs.items():
         r = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]  # the median run
         r["mfu"] = r["tokens_per_s"] * results["flops_per_token"] / results["peak"]["flops_per_s"]
+        # Utilisation on the FLOPs this trainer executes: scaletune and the bare loop run the head
+        # only at target positions; the peers (and the bare loop's full-logits variant) everywhere.
+        targets_only = name in ("scaletune", "bare") and not (name == "bare" and spec.bare_loss == "full")
+        flops = results["executed_flops_per_token"] if targets_only else results["flops_per_token"]
+        r["executed_flops_per_token"] = flops
+        r["hfu"] = r["tokens_per_s"] * flops / results["peak"]["flops_per_s"]
         r["runs_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
         results["trainers"][name] = r
     t = results["trainers"]
     if "hf" in t and "scaletune" in t:
         results["speedup_vs_hf"] = t["scaletune"]["tokens_per_s"] / t["hf"]["tokens_per_s"]
+    if "trl" in t and "scaletune" in t:
+        results["speedup_vs_trl"] = t["scaletune"]["tokens_per_s"] / t["trl"]["tokens_per_s"]
+        # The most any trainer executing scaletune's FLOPs could reach against this TRL run: the
+        # measured matmul peak spent on nothing else. A target above it needs fewer FLOPs, not speed.
+        ceiling = results["peak"]["flops_per_s"] / t["scaletune"]["executed_flops_per_token"]
+        results["speedup_vs_trl_ceiling"] = ceiling / t["trl"]["tokens_per_s"]
     if "bare" in t and "scaletune" in t:
         results["overhead_vs_bare"] = 1 - t["scaletune"]["tokens_per_s"] / t["bare"]["tokens_per_s"]
         # Same batches in the same order, so step k has the same tokens in both: the median step
@@ -545,30 +651,39 @@ def report(results: dict) -> str:
     s = results["spec"]
     lines = [
         f"device: {results['device']}; {', '.join(f'{k} {v}' for k, v in results['versions'].items())}",
-        f"model: {s['model_preset']} ({results['parameters']:,} parameters), {s['dtype']}, micro batch {s['micro_batch_size']}, "
-        f"seq {s['max_seq_length']}, packing {s['packing']} (scaletune, bare), {s['steps']} steps timed after {s['warmup']}",
+        f"model: {s['model_preset'] or s['model_dir']} ({results['parameters']:,} parameters"
+        f"{', tied head' if results['tied_head'] else ''}), {s['dtype']}, micro batch {s['micro_batch_size']}, "
+        f"seq {s['max_seq_length']}, packing {s['packing']}, {s['steps']} steps timed after {s['warmup']}",
         f"measured peak: {results['peak']['flops_per_s'] / 1e9:,.1f} GFLOP/s ({results['peak']['dtype']} matmul "
-        f"{results['peak']['matmul_size']}^3); model FLOPs/token {results['flops_per_token'] / 1e6:,.1f} M",
+        f"{results['peak']['matmul_size']}^3); model FLOPs/token {results['flops_per_token'] / 1e6:,.1f} M, "
+        f"executed with the head at targets only {results['executed_flops_per_token'] / 1e6:,.1f} M "
+        f"({100 * results['target_fraction']:.1f}% of tokens have a target)",
         "",
-        f"{'trainer':<10} {'tokens/s':>10} {'vs HF':>7} {'step ms':>9} {'peak mem':>10} {'MFU':>7}",
+        f"{'trainer':<10} {'tokens/s':>10} {'vs TRL':>7} {'vs HF':>7} {'step ms':>9} {'peak mem':>10} {'MFU':>7} {'HFU':>7}",
     ]
-    hf = results["trainers"].get("hf")
-    for name, r in results["trainers"].items():
-        steps = s["steps"]
-        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.2f}x" if hf else "-"
+    t = results["trainers"]
+    for name, r in t.items():
+        ratios = [f"{r['tokens_per_s'] / t[p]['tokens_per_s']:.2f}x" if p in t else "-" for p in ("trl", "hf")]
         lines.append(
-            f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratio:>7} {1000 * r['seconds'] / steps:>9,.1f} "
-            f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}%"
+            f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratios[0]:>7} {ratios[1]:>7} {1000 * r['seconds'] / s['steps']:>9,.1f} "
+            f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}% {100 * r['hfu']:>6.2f}%"
             + (
                 f"   runs: {', '.join(f'{x:,.0f}' for x in r['runs_tokens_per_s'])}"
                 if len(r["runs_tokens_per_s"]) > 1
                 else ""
             )
         )
-    if "speedup_vs_hf" in results:
-        lines.append(f"\nscaletune / HF Trainer: {results['speedup_vs_hf']:.2f}x")
-    if "bare" in results["trainers"]:
-        b = results["trainers"]["bare"]
+    lines.append("HFU: utilisation of the measured matmul peak by the FLOPs each trainer executes")
+    for key, peer in (("speedup_vs_trl", "TRL SFTTrainer"), ("speedup_vs_hf", "HF Trainer")):
+        if key in results:
+            lines.append(f"scaletune / {peer}: {results[key]:.2f}x")
+    if "speedup_vs_trl_ceiling" in results:
+        lines.append(
+            f"ceiling of scaletune / TRL SFTTrainer at 100% of the measured peak on scaletune's executed "
+            f"FLOPs: {results['speedup_vs_trl_ceiling']:.2f}x"
+        )
+    if "bare" in t:
+        b = t["bare"]
         lines.append(f"bare loop waiting for batches: {100 * b['data_seconds'] / b['seconds']:.2f}% of its step time")
     if "overhead_vs_bare" in results:
         lines.append(
@@ -583,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of hf,bare,scaletune")
+    p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma-separated subset of {','.join(TRAINERS)}")
+    p.add_argument("--model", help="a Hugging Face model folder to train (default: the preset's random-weight model)")
     p.add_argument("--steps", type=int, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, help="untimed steps first")
     p.add_argument("--micro-batch-size", type=int)
@@ -629,7 +745,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="bench-") as work:
         spec.work_dir = work
-        spec.model_dir = str(prepare_model(spec, cache))
+        if a.model:
+            spec.model_dir, spec.model_preset = str(Path(a.model).resolve()), ""
+        else:
+            spec.model_dir = str(prepare_model(spec, cache))
         results = run_all(spec, trainers, a.repeat)
     print(report(results))
     if a.out:

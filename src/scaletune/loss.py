@@ -66,7 +66,31 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
 
 def _head_ce_sum(hidden: torch.Tensor, weight_holder: nn.Module, targets: torch.Tensor) -> torch.Tensor:
     logits = weight_holder(hidden).float()
-    return F.cross_entropy(logits, targets, reduction="sum")
+    # The head may compute elsewhere (a device_map hook moves its input to its execution device).
+    return F.cross_entropy(logits, targets.to(logits.device), reduction="sum")
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with `acc` float32 and `a`, `b` in the compute dtype.
+
+    CUDA: one cuBLAS call that accumulates into the fp32 buffer (`addmm` with `out_dtype`), so the
+    chunk's product is never rounded to bf16 nor held as a bf16 and an fp32 temporary. Elsewhere
+    (no such kernel on the CPU): the product in the compute dtype, upcast, added.
+    """
+    global _ADDMM_OUT_DTYPE
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE = False  # a torch or GPU without the kernel (aten::addmm.dtype_out)
+    acc += (a @ b).to(acc.dtype)
+
+
+_ADDMM_OUT_DTYPE = True
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -101,10 +125,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[start : start + chunk] = g @ w
                 if need_w:
-                    if g.dtype == torch.float32:
-                        grad_w.addmm_(g.t(), h)
-                    else:
-                        grad_w += (g.t() @ h).float()
+                    _accumulate_mm(grad_w, g.t(), h)
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return total
 
@@ -124,8 +145,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _fusable(head: nn.Module, partitioned: bool) -> bool:
     """A plain Linear head without bias whose weight is whole here. Not: a head whose weight the
     engine partitions outside its forward (DeepSpeed ZeRO-3), peft-wrapped or quantized heads
-    (subclasses or wrappers of Linear, whose forward is not `x @ weight.T`)."""
-    return type(head) is nn.Linear and head.bias is None and not partitioned
+    (subclasses or wrappers of Linear, whose forward is not `x @ weight.T`), a head offloaded by a
+    device_map (accelerate's hook brings its weight in from the CPU or disk only inside its forward;
+    outside it the weight is on the meta device)."""
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and not partitioned
+        and getattr(head, "_hf_hook", None) is None
+        and head.weight.device.type != "meta"
+    )
 
 
 def chunked_head_cross_entropy(
@@ -168,6 +197,9 @@ def chunked_head_cross_entropy(
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]  # out_features survives ZeRO-3 partitioning
         chunk = default_chunk(vocab, hidden.device)
     if _fusable(head, partitioned):
+        # A device_map may put the head on another GPU than the last layer (a tied head sits with the
+        # embeddings on the first): the rows go to the weight, differentiably.
+        hidden, targets = hidden.to(head.weight.device), targets.to(head.weight.device)
         device_type = hidden.device.type
         autocast = torch.is_autocast_enabled(device_type)
         dtype = torch.get_autocast_dtype(device_type) if autocast else head.weight.dtype
@@ -229,8 +261,15 @@ def liger_head_cross_entropy(
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     with torch.autocast(device_type, enabled=False):
-        out = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(
-            weight.to(dtype), hidden.to(dtype), targets, None if bias is None else bias.to(dtype)
+        # accum_dtype float32: the weight (and bias) gradient is accumulated over chunks in fp32, not
+        # in the compute dtype (liger-kernel >= 0.6.2; the floor in pyproject.toml is 0.7.0, the
+        # first release for transformers 5). Liger itself syncs once per call (the `.item()` of its
+        # target count, ops/fused_linear_cross_entropy.py); this is called once per micro-batch.
+        out = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", accum_dtype=torch.float32)(
+            weight.to(dtype),
+            hidden.to(weight.device, dtype),
+            targets.to(weight.device),
+            None if bias is None else bias.to(dtype),
         )
     loss = out if isinstance(out, torch.Tensor) else out[0]  # newer releases may return (loss, extras)
     return loss.float()
@@ -320,8 +359,10 @@ class CausalLMLoss(nn.Module):
                 logits = self.causal_lm(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
                 ).logits
-            flat = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, target_index).float()
-            return F.cross_entropy(flat, labels[:, 1:].reshape(-1).index_select(0, target_index), reduction="sum")
+            index = target_index.to(logits.device)
+            flat = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index).float()
+            targets = labels[:, 1:].reshape(-1).to(logits.device).index_select(0, index)
+            return F.cross_entropy(flat, targets, reduction="sum").to(input_ids.device)
         decoder, head = _decoder_and_head(self.causal_lm)
         # Only the decoder's activations are offloaded: the head's chunks are recomputed in
         # backward anyway, and their inputs are the few target rows gathered below.
@@ -330,8 +371,13 @@ class CausalLMLoss(nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             )
         hidden = out.last_hidden_state[:, :-1, :]
-        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, target_index)
-        targets = labels[:, 1:].reshape(-1).index_select(0, target_index)
+        # With a device_map over several GPUs the last hidden state is on the last one, the batch on
+        # the first: the indices follow the hidden state, and the loss returns to the batch's device.
+        index = target_index.to(hidden.device)
+        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, index)
+        targets = labels[:, 1:].reshape(-1).to(hidden.device).index_select(0, index)
         if self.liger:
-            return liger_head_cross_entropy(hidden, head, targets, partitioned=self.partitioned_head)
-        return chunked_head_cross_entropy(hidden, head, targets, self.chunk, partitioned=self.partitioned_head)
+            loss = liger_head_cross_entropy(hidden, head, targets, partitioned=self.partitioned_head)
+        else:
+            loss = chunked_head_cross_entropy(hidden, head, targets, self.chunk, partitioned=self.partitioned_head)
+        return loss.to(input_ids.device)

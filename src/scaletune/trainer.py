@@ -61,6 +61,7 @@ class StepResult:
     loss: torch.Tensor  # global mean token loss (0-dim, on device)
     grad_norm: torch.Tensor
     tokens: torch.Tensor  # non-padding tokens, global count
+    skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
 
 
 def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
@@ -89,7 +90,7 @@ def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]])
             strategy.backward(loss)
         loss_total += loss.detach()
     grad_norm = strategy.step()
-    return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[1])
+    return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[1], strategy.skipped_step)
 
 
 @torch.no_grad()
@@ -185,13 +186,10 @@ class Trainer:
         return read_progress(path)
 
     def load_model(self) -> torch.nn.Module:
-        from scaletune.models import prepare_model, resolve_device_map
+        from scaletune.models import prepare_model
 
-        placement = resolve_device_map(
-            self.cfg.model.device_map, self.env, engine_places_model=self.strategy.engine_places_model
-        )
         model_cfg = self.cfg.model.model_copy(update={"dtype": self.spec.precision.storage})
-        return prepare_model(model_cfg, placement, meta=self.strategy.load_meta())
+        return prepare_model(model_cfg, self.strategy.placement, meta=self.strategy.load_meta())
 
     def wrap(self, model: torch.nn.Module, progress: Progress | None) -> None:
         """Hand the model and its loss to the engine; resume model, optimizer and position."""
@@ -310,7 +308,9 @@ class Trainer:
     ) -> None:
         """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
         assert self.logger is not None
-        loss, grad_norm = float(result.loss), float(result.grad_norm)
+        # One device-to-host read for both (at log_every 1 this is the step's only sync).
+        both = torch.stack([result.loss.float(), result.grad_norm.float().to(result.loss.device)]).tolist()
+        loss, grad_norm = both[0], both[1]
         now = time.perf_counter()
         self.logger.log(
             {
@@ -324,10 +324,12 @@ class Trainer:
                 "tokens": int(result.tokens),
                 "tokens_per_s": window[1] / max(now - window[0], 1e-9),
                 "elapsed_s": round(now - self.state.start_time, 3),
+                **({"skipped": True} if result.skipped else {}),
             }
         )
         window[0], window[1] = now, 0.0
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        # An fp16 step the loss scaler skipped has an infinite gradient norm by design, not divergence.
+        if not (math.isfinite(loss) and (math.isfinite(grad_norm) or result.skipped)):
             good = latest_checkpoint(self.spec.run_dir)
             raise DivergenceError(
                 f"training diverged at step {self.state.step}: loss {loss}, grad_norm {grad_norm}; "

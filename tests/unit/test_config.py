@@ -208,18 +208,17 @@ def test_examples_are_valid():
 
 def test_quantization_with_sharded_strategies(tmp_path):
     lora = "model.lora={r: 8}"
-    probs = problems_of(tmp_path, BASE + "distributed: {strategy: fsdp}\n", [lora, "model.quantization={bits: 4}"])
-    assert any("storage_dtype: bfloat16" in p and "fsdp" in p for p in probs)
-    probs = problems_of(
-        tmp_path, BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n", [lora, "model.quantization={bits: 8}"]
-    )
+    zero3 = BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n"
+    probs = problems_of(tmp_path, zero3, [lora, "model.quantization={bits: 4}"])
+    assert any("storage_dtype: bfloat16" in p and "zero_stage 3" in p for p in probs)
+    probs = problems_of(tmp_path, zero3, [lora, "model.quantization={bits: 8}"])
     assert any("bits 8 cannot be sharded by deepspeed zero_stage 3" in p for p in probs)
-    ok = resolved(
-        tmp_path,
-        BASE + "distributed: {strategy: fsdp}\n",
-        [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"],
-    )
+    ok = resolved(tmp_path, zero3, [lora, "model.quantization={bits: 4, storage_dtype: bfloat16}"])
     assert ok.model.quantization.storage_dtype == "bfloat16"
+    # FSDP cannot shard a quantized model at all (issue 16), whatever the storage dtype.
+    for q in ("{bits: 4}", "{bits: 4, storage_dtype: bfloat16}"):
+        probs = problems_of(tmp_path, BASE + "distributed: {strategy: fsdp}\n", [lora, f"model.quantization={q}"])
+        assert any("cannot run under strategy fsdp" in p and "use strategy ddp" in p for p in probs), probs
     resolved(tmp_path, BASE + "distributed: {strategy: ddp}\n", [lora, "model.quantization={bits: 8}"])
 
 

@@ -259,6 +259,11 @@ class DistributedConfig(_Strict):
     """torch.distributed backend: auto is NCCL on GPUs, gloo on CPUs."""
     timeout_minutes: float = Field(30, gt=0)
     """Collective timeout (the NCCL watchdog's), in minutes."""
+    barrier_timeout_minutes: float = Field(360, gt=0)
+    """How long the other ranks wait, in minutes, while rank 0 works alone (tokenising the data,
+    converting a checkpoint, writing checkpoints and the exported model). They wait in a gloo barrier,
+    outside the collectives `timeout_minutes` watches; a rank that dies still ends the job at once
+    through the launcher."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables for every rank (e.g. NCCL_DEBUG: INFO). Secret values (names with
     TOKEN, SECRET, PASSWORD, KEY, ... or listed in `secret_env`) are never written to a file, a log

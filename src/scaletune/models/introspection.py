@@ -70,9 +70,14 @@ def decoder_layer_classes(model: Any) -> set[type]:
 
 
 def parameter_counts(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter counts; 4-bit packed weights count as their unpacked size."""
+    """(trainable, total) parameter counts; 4-bit packed weights count as their unpacked size, ZeRO-3
+    partitioned ones as their full size (`ds_numel`)."""
     if hasattr(model, "get_nb_trainable_parameters"):
-        return model.get_nb_trainable_parameters()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+        return model.get_nb_trainable_parameters()  # peft reads ds_numel itself
+
+    def numel(p: Any) -> int:
+        return int(getattr(p, "ds_numel", 0) or p.numel())
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
     return trainable, total

@@ -245,7 +245,12 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         kwargs["attn_implementation"] = cfg.attn_implementation
     device_map = placement.device_map
     own_map = False
-    if cfg.quantization is not None:
+    # DeepSpeed ZeRO-3 announced (strategies.deepspeed): from_pretrained builds the model partitioned
+    # under deepspeed.zero.Init, where ZeRO places each partition; a device_map or a .to() would undo it.
+    zero3 = _zero3_announced()
+    if zero3:
+        device_map = None
+    elif cfg.quantization is not None:
         kwargs["quantization_config"] = bnb_config(cfg.quantization)
         if device_map is None:
             # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
@@ -268,13 +273,22 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         if source == name and not Path(name).exists():
             raise _hub_failure("model.name_or_path", name, exc) from exc
         raise
-    if device_map is None:
+    if zero3:
+        pass
+    elif device_map is None:
         model.to(placement.device)
     elif own_map and cfg.quantization is None and hasattr(model, "hf_device_map"):
         # A one-device map we added only to load straight onto the GPU: drop the attribute, or
         # HF Trainer / accelerate would treat the model as dispatched by a user's device_map.
         del model.hf_device_map
     return model
+
+
+def _zero3_announced() -> bool:
+    """True while a DeepSpeed ZeRO-3 config is announced to transformers (`HfDeepSpeedConfig`)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def _meta_model(cfg: ModelConfig) -> torch.nn.Module:

@@ -341,7 +341,9 @@ def plan(
     out = [_strategy_plan(n, shape, spec, w) for n in ORDER]
     for s in out:
         s.fits = None if gpu_memory_bytes is None else s.total <= gpu_memory_bytes
-    chosen, reason = _choose(out, w, gpu_memory_bytes)
+    # A quantized base cannot be sharded by FSDP (resolve/rules.py), so it is never chosen for one.
+    quantized = spec.config.model.quantization is not None
+    chosen, reason = _choose([s for s in out if not (quantized and s.name.startswith("fsdp"))], w, gpu_memory_bytes)
     return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape)
 
 
@@ -349,8 +351,7 @@ def _choose(out: list[StrategyPlan], w: int, mem: int | None) -> tuple[str, str]
     ddp = out[0]
     if mem is None:
         return "ddp", "no device memory given, so the plan keeps data parallelism (ddp), the fastest"
-    ds = deepspeed_available()
-    candidates = [s for s in out if (ds or not s.name.startswith("zero"))]
+    candidates = [s for s in out if (deepspeed_available() or not s.name.startswith("zero"))]
     if w == 1:
         candidates = [s for s in candidates if s.name == "ddp" or s.name.endswith("-offload")]
     fitting = [s for s in candidates if s.fits]

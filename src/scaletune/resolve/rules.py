@@ -94,7 +94,21 @@ def _model_rules(s: RunSpec) -> list[Problem]:
                 "add model.lora or drop model.quantization",
             )
         )
-    if q is not None and s.shards_params:
+    if q is not None and s.strategy == "fsdp":
+        # Rank 0 would load bitsandbytes' 4-bit weights while the other ranks build unquantized meta
+        # weights, and moving the model to meta (before sharding) drops the quantization state.
+        out.append(
+            Problem(
+                "quantization strategy",
+                "model.quantization",
+                f"model.quantization cannot run under strategy fsdp{' (chosen by distributed.strategy auto)' if s.requested == 'auto' else ''}: "
+                "scaletune's FSDP loads the weights on rank 0 and builds the others on the meta device, which "
+                "loses bitsandbytes' quantization state",
+                f"use strategy ddp (every rank holds the 4-bit model), or strategy deepspeed with zero_stage 3 and "
+                f"model.quantization.storage_dtype: {m.dtype}",
+            )
+        )
+    elif q is not None and s.shards_params:
         if q.bits == 8:
             out.append(
                 Problem(

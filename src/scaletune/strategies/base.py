@@ -14,8 +14,6 @@ and never branches on which engine runs. Strategies never parse YAML: they read 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,71 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.env import DistributedEnv, get_logger
+from scaletune.env import get_logger
 from scaletune.optim import build_optimizer
 from scaletune.strategies import memory
+from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
+
+__all__ = ["DTYPES", "Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def init_process_group(
-    env: DistributedEnv, backend: str = "auto", timeout_minutes: float = 30, *, even_alone: bool = False
-) -> bool:
-    """Start the default process group for a launched multi-rank job: NCCL on CUDA, gloo on CPU.
-
-    `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
-    group at world size 1), on a free loopback port.
-
-    Returns True if this call created it (and so must destroy it).
-
-    Raises:
-        RuntimeError: the launcher did not set MASTER_ADDR/MASTER_PORT; NCCL without a GPU.
-    """
-    if dist.is_initialized() or not (env.is_distributed or even_alone):
-        return False
-    if not env.is_distributed and not env.launched:
-        # What a launcher would have set; DeepSpeed reads LOCAL_RANK itself.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        for var in ("RANK", "LOCAL_RANK"):
-            os.environ.setdefault(var, "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    if backend == "auto":
-        backend = "nccl" if env.cuda_available else "gloo"
-    if backend == "nccl" and not env.cuda_available:
-        raise RuntimeError("distributed.backend nccl needs CUDA GPUs; use gloo (or auto) on CPU")
-    for var in ("MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise RuntimeError(f"{var} is not set: start multi-rank runs with torchrun, deepspeed or scaletune launch")
-    if env.cuda_available:
-        torch.cuda.set_device(env.device)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = env.device  # binds the communicator to this rank's GPU up front
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across restarts: without a per-attempt prefix, restarted ranks
-        # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
-        # Connection refused" (pytorch#167288).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-        )
-        kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
-    return True
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def check_devices(module: nn.Module, expected: torch.device | str, *, strategy: str, limit: int = 5) -> None:
@@ -144,23 +88,46 @@ class Strategy(ABC):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._owns_group = False
+        self._wait_group: WaitGroup | None = None
         self._grad_bytes: int | None = None
+        #: fp16 outside DeepSpeed: dynamic loss scaling (`torch.amp.GradScaler`), built in `wrap`.
+        self.scaler: Any = None
+        #: True when the last `step` skipped the optimizer update (fp16 gradients overflowed).
+        self.skipped_step = False
         self.log = get_logger()
 
     # -- process group ---------------------------------------------------------------------
+    #: True if the engine runs collectives on CPU tensors under NCCL (FSDP2 CPU offload).
+    cpu_collectives: ClassVar[bool] = False
+
     def setup(self) -> None:
         d = self.spec.config.distributed
         self._owns_group = init_process_group(
-            self.env, d.backend, d.timeout_minutes, even_alone=self.needs_process_group
+            self.env,
+            d.backend,
+            d.timeout_minutes,
+            even_alone=self.needs_process_group,
+            cpu_collectives=self.cpu_collectives,
         )
+        self._wait_group = WaitGroup.create(d.barrier_timeout_minutes)
+        if self.env.cuda_available and self.compute_dtype != torch.float32:
+            # Mixed precision: the few fp32 matmuls left (an fp32 head under autocast's exclusions,
+            # the optimizer's) may use TF32 tensor cores. A float32 run keeps IEEE fp32 matmuls.
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
 
     def teardown(self) -> None:
+        self._wait_group = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
 
     def barrier(self) -> None:
-        if dist.is_initialized():
+        """Wait for every rank, typically while rank 0 works alone (tokenisation, checkpoint
+        conversion, writing files). On the gloo wait group with `distributed.barrier_timeout_minutes`,
+        never inside a collective of the training group (process_group.py says why)."""
+        if self._wait_group is not None:
+            self._wait_group.barrier()
+        elif dist.is_initialized():
             dist.barrier()
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -180,6 +147,16 @@ class Strategy(ABC):
         """Where batches go."""
         return self.env.device
 
+    @property
+    def placement(self) -> Any:
+        """Where the model loads (`models.DevicePlacement`): THE interpretation of `model.device_map`
+        for this engine."""
+        from scaletune.models.placement import resolve_device_map
+
+        return resolve_device_map(
+            self.spec.config.model.device_map, self.env, engine_places_model=self.engine_places_model
+        )
+
     # -- model -----------------------------------------------------------------------------
     def load_meta(self) -> bool:
         """True if this rank should build the model on the meta device (`wrap` materialises it)."""
@@ -193,7 +170,7 @@ class Strategy(ABC):
     def wrap(self, module: nn.Module) -> None:
         """Wrap `module` (a `loss.CausalLMLoss`: forward returns the summed token loss) for the
         engine, set `self.module`, `self.model` and build the optimizer (then call
-        :meth:`_track_gradients`). The loop sets `scheduler` (per stage)."""
+        :meth:`_finish_wrap`). The loop sets `scheduler` (per stage)."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(model, self.training)
@@ -223,19 +200,41 @@ class Strategy(ABC):
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss`: this micro-batch's summed token loss divided by the global batch's target tokens."""
-        (loss * self.grad_divisor).backward()
+        loss = loss * self.grad_divisor
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def make_scaler(self) -> Any:
+        """`torch.amp.GradScaler` on this device where the run computes in float16 (DeepSpeed scales
+        its own loss); None otherwise. fp16's 5 exponent bits flush small gradients to zero, so the loss
+        is multiplied by a dynamic scale before backward and the gradients divided by it before
+        clipping; a step whose gradients overflow is skipped and the scale halved
+        (Micikevicius et al. 2018, arXiv:1710.03740)."""
+        if self.compute_dtype != torch.float16:
+            return None
+        return torch.amp.GradScaler(self.env.device_type)
 
     def step(self) -> torch.Tensor:
-        """Clip (if `max_grad_norm`), step optimizer and scheduler, zero grads.
+        """Clip (if `max_grad_norm`), step optimizer and scheduler, zero grads. With a loss scaler the
+        gradients are unscaled first, and an overflowing step skips the update (`skipped_step`).
 
         Returns:
-            The total gradient norm before clipping, a 0-dim tensor (no host sync here).
+            The total gradient norm before clipping, a 0-dim tensor (no host sync here without a
+            scaler; the scaler's own skip decision syncs once).
         """
         assert self.optimizer is not None and self.model is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.training.max_grad_norm
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-        self.optimizer.step()
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # update() backs the scale off exactly when step() found inf/NaN gradients and skipped.
+            self.skipped_step = self.scaler.get_scale() < scale
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -262,6 +261,21 @@ class Strategy(ABC):
             out += [p.grad for g in self.optimizer.param_groups for p in g["params"]]
         return out
 
+    def _finish_wrap(self) -> None:
+        """What every engine does at the end of `wrap`: the loss scaler, the gradient-bytes probe, and
+        the device's peak-memory counter reset, so `peak_device` measures training, not loading
+        (rank 0 of FSDP holds the whole model before sharding it)."""
+        self.scaler = self.make_scaler()
+        self._track_gradients()
+        for device in self.memory_devices():
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def memory_devices(self) -> list[torch.device]:
+        """The CUDA devices this rank computes on (several where a device_map splits the model)."""
+        if not self.env.cuda_available or not torch.cuda.is_available():
+            return []
+        return [self.device] if self.device.type == "cuda" else []
+
     def _track_gradients(self) -> None:
         """Record the gradient bytes held when the optimizer first steps (engines free them right after)."""
 
@@ -275,7 +289,8 @@ class Strategy(ABC):
     def memory_breakdown(self) -> dict:
         """Bytes this rank holds, from its tensors (`memory.json`): `params` (this rank's shards),
         `grads` (at the first optimizer step), `optimizer` (state and the optimizer's own parameters
-        that are not the module's, e.g. fp32 masters), `peak_device` (CUDA's peak, else None)."""
+        that are not the module's, e.g. fp32 masters), `peak_device` (CUDA's peak allocated bytes
+        since the end of `wrap`, summed over :meth:`memory_devices`; None on the CPU)."""
         seen: dict = {}
         p_bytes = memory.count_bytes(self._param_tensors(), seen)
         o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
@@ -287,7 +302,7 @@ class Strategy(ABC):
             "params": int(p_bytes),
             "grads": int(grads),
             "optimizer": int(o_bytes),
-            "peak_device": memory.peak_device_bytes(self.env.cuda_available),
+            "peak_device": memory.peak_device_bytes(self.memory_devices()),
         }
 
     # -- checkpoint state ------------------------------------------------------------------

@@ -34,7 +34,7 @@ class DDPStrategy(Strategy):
             gradient_as_bucket_view=True,
         )
         self.optimizer = self.build_optimizer(module)
-        self._track_gradients()
+        self._finish_wrap()
 
     def micro_step(self, is_last: bool) -> contextlib.AbstractContextManager:
         # Gradients of accumulation micro-steps stay local; only the last one all-reduces.

@@ -52,6 +52,8 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(spec)
         self.ds_config = engine_config(spec)
         self.engine: Any = None
+        self._hf_ds_config: Any = None
+        self._skipped_steps = 0
 
     @property
     def partitions_head(self) -> bool:  # type: ignore[override]
@@ -61,6 +63,40 @@ class DeepSpeedStrategy(Strategy):
         if not self.env.cuda_available:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         super().setup()  # DeepSpeed uses this group (one of one at world size 1)
+        import deepspeed
+        import torch.distributed as dist
+
+        # DeepSpeed's communication layer adopts that group now, not at `initialize`: ZeRO-3's
+        # zero.Init during loading reads the world size from it (else 1, and its batch check fails).
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
+        if self.spec.zero_stage == 3:
+            self._announce_zero3()
+
+    def _announce_zero3(self) -> None:
+        """Make `from_pretrained` build the model partitioned, so no rank ever holds all of it.
+
+        transformers builds the model under `deepspeed.zero.Init` (each parameter partitioned over the
+        ranks as it is created, on the device ZeRO will keep it) and loads the checkpoint one module
+        at a time, gathered, copied on rank 0, re-partitioned, while an `HfDeepSpeedConfig` with ZeRO-3
+        is alive: transformers holds only a weak reference to it, so this strategy keeps it until
+        `teardown`. Without it every rank would load a full fp32 copy on the host and DeepSpeed would
+        move the whole module to the GPU before partitioning it: exactly the models ZeRO-3 is chosen
+        for (larger than one GPU) would not load. Quantized models are loaded whole, as transformers
+        does for them (bitsandbytes quantizes on the device)."""
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+
+    def teardown(self) -> None:
+        if self._hf_ds_config is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_ds_config = None
+        super().teardown()
+
+    def make_scaler(self) -> Any:
+        return None  # DeepSpeed's fp16 mode scales the loss itself (dynamic, `fp16.loss_scale: 0`)
 
     def wrap(self, model: nn.Module) -> None:
         import deepspeed
@@ -72,7 +108,7 @@ class DeepSpeedStrategy(Strategy):
         # The scheduler drives the client optimizer: ZeRO's wrapper shares its param_groups (and
         # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
         self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
-        self._track_gradients()
+        self._finish_wrap()
         self.log.info(
             f"deepspeed: ZeRO-{self.spec.zero_stage}"
             f"{', optimizer offload' if self.spec.offload_optimizer else ''}"
@@ -112,6 +148,10 @@ class DeepSpeedStrategy(Strategy):
         self.engine.step()
 
     def step(self) -> torch.Tensor:
+        # fp16: DeepSpeed's loss scaler skips an overflowing step itself and counts it.
+        skipped = int(getattr(self.engine, "skipped_steps", 0))
+        self.skipped_step = skipped > self._skipped_steps
+        self._skipped_steps = skipped
         if self.scheduler is not None:
             self.scheduler.step()
         norm = self.engine.get_global_grad_norm()

@@ -21,10 +21,17 @@ from torch import nn
 from scaletune.strategies.base import Strategy
 
 
-def shard_model(model: nn.Module, layer_classes: tuple[type, ...], **fully_shard_kwargs: Any) -> list[nn.Module]:
+def shard_model(
+    model: nn.Module, layer_classes: tuple[type, ...], *, reshard_after_forward: bool = True, **fully_shard_kwargs: Any
+) -> list[nn.Module]:
     """THE FSDP2 sharding: `fully_shard` every instance of `layer_classes` (the decoder layers), then
-    the root, with the same keyword arguments (mesh, reshard_after_forward, mp_policy,
-    offload_policy). Used by the strategy and by the planner's fake-world simulation.
+    the root, with the same keyword arguments (mesh, mp_policy, offload_policy). Used by the strategy
+    and by the planner's fake-world simulation.
+
+    `reshard_after_forward` goes to the layers as given. The root gets None when it is True: FSDP2
+    then reshards every module but the root, whose parameters (embeddings, final norm, head) backward
+    needs first, so they stay gathered from forward to backward (the root exemption, decided at
+    FSDP2's lazy init). Passing True to the root would re-gather them at every step for nothing.
 
     Returns:
         The sharded layers.
@@ -38,8 +45,8 @@ def shard_model(model: nn.Module, layer_classes: tuple[type, ...], **fully_shard
         raise RuntimeError("fsdp: found no decoder layer class to shard (model._no_split_modules is empty)")
     layers = [m for m in model.modules() if isinstance(m, layer_classes)]
     for layer in layers:
-        fully_shard(layer, **fully_shard_kwargs)
-    fully_shard(model, **fully_shard_kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **fully_shard_kwargs)
+    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **fully_shard_kwargs)
     return layers
 
 
@@ -49,8 +56,21 @@ class FSDPStrategy(Strategy):
     engine_places_model = True
     needs_process_group = True
 
+    @property
+    def cpu_collectives(self) -> bool:  # type: ignore[override]
+        # With CPU offload the state-dict broadcast and the gradient-norm reduction run on CPU DTensors.
+        return self.spec.offload_params
+
     def load_meta(self) -> bool:
         return not self.env.is_main
+
+    def make_scaler(self) -> Any:
+        """fp16: FSDP's `ShardedGradScaler`, which all-reduces the overflow flag over the ranks' shards."""
+        if self.compute_dtype != torch.float16:
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(self.env.device_type)
 
     def wrap(self, model: nn.Module) -> None:  # model: the CausalLMLoss; it becomes the FSDP root
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -82,6 +102,12 @@ class FSDPStrategy(Strategy):
         )
 
         model.to_empty(device="cpu" if offload else self.device)
+        if offload:
+            # FSDP2 offloads parameters only; buffers (rotary inv_freq) are used by the forward next to
+            # the activations, so they live on the GPU (and their broadcast below is an NCCL one).
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    module._buffers[name] = buf.to(self.device)
         set_model_state_dict(
             model,
             full_state,
@@ -96,7 +122,7 @@ class FSDPStrategy(Strategy):
                     buf.copy_(src)
         self.module = self.model = model
         self.optimizer = self.build_optimizer(model)
-        self._track_gradients()
+        self._finish_wrap()
 
     @property
     def grad_divisor(self) -> float:

@@ -44,6 +44,10 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     return state + [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def peak_device_bytes(cuda: bool) -> int | None:
-    """`torch.cuda.max_memory_allocated()` where this rank computes on a GPU, else None."""
-    return int(torch.cuda.max_memory_allocated()) if cuda and torch.cuda.is_available() else None
+def peak_device_bytes(devices: list[torch.device]) -> int | None:
+    """The sum of `torch.cuda.max_memory_allocated(device)` over the CUDA `devices` this rank
+    computes on (named, not the current device: a `cuda:1` device_map computes off the current one);
+    None without any (CPU)."""
+    if not devices:
+        return None
+    return int(sum(torch.cuda.max_memory_allocated(d) for d in devices))

@@ -1,0 +1,272 @@
+"""The CUDA paths' decisions, proven on the CPU where the CPU can show them (issue 16): the backend
+for FSDP offload under NCCL, FSDP + QLoRA refused, the autocast decision, fp16 loss scaling with
+skipped steps, the device a `cuda:N` device_map trains on, FSDP2's root exemption, and the loss with
+an offloaded head. The GPU-only halves are in tests/gpu/."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from scaletune.config import load_config
+from scaletune.env import DistributedEnv
+from scaletune.loss import CausalLMLoss, target_index
+from scaletune.resolve import precision_for, resolve
+from scaletune.strategies import make_strategy
+from scaletune.strategies.process_group import MIXED_BACKEND, select_backend
+from tests.conftest import ALPACA_5000
+from tests.helpers import run_cli
+
+CPU = DistributedEnv("none")
+GPU = DistributedEnv("none", cuda_available=True, cuda_device_count=2, bf16_supported=True)
+
+
+def config(name: str = "runs/models/x", out: str = "runs/x", **sections):
+    data = {
+        "output_dir": out,
+        "model": {"name_or_path": name, "dtype": "bfloat16", "gradient_checkpointing": False},
+        "data": {"train": {"path": str(ALPACA_5000), "max_samples": 16}, "max_seq_length": 64},
+        "training": {"global_batch_size": 16, "micro_batch_size": 2, "max_steps": 2, "save_every": 0},
+        "distributed": {"strategy": "single", "num_processes": 1},
+        "logging": {"tensorboard": False},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    return load_config(None, data=data)
+
+
+# -- 1: the backend -----------------------------------------------------------------------------
+
+
+def test_backend_is_mixed_where_nccl_meets_cpu_tensors():
+    assert select_backend("auto", cuda_available=True) == "nccl"
+    assert select_backend("auto", cuda_available=True, cpu_collectives=True) == MIXED_BACKEND == "cpu:gloo,cuda:nccl"
+    assert select_backend("nccl", cuda_available=True, cpu_collectives=True) == MIXED_BACKEND
+    assert select_backend("auto", cuda_available=False, cpu_collectives=True) == "gloo"
+    assert select_backend("gloo", cuda_available=True, cpu_collectives=True) == "gloo"
+    with pytest.raises(RuntimeError, match="nccl needs CUDA"):
+        select_backend("nccl", cuda_available=False)
+
+
+def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading():
+    from scaletune.strategies.fsdp import FSDPStrategy
+
+    env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
+    for offload in (False, True):
+        spec = resolve(config(distributed={"strategy": "fsdp", "offload_params": offload}), env)
+        strategy = make_strategy(spec)
+        assert isinstance(strategy, FSDPStrategy) and strategy.cpu_collectives is offload
+    ddp = make_strategy(resolve(config(distributed={"strategy": "ddp"}), env))
+    assert ddp.cpu_collectives is False
+
+
+# -- 2: FSDP + QLoRA ----------------------------------------------------------------------------
+
+
+def test_fsdp_with_quantization_is_refused_with_the_alternative(tmp_path, tiny_model_dir):
+    import yaml
+
+    out = tmp_path / "run"
+    cfg = config(
+        str(tiny_model_dir),
+        str(out),
+        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+        distributed={"strategy": "fsdp", "num_processes": 2},
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = run_cli(["train", str(path)], timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "model.quantization cannot run under strategy fsdp" in proc.stderr
+    assert "use strategy ddp" in proc.stderr and "zero_stage 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+    # The same model under ZeRO-3 with a matching storage dtype is not refused by that rule.
+    zero3 = config(
+        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+        distributed={"strategy": "deepspeed", "zero_stage": 3},
+    )
+    resolve(zero3, DistributedEnv("torchrun", world_size=2, cuda_available=True, cuda_device_count=2))
+
+
+def test_the_planner_never_picks_fsdp_for_a_quantized_model(tmp_path):
+    from scaletune.plan import GiB, plan
+
+    env = DistributedEnv(
+        "torchrun", world_size=8, cuda_available=True, cuda_device_count=8, device_memory_bytes=24 * GiB
+    )
+    cfg = config(
+        "llama-3-70b",
+        model={
+            "lora": {"r": 16},
+            "quantization": {"bits": 4, "storage_dtype": "bfloat16"},
+            "gradient_checkpointing": True,
+        },
+        distributed={"strategy": "ddp"},
+        data={"max_seq_length": 2048},
+    )
+    p = plan(resolve(cfg, env), gpu_memory_bytes=24 * GiB)
+    # fsdp fits and comes before zero3 in the planner's order: only the exclusion keeps it out.
+    assert p.get("fsdp").fits and not p.get("zero2").fits
+    assert p.chosen.startswith("zero3"), p.reason
+
+
+# -- 3: the autocast decision -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, strategy, want",
+    [
+        ({}, "single", True),  # full fine-tuning: fp32 masters, bf16 compute
+        ({"lora": {"r": 8}}, "single", True),  # LoRA: peft's adapters are fp32 over a bf16 base
+        ({"lora": {"r": 8}, "quantization": {"bits": 4}}, "ddp", True),  # QLoRA: k-bit prep upcasts norms
+        ({"lora": {"r": 8}, "dtype": "float32"}, "single", False),  # nothing is wider than fp32
+        ({"dtype": "float32"}, "ddp", False),
+        ({"lora": {"r": 8}}, "fsdp", False),  # FSDP2's MixedPrecisionPolicy casts every parameter
+        ({"lora": {"r": 8}, "quantization": {"bits": 4}}, "deepspeed", False),  # DeepSpeed's bf16 mode
+    ],
+)
+def test_autocast_whenever_a_parameter_is_wider_than_compute(model, strategy, want):
+    p = precision_for(config(model=model), GPU, strategy)
+    assert p.autocast is want, p
+
+
+def test_qlora_storage_is_the_compute_dtype_and_still_autocasts():
+    p = precision_for(config(model={"lora": {"r": 8}, "quantization": {"bits": 4}}), GPU, "single")
+    assert (p.compute, p.storage, p.autocast) == ("bfloat16", "bfloat16", True)
+
+
+# -- 4: fp16 loss scaling -----------------------------------------------------------------------
+
+
+def fp16_run(tiny_model_dir, tmp_path, scaler: bool, init_scale: float = 2.0**8):
+    """One real optimizer step of the tiny model in fp16 on the CPU (GradScaler or none)."""
+    from scaletune.data import Collator
+    from scaletune.models import load_tokenizer, prepare_model
+    from scaletune.strategies.base import torn_down
+    from scaletune.trainer import seed_everything, train_step
+
+    cfg = config(str(tiny_model_dir), str(tmp_path / "run"), model={"dtype": "float16"})
+    spec = resolve(cfg, CPU)
+    strategy = make_strategy(spec)
+    tok = load_tokenizer(cfg.model)
+    rows = [{"input_ids": list(range(5, 40)), "labels": [-100] * 10 + list(range(15, 40))} for _ in range(2)]
+    batch = Collator(tok.pad_token_id)(rows)
+    with torn_down(strategy):
+        seed_everything(0)
+        model = prepare_model(cfg.model.model_copy(update={"dtype": "float32"}), strategy.placement)
+        strategy.wrap(CausalLMLoss(model))
+        assert isinstance(strategy.scaler, torch.amp.GradScaler)  # float16 outside DeepSpeed
+        strategy.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result = train_step(strategy, [batch])
+        after = dict(model.named_parameters())
+        moved = max(float((after[n] - before[n]).abs().max()) for n in before)
+        return result, moved, strategy
+
+
+def test_fp16_loss_scaling_unscales_before_clipping(tiny_model_dir, tmp_path):
+    """With a scaler the reported norm and the update equal the unscaled ones: the gradients are
+    divided by the scale before clipping (a scaler without unscale_ would report 256x the norm)."""
+    scaled, moved_scaled, _ = fp16_run(tiny_model_dir, tmp_path, scaler=True)
+    plain, moved_plain, _ = fp16_run(tiny_model_dir, tmp_path, scaler=False)
+    assert not scaled.skipped and moved_scaled > 0
+    assert math.isclose(float(scaled.grad_norm), float(plain.grad_norm), rel_tol=2e-2)
+    assert math.isclose(moved_scaled, moved_plain, rel_tol=5e-2)
+
+
+def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_dir, tmp_path):
+    from scaletune.metrics import RunLogger
+    from scaletune.trainer import DivergenceError, StepResult, Trainer
+
+    result, moved, strategy = fp16_run(tiny_model_dir, tmp_path, scaler=True, init_scale=2.0**80)
+    assert result.skipped and moved == 0.0  # no weight changed
+    assert not math.isfinite(float(result.grad_norm)) and math.isfinite(float(result.loss))
+    assert strategy.scaler.get_scale() == 2.0**79  # backed off
+
+    trainer = Trainer(strategy.spec)
+    (tmp_path / "log").mkdir()
+    trainer.logger = RunLogger(tmp_path / "log", CPU, tensorboard=False)
+    plan = SimpleNamespace(stage=SimpleNamespace(name="main"), steps_per_epoch=4)
+    trainer.log_step(plan, 1, 0, 0, 1e-3, result, [0.0, 0.0])  # skipped: logged, not raised
+    with pytest.raises(DivergenceError):
+        trainer.log_step(plan, 2, 0, 1, 1e-3, StepResult(result.loss, result.grad_norm, result.tokens), [0.0, 0.0])
+    trainer.logger.close()
+    assert '"skipped": true' in (tmp_path / "log" / "metrics.jsonl").read_text()
+
+
+def test_no_scaler_for_bf16_or_deepspeed_fp16():
+    env = DistributedEnv("torchrun", world_size=1, cuda_available=False)
+    assert make_strategy(resolve(config(), CPU)).make_scaler() is None  # bf16 needs none
+    ds = make_strategy(resolve(config(model={"dtype": "float16"}, distributed={"strategy": "deepspeed"}), env))
+    assert ds.make_scaler() is None  # DeepSpeed's fp16 mode scales its own loss
+
+
+# -- 6: the device a device_map trains on ------------------------------------------------------
+
+
+def test_device_map_cuda_n_is_where_batches_and_the_check_go():
+    spec = resolve(config(model={"device_map": "cuda:1"}), GPU)
+    strategy = make_strategy(spec)
+    assert strategy.placement.device_map == {"": "cuda:1"}
+    assert strategy.device == torch.device("cuda:1") != spec.env.device  # the process default is cuda:0
+    default = make_strategy(resolve(config(), GPU))
+    assert default.device == torch.device("cuda:0")
+    assert make_strategy(resolve(config(), CPU)).device == torch.device("cpu")
+
+
+# -- 13: FSDP2's root exemption ------------------------------------------------------------------
+
+
+def test_fsdp_root_stays_gathered_after_forward_and_layers_reshard(tiny_model_dir):
+    """After a forward, FSDP2 registers sharded parameters (DTensor) on modules it resharded and
+    unsharded ones on modules it kept gathered. The one sharding function leaves the root's
+    embeddings and head gathered for backward (root exemption) and reshards each decoder layer."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from scaletune.models import decoder_layer_classes
+    from scaletune.strategies.fsdp import shard_model
+    from scaletune.strategies.process_group import free_port
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        shard_model(model, tuple(decoder_layer_classes(model)), reshard_after_forward=True)
+        model(input_ids=torch.arange(8)[None]).logits.sum()
+        assert not isinstance(model.model.embed_tokens.weight, DTensor)  # root: kept for backward
+        assert isinstance(model.model.layers[0].self_attn.q_proj.weight, DTensor)  # layer: resharded
+    finally:
+        dist.destroy_process_group()
+
+
+# -- 5: the loss with a head offloaded by a device_map -----------------------------------------
+
+
+def test_loss_with_an_offloaded_head_equals_the_loss_in_place(tiny_llama_dir):
+    """accelerate's offload (what device_map with cpu/disk entries does) leaves lm_head.weight on the
+    meta device outside the head's forward: the loss must call the head, not read its weight."""
+    from accelerate import cpu_offload
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    with torch.no_grad():
+        want = CausalLMLoss(model)(ids, labels, target_index(labels))
+        offloaded = copy.deepcopy(model)
+        cpu_offload(offloaded, execution_device="cpu")
+        assert offloaded.lm_head.weight.device.type == "meta"
+        calls = []
+        offloaded.lm_head.register_forward_hook(lambda *args: calls.append(1))
+        got = CausalLMLoss(offloaded)(ids, labels, target_index(labels))
+    # The CPU lets a matmul read a meta weight's storage; a GPU does not. So the proof here is that
+    # the head's forward ran (its hook loads the weight onto the execution device), and the value.
+    assert calls, "the loss read lm_head.weight directly instead of calling the offloaded head"
+    assert torch.allclose(got, want, rtol=1e-5), (float(got), float(want))
