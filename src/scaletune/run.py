@@ -25,6 +25,8 @@ def _model_positions(cfg: Config, problems: list[str]) -> int | None:
     from scaletune.models import load_config as load_model_config
     from scaletune.models import max_positions
 
+    if cfg.model.factory is not None:
+        return None  # a factory's module has no config.json; its preflight is factorycheck's
     try:
         return max_positions(load_model_config(cfg.model))
     except UserError as exc:
@@ -37,11 +39,14 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
 
     Raises:
         UserError: (exit 2) every problem of the config, model, checkpoint, environment, data and
-            run directory, each once.
+            run directory, each once; for `model.factory` / `data.factory` runs and stage patterns
+            also those of :func:`scaletune.factorycheck.factory_problems` (imports, types, the
+            forward's output, patterns that match nothing).
     """
     from scaletune.checkpoint import resolve_resume
     from scaletune.data import validate_data
     from scaletune.doctor import environment_problems
+    from scaletune.factorycheck import factory_problems
     from scaletune.plan import choose_auto
     from scaletune.rundir import run_dir_problems
     from scaletune.strategies.deepspeed_config import engine_config
@@ -76,6 +81,7 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
             validate_data(stage.data)
         except UserError as exc:
             problems += [p for p in exc.problems if p not in problems]
+    problems += factory_problems(spec)
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:
@@ -90,7 +96,11 @@ def predicted_memory(spec: RunSpec) -> dict | None:
     from scaletune.plan import plan
 
     try:
-        return plan(spec).for_run(spec).to_json()
+        p = plan(spec)
+        entry = p.for_run(spec).to_json()
+        if p.shape is not None and p.shape.stage is not None:
+            entry["stage"] = p.shape.stage  # the stage planned for: the one training the most
+        return entry
     except (KeyError, UserError, ValueError) as exc:
         print0(f"[scaletune] no memory plan for this run: {exc}")
         return None

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,7 @@ class DataBundle:
     train: datasets.Dataset
     eval: datasets.Dataset | None
     stats: dict = field(default_factory=dict)
+    collator: Any = None  # a data factory's own; None: `batching.Collator` over the text rows
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:

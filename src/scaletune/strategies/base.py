@@ -14,8 +14,6 @@ and never branches on which engine runs. Strategies never parse YAML: they read 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,71 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.env import DistributedEnv, get_logger
+from scaletune.env import get_logger
 from scaletune.optim import build_optimizer
 from scaletune.strategies import memory
+from scaletune.strategies.group import free_port, init_process_group  # noqa: F401 - free_port: re-exported
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def init_process_group(
-    env: DistributedEnv, backend: str = "auto", timeout_minutes: float = 30, *, even_alone: bool = False
-) -> bool:
-    """Start the default process group for a launched multi-rank job: NCCL on CUDA, gloo on CPU.
-
-    `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
-    group at world size 1), on a free loopback port.
-
-    Returns True if this call created it (and so must destroy it).
-
-    Raises:
-        RuntimeError: the launcher did not set MASTER_ADDR/MASTER_PORT; NCCL without a GPU.
-    """
-    if dist.is_initialized() or not (env.is_distributed or even_alone):
-        return False
-    if not env.is_distributed and not env.launched:
-        # What a launcher would have set; DeepSpeed reads LOCAL_RANK itself.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        for var in ("RANK", "LOCAL_RANK"):
-            os.environ.setdefault(var, "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    if backend == "auto":
-        backend = "nccl" if env.cuda_available else "gloo"
-    if backend == "nccl" and not env.cuda_available:
-        raise RuntimeError("distributed.backend nccl needs CUDA GPUs; use gloo (or auto) on CPU")
-    for var in ("MASTER_ADDR", "MASTER_PORT"):
-        if var not in os.environ:
-            raise RuntimeError(f"{var} is not set: start multi-rank runs with torchrun, deepspeed or scaletune launch")
-    if env.cuda_available:
-        torch.cuda.set_device(env.device)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = env.device  # binds the communicator to this rank's GPU up front
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun keeps one store across restarts: without a per-attempt prefix, restarted ranks
-        # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
-        # Connection refused" (pytorch#167288).
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-        )
-        kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
-    return True
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def check_devices(module: nn.Module, expected: torch.device | str, *, strategy: str, limit: int = 5) -> None:
@@ -145,6 +87,9 @@ class Strategy(ABC):
         self.scheduler: Any = None
         self._owns_group = False
         self._grad_bytes: int | None = None
+        #: Frozen weights a checkpoint holds anyway: they trained in an earlier stage (the loop sets
+        #: it, `freezing.checkpointed_frozen`). Empty: checkpoints hold the trainable weights only.
+        self.checkpointed_frozen: frozenset[str] = frozenset()
         self.log = get_logger()
 
     # -- process group ---------------------------------------------------------------------
@@ -198,11 +143,28 @@ class Strategy(ABC):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(model, self.training)
 
+    def retarget(self, trainable: frozenset[str]) -> None:
+        """Train exactly the parameters named in `trainable` (as `self.module` names them) from now
+        on: `requires_grad` set, the optimizer rebuilt over them (fresh AdamW state) and whatever the
+        engine derived from the trainable set rebuilt with it. Every rank calls it at once (a stage
+        boundary). The loop builds the stage's scheduler on the new optimizer afterwards."""
+        from scaletune.freezing import apply_trainable
+
+        assert self.module is not None
+        apply_trainable(self.module, trainable)
+        self.optimizer = self.build_optimizer(self.module)
+        self._grad_bytes = None  # measured again at the new optimizer's first step
+        self._track_gradients()
+
+    def move_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Put a micro-batch's tensors on this rank's device (other values pass through)."""
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
     @property
     def unwrapped(self) -> nn.Module:
-        """The Hugging Face (or peft) model inside the engine's wrapper and the loss module."""
+        """The Hugging Face (or peft) model, or the factory's module, inside the engine's wrapper and the loss module."""
         assert self.module is not None
-        return self.module.causal_lm
+        return self.module.causal_lm if hasattr(self.module, "causal_lm") else self.module.model
 
     # -- one optimizer step ----------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -295,7 +257,15 @@ class Strategy(ABC):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # Frozen weights (a LoRA base) come from model.name_or_path, not from the checkpoint.
-        return StateDictOptions(ignore_frozen_params=True, **kw)
+        return StateDictOptions(ignore_frozen_params=not self.checkpointed_frozen, **kw)
+
+    def _checkpointed(self, model_sd: dict) -> dict:
+        """The weights a checkpoint holds: the trainable ones, the `checkpointed_frozen` ones, buffers."""
+        if not self.checkpointed_frozen:
+            return model_sd
+        assert self.module is not None
+        params = {n: p.requires_grad for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in model_sd.items() if params.get(k, True) or k in self.checkpointed_frozen}
 
     def prepare_resume(self, path: Path, world_size: int) -> None:  # noqa: B027 - a hook; most engines need none
         """Called before `wrap` when resuming from `path`, written by `world_size` ranks."""
@@ -311,14 +281,14 @@ class Strategy(ABC):
 
         assert self.module is not None and self.optimizer is not None
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "state"))
+        dcp.save({"model": self._checkpointed(model_sd), "optim": optim_sd}, checkpoint_id=str(path / "state"))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Global shapes of the trainable weights as `save_state` names them (for resume checks)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.module is not None
-        sd = get_model_state_dict(self.module, options=self._state_options())
+        sd = self._checkpointed(get_model_state_dict(self.module, options=self._state_options()))
         return {f"model.{k}": tuple(v.shape) for k, v in sd.items()}
 
     def load_state(self, path: Path) -> None:
@@ -328,7 +298,7 @@ class Strategy(ABC):
 
         assert self.module is not None and self.optimizer is not None
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": self._checkpointed(model_sd), "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "state"))
         set_state_dict(
             self.module,
@@ -350,9 +320,12 @@ class Strategy(ABC):
         state = self.full_state_dict()
         if self.env.is_main:
             assert state is not None
-            prefix = "causal_lm."
-            state = {k.removeprefix(prefix): v.detach().to("cpu") for k, v in state.items()}
-            self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
+            if hasattr(self.module, "save_export"):  # a factory's module: safetensors + its reference
+                self.module.save_export(out_dir, state)
+            else:
+                prefix = "causal_lm."
+                state = {k.removeprefix(prefix): v.detach().to("cpu") for k, v in state.items()}
+                self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
         self.barrier()
 
     def describe(self) -> str:
