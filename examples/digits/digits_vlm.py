@@ -25,20 +25,24 @@ import torch.nn.functional as F
 from torch import nn
 
 CAPTION = "{}"
-PATCHES = 16  # 4 x 4 feature map of the encoder
+IMAGE_TOKENS = 1  # the image's embeddings before the caption
 
 
 class ConvEncoder(nn.Module):
-    """[B, 1, 8, 8] pixels in [0, 1] -> [B, 16, width] patch features (a 4 x 4 map)."""
+    """[B, 1, 8, 8] pixels in [0, 1] -> [B, 1, 16 * width] image features (a 4 x 4 map, flattened,
+    layer-normalised as a CLIP vision tower's output is: what differs between images then dominates
+    what they share)."""
 
-    def __init__(self, width: int = 32) -> None:
+    def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, width, 3, padding=1)
         self.conv2 = nn.Conv2d(width, width, 3, stride=2, padding=1)
+        self.features = 16 * width
+        self.norm = nn.LayerNorm(self.features)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = F.gelu(self.conv2(F.gelu(self.conv1(pixels))))  # [B, width, 4, 4]
-        return x.flatten(2).transpose(1, 2)
+        x = F.gelu(self.conv2(F.gelu(self.conv1(pixels - 0.5))))  # [B, width, 4, 4]
+        return self.norm(x.flatten(1)).unsqueeze(1)
 
 
 class Projector(nn.Module):
@@ -60,16 +64,16 @@ class DigitCaptioner(nn.Module):
     `shard_modules` names the blocks FSDP2 shards one by one and ZeRO-3 gathers whole.
     """
 
-    def __init__(self, lm: nn.Module, width: int = 32) -> None:
+    def __init__(self, lm: nn.Module, width: int = 16) -> None:
         super().__init__()
         hidden = lm.get_input_embeddings().embedding_dim
         self.encoder = ConvEncoder(width)
-        self.projector = Projector(width, hidden)
+        self.projector = Projector(self.encoder.features, hidden)
         self.lm = lm
         self.shard_modules = list(getattr(lm, "_no_split_modules", None) or [])
 
     def hidden_states(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, 16 + T, hidden]: the decoder over the image embeddings and then the caption tokens."""
+        """[B, 1 + T, hidden]: the decoder over the image embedding and then the caption tokens."""
         image = self.projector(self.encoder(pixel_values))
         text = self.lm.get_input_embeddings()(input_ids)
         inputs = torch.cat([image.to(text.dtype), text], dim=1)
@@ -79,13 +83,14 @@ class DigitCaptioner(nn.Module):
         self, pixel_values: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.hidden_states(pixel_values, input_ids)
-        # Position 15 + t has seen the image and caption tokens 0..t-1: it predicts token t.
-        logits = self.lm.lm_head(hidden[:, PATCHES - 1 : PATCHES - 1 + input_ids.size(1)]).float()
+        # Position IMAGE_TOKENS - 1 + t has seen the image and caption tokens 0..t-1: it predicts token t.
+        start = IMAGE_TOKENS - 1
+        logits = self.lm.lm_head(hidden[:, start : start + input_ids.size(1)]).float()
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         return loss, (labels != -100).sum()
 
     @torch.no_grad()
-    def caption(self, pixel_values: torch.Tensor, eos_token_id: int, max_new_tokens: int = 6) -> list[list[int]]:
+    def caption(self, pixel_values: torch.Tensor, eos_token_id: int, max_new_tokens: int = 3) -> list[list[int]]:
         """Greedy decoding: the caption token ids of each image (without eos)."""
         ids = torch.empty(pixel_values.size(0), 0, dtype=torch.long, device=pixel_values.device)
         for _ in range(max_new_tokens):
@@ -108,7 +113,7 @@ def tokenizer_for(lm_path: str | None) -> Any:
     return PreTrainedTokenizerFast(tokenizer_file=str(OLMO2_TOKENIZER), eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
-def build_model(lm_preset: str = "olmo2-tiny", lm_path: str | None = None, width: int = 32) -> tuple:
+def build_model(lm_preset: str = "olmo2-tiny", lm_path: str | None = None, width: int = 16) -> tuple:
     """scaletune's model factory: (DigitCaptioner, tokenizer).
 
     Args:

@@ -216,10 +216,11 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
 
 
 def incompatible_changes(saved: dict, cfg: Config) -> list[str]:
-    """Config changes a checkpoint cannot survive: another model or another LoRA shape."""
+    """Config changes a checkpoint cannot survive: another model (or model factory and arguments) or
+    another LoRA shape."""
     now = cfg.model_dump(mode="json")
     out = []
-    for key in ("name_or_path",):
+    for key in ("name_or_path", "factory", "factory_kwargs"):
         if saved["model"].get(key) != now["model"].get(key):
             out.append(f"model.{key} changed from {saved['model'].get(key)!r} to {now['model'].get(key)!r}")
     a, b = saved["model"].get("lora"), now["model"].get("lora")
@@ -280,9 +281,13 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
 
         return get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state")
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = {"model": get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))}
+    # The weights the checkpoint holds (trainable ones, and frozen ones that trained in an earlier stage).
+    saved = FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+    full = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=False))
+    state = {"model": {k: v for k, v in full.items() if f"model.{k}" in saved}}
     dcp.load(state, checkpoint_id=str(path / "state"))  # no process group: reads every shard
     return state["model"]
 
@@ -312,6 +317,8 @@ def export_checkpoint(
         raise UserError(f"output folder {out_dir} is not empty", title="cannot export")
     progress = read_progress(checkpoint)
     cfg = Config.model_validate(yaml.safe_load((checkpoint / "config.yaml").read_text()))
+    if cfg.model.factory is not None:
+        return _export_factory_checkpoint(checkpoint, out_dir, cfg, progress.checkpoint_format)
     model_cfg = cfg.model.model_copy(
         update={
             "dtype": "float32",
@@ -339,3 +346,18 @@ def export_checkpoint(
         model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
     load_tokenizer(cfg.model).save_pretrained(str(out_dir))
     return out_dir
+
+
+def _export_factory_checkpoint(checkpoint: Path, out_dir: Path, cfg: Config, fmt: str) -> Path:
+    """A factory run's checkpoint as its `final/` layout (`models.factory.write_export`): the module
+    built by the config's factory on the CPU, the checkpoint's weights loaded over it."""
+    from scaletune.models.custom import PREFIX, CustomModelLoss
+    from scaletune.models.factory import build_model, write_export
+
+    model, processor = build_model(cfg.model.model_copy(update={"gradient_checkpointing": False}), dtype="float32")
+    module = CustomModelLoss(model, cfg.model)
+    result = module.load_state_dict(_full_state_from_checkpoint(checkpoint, module, fmt), strict=False)
+    if result.unexpected_keys:
+        raise UserError(f"{checkpoint}: tensor {result.unexpected_keys[0]} is not in the model", title="cannot export")
+    state = {k.removeprefix(PREFIX): v for k, v in module.state_dict().items()}
+    return write_export(out_dir, state, cfg.model, processor)

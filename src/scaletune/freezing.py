@@ -89,8 +89,8 @@ def apply_trainable(module: nn.Module, names: frozenset[str]) -> tuple[int, int]
         params[id(p)] = p
     for key, p in params.items():
         p.requires_grad_(wanted[key])
-    total = sum(p.numel() for p in params.values())
-    return sum(p.numel() for k, p in params.items() if wanted[k]), total
+    sizes = {k: getattr(p, "ds_numel", p.numel()) for k, p in params.items()}  # ZeRO-3: the full size
+    return sum(n for k, n in sizes.items() if wanted[k]), sum(sizes.values())
 
 
 def checkpointed_frozen(sets: Sequence[frozenset[str]], index: int) -> frozenset[str]:
