@@ -77,5 +77,5 @@ def build_data(tokenizer, n: int = 64) -> tuple:
     return Points(n), collate
 
 
-def build_bad_data(tokenizer) -> list:
-    return [1, 2, 3]
+def build_bad_data(tokenizer) -> int:
+    return 42

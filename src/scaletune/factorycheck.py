@@ -146,12 +146,17 @@ def factory_problems(spec: RunSpec) -> list[str]:
     except UserError as exc:
         problems += exc.problems
     bundles: dict[int, Any] = {}
-    if spec.env.is_main and (model is not None or not custom):
-        for stage in data_factories:
-            try:
-                bundles[stage.index] = _stage_bundle(stage, processor, spec)
-            except UserError as exc:
-                problems += [p for p in exc.problems if p not in problems]
+    model_failed = bool(problems)
+    for stage in data_factories if spec.env.is_main else []:
+        try:
+            bundles[stage.index] = _stage_bundle(stage, processor, spec)
+        except UserError as exc:
+            problems += [p for p in exc.problems if p not in problems]
+        except Exception as exc:
+            if not model_failed:
+                raise
+            # Called without the model's tokenizer (the model factory failed): the run stops anyway.
+            log.info(f"data.factory {stage.data.factory}: not checked further without a model ({exc})")
     if loss is not None and 0 in bundles:  # text data is not tokenized here: checked at the first step
         try:
             problems += _forward_problems(MetaRun(loss, processor, _first_batch(bundles[0], processor, spec)))
