@@ -139,7 +139,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
             model = loss.model
         else:
             from scaletune.models import load_tokenizer
-            from scaletune.plan import meta_model
+            from scaletune.modelsetup import meta_model
 
             processor = load_tokenizer(spec.config.model)
             model = meta_model(spec) if spec.freezes_per_stage else None

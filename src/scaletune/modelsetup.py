@@ -20,6 +20,23 @@ get_logger()
 log = logging.getLogger("scaletune")
 
 
+def meta_model(spec: RunSpec) -> nn.Module:
+    """The run's Hugging Face model on the meta device in its storage dtype (resolved precision),
+    with LoRA if asked: no weights read, no storage (the planner and the preflight count and name
+    its parameters)."""
+    import torch
+
+    from scaletune.models import DevicePlacement, apply_lora, load_model
+
+    m = spec.config.model
+    model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "quantization": None})
+    model = load_model(model_cfg, DevicePlacement(None, "cpu"), meta=True)
+    if m.lora is not None:
+        with torch.device("meta"):
+            model = apply_lora(model, m.lora)
+    return model
+
+
 def load_model(spec: RunSpec, strategy: Strategy) -> tuple[nn.Module, Any]:
     """The run's model in its storage dtype, where the strategy wants it (the meta device on ranks
     the engine fills), and the tokenizer or processor a factory returned (else None).

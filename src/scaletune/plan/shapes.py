@@ -60,18 +60,10 @@ class ModelShape:
 
 
 def meta_model(spec: RunSpec) -> torch.nn.Module:
-    """The run's model on the meta device in its storage dtype (resolved precision), with LoRA if asked."""
-    import torch
+    """The run's Hugging Face model on the meta device (`modelsetup.meta_model`)."""
+    from scaletune.modelsetup import meta_model as build
 
-    from scaletune.models import DevicePlacement, apply_lora, load_model
-
-    m = spec.config.model
-    model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "quantization": None})
-    model = load_model(model_cfg, DevicePlacement(None, "cpu"), meta=True)
-    if m.lora is not None:
-        with torch.device("meta"):
-            model = apply_lora(model, m.lora)
-    return model
+    return build(spec)
 
 
 def _peak_trainable(spec: RunSpec, model: torch.nn.Module) -> tuple[set[str] | None, str | None]:
