@@ -147,8 +147,8 @@ def digits_split(split: str, holdout: int = 360, seed: int = 0) -> tuple[torch.T
 class CaptionedDigits(torch.utils.data.Dataset):
     """Map-style: item i = {pixel_values [1, 8, 8], input_ids: caption token ids + eos}."""
 
-    def __init__(self, split: str, tokenizer: Any) -> None:
-        self.pixels, self.digits = digits_split(split)
+    def __init__(self, split: str, tokenizer: Any, holdout: int = 360) -> None:
+        self.pixels, self.digits = digits_split(split, holdout)
         eos = tokenizer.eos_token_id
         self.captions = [tokenizer(CAPTION.format(d))["input_ids"] + [eos] for d in range(10)]
 
@@ -175,9 +175,10 @@ class Collate:
         return {"pixel_values": torch.stack([it["pixel_values"] for it in items]), "input_ids": ids, "labels": labels}
 
 
-def build_data(tokenizer: Any) -> tuple:
-    """scaletune's data factory: (train set, held-out set, collator)."""
-    return CaptionedDigits("train", tokenizer), CaptionedDigits("heldout", tokenizer), Collate(tokenizer.pad_token_id)
+def build_data(tokenizer: Any, holdout: int = 360) -> tuple:
+    """scaletune's data factory: (train set, held-out set, collator); `holdout` images held out."""
+    train, heldout = (CaptionedDigits(split, tokenizer, holdout) for split in ("train", "heldout"))
+    return train, heldout, Collate(tokenizer.pad_token_id)
 
 
 def heldout_accuracy(model: DigitCaptioner, tokenizer: Any) -> float:

@@ -9,7 +9,7 @@ final/ holds the same weights under every engine, and `export` of a checkpoint e
 One torchrun launch of 2 ranks runs every multi-rank case in one process group (this file is the
 driver: `python tests/distributed/test_custom_model.py OUT CASES`); the single-process cases run
 the same driver without torchrun. Each case is the real `Trainer` on a config read from
-examples/digits/digits.yaml with 3 steps per stage.
+examples/digits/digits.yaml with 3 steps per stage and 64 held-out images.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def config_dict(out: Path, case: str, resume: Path | None = None) -> dict:
 
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg.update(output_dir=str(out / case), overwrite=True, distributed=DIST[case.removesuffix("-resume")])
+    cfg["data"]["factory_kwargs"] = {"holdout": 64}  # a short eval (at stage ends) keeps the test fast
     cfg["training"].update(save_every=4, keep_last=10, log_every=1, warmup_steps=1, resume=resume and str(resume))
     for stage in cfg["stages"]:
         stage["training"]["max_steps"] = 3
