@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from scaletune.env import DistributedEnv, print0
+
+if TYPE_CHECKING:
+    from scaletune.resolve import RunSpec
 
 
 class RunLogger:
@@ -109,18 +113,30 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
-def write_memory_report(run_dir: Path, ranks: list[dict], predicted: dict | None, strategy: str) -> None:
-    """`memory.json` (what every rank measured after its first optimizer step) and `plan.json` (the
-    planner's prediction for the run's strategy, when it models it), printed side by side."""
-    mine = ranks[0]
+def report_memory(strategy: Any, spec: RunSpec, predicted: dict | None) -> None:
+    """Every rank measures what it holds (`Strategy.memory_breakdown`); rank 0 writes `memory.json`
+    (all ranks) and `plan.json` (the planner's prediction for this run's strategy) and prints them
+    side by side. A collective."""
+    import torch.distributed as dist
+
+    env = spec.env
+    mine = strategy.memory_breakdown()
+    ranks = [mine]
+    if dist.is_initialized() and env.world_size > 1:
+        ranks = [None] * env.world_size
+        dist.all_gather_object(ranks, mine)
+    if not env.is_main:
+        return
+    run_dir = spec.run_dir
     (run_dir / "memory.json").write_text(json.dumps({"ranks": ranks}, indent=2) + "\n")
     if predicted is None:
         print0("[scaletune] no memory plan for this run (a layout the planner does not model)")
         return
     (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
     per_rank = predicted["per_rank_bytes"]
+    stage = f", stage {predicted['stage']}" if predicted.get("stage") else ""
     lines = [
-        f"[scaletune] memory per rank (MiB) of strategy {strategy}: planned (plan entry "
+        f"[scaletune] memory per rank (MiB) of strategy {spec.strategy}{stage}: planned (plan entry "
         f"{predicted['name']}) vs measured on rank 0:"
     ]
     for key in ("params", "grads", "optimizer"):

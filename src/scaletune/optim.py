@@ -12,11 +12,14 @@ from scaletune.config import TrainingConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: no decay on biases and norm weights (ndim < 2), as in GPT-2/nanoGPT/HF Trainer."""
+    """AdamW groups: no decay on biases and norm weights (ndim < 2), as in GPT-2/nanoGPT/HF Trainer.
+
+    A parameter DeepSpeed ZeRO-3 has partitioned holds a flat placeholder: its real shape is
+    `ds_shape` (a stage boundary rebuilds the optimizer over partitioned parameters)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

@@ -24,6 +24,8 @@ from scaletune.resolve import RunSpec, decide, resolve
 def _model_positions(cfg: Config, problems: list[str]) -> int | None:
     from scaletune.models.checks import model_facts
 
+    if cfg.model.factory is not None:
+        return None  # a factory's module has no config.json; its preflight is factorycheck's
     positions, found = model_facts(cfg.model)
     problems += found
     return positions
@@ -34,11 +36,14 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
 
     Raises:
         UserError: (exit 2) every problem of the config, model, checkpoint, environment, data and
-            run directory, each once.
+            run directory, each once; for `model.factory` / `data.factory` runs and stage patterns
+            also those of :func:`scaletune.factorycheck.factory_problems` (imports, types, the
+            forward's output, patterns that match nothing).
     """
     from scaletune.checkpoint import resolve_resume
     from scaletune.data import validate_data
     from scaletune.doctor import environment_problems
+    from scaletune.factorycheck import factory_problems
     from scaletune.plan import choose_auto
     from scaletune.rundir import run_dir_problems
     from scaletune.strategies.deepspeed_config import engine_config
@@ -75,6 +80,7 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
             engine_config(spec)
         except UserError as exc:
             problems += exc.problems
+    problems += factory_problems(spec)
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:
@@ -89,7 +95,11 @@ def predicted_memory(spec: RunSpec) -> dict | None:
     from scaletune.plan import plan
 
     try:
-        return plan(spec).for_run(spec).to_json()
+        p = plan(spec)
+        entry = p.for_run(spec).to_json()
+        if p.shape is not None and p.shape.stage is not None:
+            entry["stage"] = p.shape.stage  # the stage planned for: the one training the most
+        return entry
     except (KeyError, UserError, ValueError) as exc:
         print0(f"[scaletune] no memory plan for this run: {exc}")
         return None

@@ -32,15 +32,17 @@ class StagePlan:
 
 
 def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: Strategy) -> Any:
-    """Rank 0 tokenizes first (filling the datasets cache); the other ranks then read the cache."""
-    from scaletune.data import build_datasets
+    """Rank 0 builds first (tokenizing into the datasets cache, or a data factory downloading or
+    caching what it reads); the other ranks then read what it left."""
+    from scaletune.data import build_custom_data, build_datasets
 
+    build = build_custom_data if stage.data.factory is not None else build_datasets
     bundle = None
     if spec.env.is_main:
-        bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+        bundle = build(stage.data, tokenizer, seed=spec.config.seed)
     strategy.barrier()
     if not spec.env.is_main:
-        bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+        bundle = build(stage.data, tokenizer, seed=spec.config.seed)
     return bundle
 
 
@@ -105,7 +107,7 @@ def stage_loaders(plan: StagePlan, spec: RunSpec, tokenizer: Any, start: Progres
     """(global batches from the stage's start or from `start`'s position, the eval loader or None)."""
     from scaletune.data import Collator, global_batches, make_eval_loader, make_loader
 
-    collator = Collator(tokenizer.pad_token_id)
+    collator = plan.bundle.collator or Collator(tokenizer.pad_token_id)
     stage, env = plan.stage, spec.env
     loader, sampler = make_loader(
         plan.bundle.train, collator, plan.batch, env, spec.config.seed, stage.data.num_workers

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from scaletune.batches import TEXT, BatchKind, batch_kind, model_inputs
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
-from scaletune.data import count_input_tokens, count_target_tokens
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
-from scaletune.loss import CausalLMLoss, target_index
-from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics, write_memory_report
+from scaletune.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
+from scaletune.modelsetup import StageFreezing, loss_module
 from scaletune.optim import make_scheduler
 from scaletune.resolve import RunSpec
 from scaletune.rundir import opened as opened_run_dir
@@ -49,11 +49,7 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors `loss.CausalLMLoss.forward` takes, with the target positions added on the host."""
-    out = {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
-    out["target_index"] = target_index(batch["labels"])
-    return out
+__all__ = ["DivergenceError", "StepResult", "Trainer", "evaluate", "model_inputs", "seed_everything", "train_step"]
 
 
 @dataclass
@@ -64,18 +60,19 @@ class StepResult:
     skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
 
 
-def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+def train_step(
+    strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]], kind: BatchKind = TEXT, check_units: bool = False
+) -> StepResult:
     """Forward/backward every micro-batch of this rank's share of the global batch, then step.
 
     The loss of each micro-batch is its summed token loss divided by the target tokens of the
     whole global batch (all-reduced first), so accumulation and world size do not change the step.
+    `kind` says how batches are read and counted (`batches.TEXT`, `batches.CUSTOM`); `check_units`
+    compares a factory module's own count of its first micro-batch with the loop's.
     """
     device = strategy.device
     counts = torch.tensor(
-        [
-            sum(count_target_tokens(mb["labels"]) for mb in micro_batches),
-            sum(count_input_tokens(mb) for mb in micro_batches),
-        ],
+        [sum(kind.targets(mb) for mb in micro_batches), sum(kind.tokens(mb) for mb in micro_batches)],
         dtype=torch.float64,
     )
     counts = strategy.all_reduce_sum(counts)
@@ -83,10 +80,12 @@ def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]])
     loss_total = torch.zeros((), dtype=torch.float32, device=device)
     n = len(micro_batches)
     for i, mb in enumerate(micro_batches):
-        inputs = {k: v.to(device, non_blocking=True) for k, v in model_inputs(mb).items()}
+        inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.micro_step(is_last=i == n - 1):
             with strategy.forward_context():
                 loss = strategy.model(**inputs) / denominator
+            if check_units and i == 0 and kind.checks_units:
+                strategy.module.check_units(kind.targets(mb))
             strategy.backward(loss)
         loss_total += loss.detach()
     grad_norm = strategy.step()
@@ -94,15 +93,15 @@ def train_step(strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]])
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, loader: Any) -> float:
-    """Mean token loss over the whole eval set (all ranks)."""
+def evaluate(strategy: Strategy, loader: Any, kind: BatchKind = TEXT) -> float:
+    """Mean token loss (loss per target unit) over the whole eval set (all ranks)."""
     strategy.train_mode(False)
     total = torch.zeros(2, dtype=torch.float64)
     for mb in loader:
-        inputs = {k: v.to(strategy.device) for k, v in model_inputs(mb).items()}
+        inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.forward_context():
             total[0] += float(strategy.model(**inputs))
-        total[1] += count_target_tokens(mb["labels"])
+        total[1] += kind.targets(mb)
     strategy.train_mode(True)
     total = strategy.all_reduce_sum(total).cpu()
     return float(total[0] / max(total[1], 1))
@@ -115,6 +114,7 @@ class RunState:
     resume: Progress | None = None  # where a resumed run continues
     resume_scheduler: dict | None = None
     memory_reported: bool = False
+    units_checked: bool = False
 
 
 class Trainer:
@@ -132,6 +132,8 @@ class Trainer:
         self.strategy = make_strategy(spec)
         self.predicted_memory = predicted_memory
         self.state = RunState()
+        self.kind = batch_kind(spec.custom_model)
+        self.freezing: StageFreezing | None = None
         self.tokenizer: Any = None
         self.plans: list[StagePlan] = []
         self.logger: RunLogger | None = None
@@ -150,11 +152,8 @@ class Trainer:
             print0(f"[scaletune] {self.env.describe()}")
             print0(f"[scaletune] {self.strategy.describe()} ({self.spec.reason})")
             print0(f"[scaletune] {self.spec.batch.describe()}")
-            self.load_tokenizer()
-            self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
             progress = self.read_resume()
-            seed_everything(self.cfg.seed)
-            model = self.load_model()
+            model = self.load_model_and_data()
             with opened_run_dir(self.spec) as run_dir:
                 self.strategy.barrier()
                 with run_dir.checking():  # a replaced run is deleted only once this passes
@@ -170,10 +169,25 @@ class Trainer:
         return self.spec.run_dir
 
     # -- steps -----------------------------------------------------------------------------
+    def load_model_and_data(self) -> torch.nn.Module:
+        """A Hugging Face model: tokenizer, every stage's data (bad data fails before the model
+        loads), then the model, seeded. A factory's model first: its data factory is handed the
+        tokenizer or processor the model factory returns."""
+        if self.spec.custom_model:
+            seed_everything(self.cfg.seed)
+            model = self.load_model()
+            self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
+            return model
+        self.load_tokenizer()
+        self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
+        seed_everything(self.cfg.seed)
+        return self.load_model()
+
     def load_tokenizer(self) -> None:
         from scaletune.models import load_tokenizer
 
-        self.tokenizer = load_tokenizer(self.cfg.model)
+        m = self.cfg.model
+        self.tokenizer = load_tokenizer(m) if (m.tokenizer or not self.spec.custom_model) else None
 
     def read_resume(self) -> Progress | None:
         path = self.spec.resume_from
@@ -186,22 +200,23 @@ class Trainer:
         return read_progress(path)
 
     def load_model(self) -> torch.nn.Module:
-        from scaletune.models import prepare_model
+        """The model (and a factory's tokenizer or processor), and what trains in each stage."""
+        from scaletune.modelsetup import load_model
 
-        model_cfg = self.cfg.model.model_copy(update={"dtype": self.spec.precision.storage})
-        return prepare_model(model_cfg, self.strategy.placement, meta=self.strategy.load_meta())
+        model, processor = load_model(self.spec, self.strategy)
+        if self.spec.custom_model:
+            self.load_tokenizer()
+            self.tokenizer = processor if processor is not None else self.tokenizer
+        self.freezing = StageFreezing(self.spec, model)
+        return model
 
     def wrap(self, model: torch.nn.Module, progress: Progress | None) -> None:
         """Hand the model and its loss to the engine; resume model, optimizer and position."""
-        m = self.cfg.model
         if progress is not None:
             self.strategy.prepare_resume(self.spec.resume_from, progress.world_size)
-        loss = CausalLMLoss(
-            model,
-            activation_offload=m.activation_offload,
-            liger=m.liger,
-            partitioned_head=self.strategy.partitions_head,
-        )
+        loss = loss_module(self.spec, model, self.strategy)
+        assert self.freezing is not None
+        self.freezing.before_wrap(loss, self.strategy, progress.stage_index if progress is not None else 0)
         self.strategy.wrap(loss)
         if progress is not None:
             self.resume(progress)
@@ -257,6 +272,9 @@ class Trainer:
                 f"{plan.total}: continuing, the learning-rate schedule stretched over {plan.schedule_steps} steps"
             )
         batches, eval_loader = stage_loaders(plan, self.spec, self.tokenizer, start if resuming_here else None)
+        assert self.freezing is not None
+        if self.freezing.enter(strategy, stage.index):
+            self.rebuild_schedule(plan)
         if strategy.scheduler is None or plan.schedule_origin == stage.index:
             # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
             # schedule and the saved scheduler state restores the position.
@@ -281,10 +299,11 @@ class Trainer:
             if stage_step > plan.total:
                 break
             lr = strategy.lr()
-            result = train_step(strategy, micro)
+            result = train_step(strategy, micro, self.kind, check_units=not state.units_checked)
+            state.units_checked = True
             state.step += 1
-            if not state.memory_reported:
-                self.report_memory()
+            if not state.memory_reported and stage.index >= (self.freezing.peak or 0):
+                self.report_memory()  # in the stage the plan is for
             window[1] += float(result.tokens)
             last = stage_step == plan.total
             t = stage.training
@@ -296,12 +315,25 @@ class Trainer:
                     {
                         "step": state.step,
                         "stage": stage.name,
-                        "eval_loss": evaluate(strategy, eval_loader),
+                        "eval_loss": evaluate(strategy, eval_loader, self.kind),
                         "elapsed_s": round(time.perf_counter() - state.start_time, 3),
                     }
                 )
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
+
+    def rebuild_schedule(self, plan: StagePlan) -> None:
+        """After a re-target (a new optimizer): a stage that continues the running schedule gets it
+        again on the new optimizer, at the same position; other stages build their own next."""
+        old, strategy = self.strategy.scheduler, self.strategy
+        strategy.scheduler = None
+        if old is None or plan.schedule_origin == plan.stage.index:
+            return
+        origin = self.plans[plan.schedule_origin].stage.training
+        strategy.scheduler = make_scheduler(strategy.optimizer, origin, plan.schedule_steps)
+        strategy.scheduler.load_state_dict(old.state_dict())
+        for group, lr in zip(strategy.optimizer.param_groups, strategy.scheduler.get_last_lr()):
+            group["lr"] = lr
 
     def log_step(
         self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list
@@ -359,27 +391,17 @@ class Trainer:
         print0(f"[scaletune] saved checkpoint {path}")
 
     def report_memory(self) -> None:
-        """After the first optimizer step: every rank measures what it holds; rank 0 writes
-        `memory.json` (all ranks) and `plan.json` (the planner's prediction for this run's strategy)
-        and prints them side by side."""
-        import torch.distributed as dist
-
+        """After the first optimizer step: `memory.json` and `plan.json` (see `metrics.report_memory`)."""
         self.state.memory_reported = True
-        mine = self.strategy.memory_breakdown()
-        ranks = [mine]
-        if dist.is_initialized() and self.env.world_size > 1:
-            ranks = [None] * self.env.world_size
-            dist.all_gather_object(ranks, mine)
-        if not self.env.is_main:
-            return
-        write_memory_report(self.spec.run_dir, ranks, self.predicted_memory, self.spec.strategy)
+        report_memory(self.strategy, self.spec, self.predicted_memory)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
         final = self.spec.run_dir / "final"
         self.strategy.export(final)
         if self.env.is_main:
-            self.tokenizer.save_pretrained(str(final))
+            if hasattr(self.tokenizer, "save_pretrained"):
+                self.tokenizer.save_pretrained(str(final))
             # From the file, not this process's records: a resumed run plots the whole curve.
             plot_losses(read_metrics(self.spec.run_dir / "metrics.jsonl"), self.spec.run_dir / "loss.png")
             self.log.info(f"saved {final}")

@@ -13,7 +13,7 @@ import torch
 
 from scaletune.checkpoint.resume import checkpoint_problems, read_progress
 from scaletune.checkpoint.save import latest_checkpoint
-from scaletune.config import read_config
+from scaletune.config import Config, read_config
 from scaletune.errors import UserError
 from scaletune.safe_load import dcp_reader, enforce
 
@@ -30,7 +30,11 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = {"model": get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=True))}
+    # The weights the checkpoint holds (trainable ones, and frozen ones that trained in an earlier stage).
+    reader = dcp_reader(path / "state")
+    saved = reader.read_metadata().state_dict_metadata
+    full = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=False))
+    state = {"model": {k: v for k, v in full.items() if f"model.{k}" in saved}}
     dcp.load(state, storage_reader=dcp_reader(path / "state"))  # no process group: reads every shard
     return state["model"]
 
@@ -86,6 +90,8 @@ def export_checkpoint(
     progress = read_progress(checkpoint)
     cfg = read_config(checkpoint / "config.yaml").config
     assert cfg is not None  # checkpoint_problems read it
+    if cfg.model.factory is not None:
+        return _export_factory_checkpoint(checkpoint, out_dir, cfg, progress.checkpoint_format)
     model_cfg = cfg.model.model_copy(
         update={
             "dtype": "float32",
@@ -120,3 +126,18 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _export_factory_checkpoint(checkpoint: Path, out_dir: Path, cfg: Config, fmt: str) -> Path:
+    """A factory run's checkpoint as its `final/` layout (`models.factory.write_export`): the module
+    built by the config's factory on the CPU, the checkpoint's weights loaded over it."""
+    from scaletune.models.custom import PREFIX, CustomModelLoss
+    from scaletune.models.factory import build_model, write_export
+
+    model, processor = build_model(cfg.model.model_copy(update={"gradient_checkpointing": False}), dtype="float32")
+    module = CustomModelLoss(model, cfg.model)
+    result = module.load_state_dict(_full_state_from_checkpoint(checkpoint, module, fmt), strict=False)
+    if result.unexpected_keys:
+        raise UserError(f"{checkpoint}: tensor {result.unexpected_keys[0]} is not in the model", title="cannot export")
+    state = {k.removeprefix(PREFIX): v for k, v in module.state_dict().items()}
+    return write_export(out_dir, state, cfg.model, processor)

@@ -149,10 +149,11 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
 
 
 def incompatible_changes(saved: dict, cfg: Config) -> list[str]:
-    """Config changes a checkpoint cannot survive: another model or another LoRA shape."""
+    """Config changes a checkpoint cannot survive: another model (or model factory and arguments) or
+    another LoRA shape."""
     now = cfg.model_dump(mode="json")
     out = []
-    for key in ("name_or_path",):
+    for key in ("name_or_path", "factory", "factory_kwargs"):
         if saved["model"].get(key) != now["model"].get(key):
             out.append(f"model.{key} changed from {saved['model'].get(key)!r} to {now['model'].get(key)!r}")
     a, b = saved["model"].get("lora"), now["model"].get("lora")

@@ -63,9 +63,21 @@ class QuantizationConfig(_Strict):
 class ModelConfig(_Strict):
     """The model to fine-tune and how to load and adapt it."""
 
-    name_or_path: str
+    name_or_path: str | None = None
     """A local Hugging Face model folder, a hub id (owner/name), or, for `scaletune plan`, a preset
-    name such as `llama-3-8b`."""
+    name such as `llama-3-8b`. With `factory`: optional initial weights loaded over the factory's
+    module, a `.safetensors` file or a folder holding `model.safetensors` (such as a run's `final/`);
+    null keeps the factory's own weights."""
+    factory: str | None = None
+    """`package.module:callable` that builds your own `torch.nn.Module` (optionally with a tokenizer
+    or processor) instead of `from_pretrained`; imported from your Python path, never read from a
+    checkpoint. Contract: docs/custom-models.md."""
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the `factory` call (YAML values)."""
+    shard_modules: list[str] | None = Field(None, min_length=1)
+    """With `factory`: class names of the blocks FSDP2 shards as one unit each and DeepSpeed ZeRO-3
+    gathers whole (its leaf modules). Default: the model's `shard_modules` attribute, else its
+    `_no_split_modules`, else the elements of its largest `nn.ModuleList`."""
     tokenizer: str | None = None
     """Where the tokenizer is, when not beside the model (default: `name_or_path`)."""
     revision: str | None = None
@@ -97,6 +109,12 @@ class ModelConfig(_Strict):
     `pip install 'scaletune[liger]'`; not with DeepSpeed ZeRO-3."""
     compile: bool = False
     """torch.compile each decoder layer (torchtitan's per-block compile). Not with DeepSpeed ZeRO-3."""
+
+    @model_validator(mode="after")
+    def _source(self) -> ModelConfig:
+        if self.name_or_path is None and self.factory is None:
+            raise ValueError("give model.name_or_path (a Hugging Face model) or model.factory (your own module)")
+        return self
 
     @field_validator("device_map")
     @classmethod
@@ -156,11 +174,16 @@ class DataConfig(_Strict):
     """Jinja chat template for `messages` data (default: the tokenizer's, else ChatML)."""
     num_workers: int = Field(0, ge=0)
     """Worker processes for tokenisation and data loading (0: in the training process)."""
+    factory: str | None = None
+    """`package.module:callable` returning your own map-style dataset(s) and collator instead of
+    `train` (batches may hold any tensors). Contract: docs/custom-models.md."""
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the data `factory` call (YAML values)."""
 
     @model_validator(mode="after")
     def _sources(self) -> DataConfig:
-        if self.train is None and self.dummy is None:
-            raise ValueError("give data.train (a file or data set) or data.dummy")
+        if self.train is None and self.dummy is None and self.factory is None:
+            raise ValueError("give data.train (a file or data set), data.factory or data.dummy")
         if self.eval is not None and self.eval_fraction is not None:
             raise ValueError("give data.eval or data.eval_fraction, not both")
         return self
@@ -186,6 +209,10 @@ class StageData(_Strict):
     """Chat template for this stage's `messages` data."""
     num_workers: int | None = Field(None, ge=0)
     """Worker processes for this stage's data."""
+    factory: str | None = None
+    """This stage's data factory (`package.module:callable`)."""
+    factory_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of this stage's data factory (replace the top level's)."""
 
 
 class TrainingConfig(_Strict):
@@ -308,6 +335,13 @@ class StageConfig(_Strict):
     """Training keys this stage replaces."""
     continue_schedule: bool = False
     """Extend the running learning-rate schedule instead of starting a new one."""
+    trainable: list[str] | None = Field(None, min_length=1)
+    """Glob patterns (fnmatch, `*` crosses dots) over parameter names as the model names them
+    (`model.named_parameters()`): exactly the matching parameters train in this stage. null: the
+    parameters that train by default (all; the adapters under LoRA). Each pattern must match."""
+    frozen: list[str] | None = Field(None, min_length=1)
+    """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
+    set). Each pattern must match. The optimizer is rebuilt when a stage trains another set."""
 
 
 class WandbConfig(_Strict):

@@ -5,6 +5,7 @@
 * :mod:`.packing`: packing rows, and the attention implementations that keep packs apart.
 * :mod:`.build`: :func:`~.build.build_datasets` (read, split, tokenize, pack, cache).
 * :mod:`.batching`: the :class:`~.batching.Collator`, token counts, samplers and loaders.
+* :mod:`.factory`: your own data (`data.factory`): data sets and collator, unit counts.
 
 Every row this package produces has three integer columns of equal length:
 
@@ -42,6 +43,7 @@ from scaletune.data.batching import (
 )
 from scaletune.data.build import DataBundle, build_datasets
 from scaletune.data.build import _cache_root as _cache_root
+from scaletune.data.factory import build_custom_data, count_batch_tokens, count_units, custom_inputs
 from scaletune.data.packing import check_packing_support, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
 from scaletune.data.templates import (
@@ -66,10 +68,14 @@ __all__ = [
     "Collator",
     "DataBundle",
     "ResumableSampler",
+    "build_custom_data",
     "build_datasets",
     "check_packing_support",
+    "count_batch_tokens",
     "count_input_tokens",
     "count_target_tokens",
+    "count_units",
+    "custom_inputs",
     "global_batches",
     "load_records",
     "make_eval_loader",

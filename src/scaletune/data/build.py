@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import torch
@@ -45,6 +45,7 @@ class DataBundle:
     train: datasets.Dataset
     eval: datasets.Dataset | None
     stats: dict = field(default_factory=dict)
+    collator: Any = None  # a data factory's own; None: `batching.Collator` over the text rows
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:

@@ -94,6 +94,8 @@ def _config_json(spec: RunSpec) -> dict | None:
     from scaletune.models import PRESETS
 
     name = spec.config.model.name_or_path
+    if name is None or spec.config.model.factory is not None:
+        return None  # a factory's module: no config.json to size it from
     p = Path(name).expanduser()
     if (p / "config.json").is_file():
         try:
@@ -135,11 +137,15 @@ def check_disk(spec: RunSpec | None) -> Check:
     if spec is None:
         return _ok(name, "no config")
     cfg = spec.config
+    if cfg.model.factory is not None:
+        return _ok(name, "not checked: model.factory builds a module of unknown size")
     c = _config_json(spec)
     n = estimate_parameters(c) if c else None
     if n is None:
         return Check(
-            name, "WARN", f"cannot size the model of {cfg.model.name_or_path} from a config.json; disk not checked"
+            name,
+            "WARN",
+            f"cannot size the model of {cfg.model.factory or cfg.model.name_or_path} from a config.json; disk not checked",
         )
     if cfg.model.lora is not None:
         trainable = max(1, n // 200)  # adapters: well under 1% of the model at usual ranks

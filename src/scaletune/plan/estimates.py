@@ -200,7 +200,9 @@ def _shard(p: ParamInfo, w: int) -> int:
 
 def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool) -> int:
     """Activation bytes of one micro-batch on one rank (see the module docstring), for the first
-    stage's sequence length."""
+    stage's sequence length; a factory's model: what its meta forward saved (`ModelShape.activations`)."""
+    if shape.activations is not None:
+        return shape.activations
     cfg = spec.config
     s, b = spec.batch.max_seq_length, spec.batch.micro_batch_size
     h, i, L = shape.hidden, shape.intermediate, shape.layers

@@ -55,8 +55,14 @@ def render_table(p: Plan) -> Any:
 
 
 def describe_shape(shape: ModelShape) -> str:
-    return (
-        f"{shape.model_type or 'model'}: {shape.total:,} parameters ({shape.trainable:,} trainable), "
+    stage = f" in stage {shape.stage} (the stage that trains the most)" if shape.stage else ""
+    head = f"{shape.model_type or 'model'}: {shape.total:,} parameters ({shape.trainable:,} trainable{stage}), "
+    if shape.activations is not None:  # a factory's module: no transformer dimensions to show
+        return (
+            head
+            + f"{shape.layers} blocks; activations measured on the meta device: {shape.activations:,} bytes per micro-batch"
+        )
+    return head + (
         f"{shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads ({shape.kv_heads} kv), "
         f"MLP {shape.intermediate}, vocab {shape.vocab}"
     )

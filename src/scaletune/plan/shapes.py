@@ -43,6 +43,8 @@ class ModelShape:
     vocab: int
     lora_modules: list[tuple[int, int]] = field(default_factory=list)  # (in_features, r) per target module per layer
     model_type: str = ""
+    activations: int | None = None  # a factory's model: bytes autograd saved in a meta forward of one micro-batch
+    stage: str | None = None  # with stage patterns: the stage whose trainable set is counted (the largest)
 
     @property
     def total(self) -> int:
@@ -58,29 +60,77 @@ class ModelShape:
 
 
 def meta_model(spec: RunSpec) -> torch.nn.Module:
-    """The run's model on the meta device in its storage dtype (resolved precision), with LoRA if asked."""
-    import torch
+    """The run's Hugging Face model on the meta device (`modelsetup.meta_model`)."""
+    from scaletune.modelsetup import meta_model as build
 
-    from scaletune.models import DevicePlacement, apply_lora, load_model
+    return build(spec)
 
-    m = spec.config.model
-    model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "quantization": None})
-    model = load_model(model_cfg, DevicePlacement(None, "cpu"), meta=True)
-    if m.lora is not None:
-        with torch.device("meta"):
-            model = apply_lora(model, m.lora)
-    return model
+
+def _peak_trainable(spec: RunSpec, model: torch.nn.Module) -> tuple[set[str] | None, str | None]:
+    """With stage patterns: the names that train in the stage training the most, and its name."""
+    from scaletune.freezing import peak_stage, trainable_sets
+
+    sets = trainable_sets(model, spec.stages, numbered=bool(spec.config.stages))
+    peak = peak_stage(sets, model)
+    return (None, None) if peak is None else (set(sets[peak]), spec.stages[peak].name)
+
+
+def factory_shape(spec: RunSpec) -> ModelShape:
+    """A factory's module on the meta device: every parameter exactly, the blocks (`shard_modules`)
+    as layers, and the activations measured by running one micro-batch of the first stage's data
+    through it on the meta device (`factorycheck.meta_forward`: the bytes autograd saves; 0 with a
+    note when the data or the forward cannot run there)."""
+    from scaletune.factorycheck import meta_forward, meta_run
+
+    run = meta_run(spec)
+    model = run.loss.model
+    try:
+        activations = meta_forward(run.loss, run.batch)
+    except Exception as exc:  # an op that needs values: the estimate is left out
+        activations = 0
+        print(
+            f"[scaletune] plan: activations of {spec.config.model.factory} not measured ({type(exc).__name__}: {exc})"
+        )
+    blocks = tuple(type(m) for m in run.loss.modules() if type(m).__name__ in run.loss._no_split_modules)
+    prefixes = [n for n, m in model.named_modules() if isinstance(m, blocks)] if blocks else []
+    peak, stage = _peak_trainable(spec, model)
+    params, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            trainable = p.requires_grad if peak is None else name in peak
+            in_layer = any(name.startswith(pre + ".") for pre in prefixes)
+            params.append(ParamInfo(name, tuple(p.shape), trainable, False, in_layer))
+    hidden = max((p.shape[-1] for p in params if len(p.shape) == 2), default=0)
+    return ModelShape(
+        params=params,
+        hidden=hidden,
+        intermediate=0,
+        layers=len(prefixes),
+        heads=0,
+        kv_heads=0,
+        head_dim=0,
+        vocab=0,
+        model_type=f"factory {spec.config.model.factory}",
+        activations=activations,
+        stage=stage,
+    )
 
 
 def model_shape(spec: RunSpec) -> ModelShape:
-    """Count the parameters of the run's model exactly, from its config on the meta device."""
+    """Count the parameters of the run's model exactly, from its config on the meta device (a
+    factory's module: :func:`factory_shape`). With stage patterns, the trainable parameters are
+    those of the stage that trains the most."""
     from torch import nn
 
     from scaletune.models import decoder_layer_classes, load_config, unwrap
 
+    if spec.custom_model:
+        return factory_shape(spec)
     cfg = spec.config
     hf_cfg = load_config(cfg.model)
     model = meta_model(spec)
+    peak, stage = _peak_trainable(spec, model)
     layer_types = tuple(decoder_layer_classes(model))
     layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, layer_types)]
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear}
@@ -96,7 +146,7 @@ def model_shape(spec: RunSpec) -> ModelShape:
             ParamInfo(
                 name=name,
                 shape=tuple(p.shape),
-                trainable=bool(p.requires_grad),
+                trainable=bool(p.requires_grad) if peak is None else name in peak,
                 quantized=quant and in_layer and not is_lora and not p.requires_grad and name in linear_weights,
                 in_layer=in_layer,
             )
@@ -123,4 +173,5 @@ def model_shape(spec: RunSpec) -> ModelShape:
         vocab=int(base.get_output_embeddings().weight.shape[0]),
         lora_modules=lora_modules,
         model_type=str(getattr(text, "model_type", "")),
+        stage=stage,
     )

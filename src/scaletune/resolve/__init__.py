@@ -102,15 +102,18 @@ def resolve_stages(cfg: Config) -> list[Stage]:
         data = cfg.data
         if s.data is not None:
             given = s.data.model_dump(exclude_none=True)
-            if "train" in given or "dummy" in given:
-                # A stage's own source replaces the top level's, of either kind.
-                given.setdefault("train", None)
-                given.setdefault("dummy", None)
+            if {"train", "dummy", "factory"} & given.keys():
+                # A stage's own source replaces the top level's, of any kind.
+                for key in ("train", "dummy", "factory"):
+                    given.setdefault(key, None)
+                given.setdefault("factory_kwargs", {})
             if "eval" in given or "eval_fraction" in given:
                 given.setdefault("eval", None)
                 given.setdefault("eval_fraction", None)
             data = DataConfig.model_validate({**cfg.data.model_dump(), **given})
-        out.append(Stage(i, s.name, data, training, s.continue_schedule))
+        trainable = tuple(s.trainable) if s.trainable is not None else None
+        frozen = tuple(s.frozen) if s.frozen is not None else None
+        out.append(Stage(i, s.name, data, training, s.continue_schedule, trainable, frozen))
     return out
 
 

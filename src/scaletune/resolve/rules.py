@@ -249,9 +249,80 @@ def _environment_rules(s: RunSpec) -> list[Problem]:
     return out
 
 
+#: Model options that only mean something for a `from_pretrained` model (`model.factory` builds the
+#: module itself): key -> why.
+_HF_ONLY = {
+    "lora": "LoRA is injected into Hugging Face causal LMs; apply peft inside your factory or freeze with stages[].trainable",
+    "quantization": "bitsandbytes quantizes while from_pretrained loads; quantize inside your factory",
+    "liger": "Liger patches Hugging Face architectures",
+    "device_map": "device_map is from_pretrained's placement; a factory's module goes to the rank's device",
+}
+
+
+def _factory_rules(s: RunSpec) -> list[Problem]:
+    """`model.factory` / `data.factory`: the options that do not apply to them, and their kwargs."""
+    m, out = s.config.model, []
+    if m.factory is None:
+        for key in ("shard_modules", "factory_kwargs"):
+            if getattr(m, key):
+                out.append(
+                    Problem(
+                        "factory",
+                        f"model.{key}",
+                        f"model.{key} is given without model.factory",
+                        "add model.factory or remove it",
+                    )
+                )
+    else:
+        for key, why in _HF_ONLY.items():
+            if getattr(m, key) not in (None, False):
+                out.append(
+                    Problem(
+                        "factory",
+                        f"model.{key}",
+                        f"model.{key} cannot be used with model.factory: {why}",
+                        f"remove model.{key}",
+                    )
+                )
+    for stage in s.stages:
+        d = stage.data
+        where = "data" if not s.config.stages else f"stages.{stage.index}.data"
+        if d.factory is None:
+            if d.factory_kwargs:
+                out.append(
+                    Problem(
+                        "factory",
+                        f"{where}.factory_kwargs",
+                        f"{where}.factory_kwargs is given without a data factory",
+                        "add data.factory or remove it",
+                    )
+                )
+            continue
+        for key in ("train", "dummy", "eval"):
+            if getattr(d, key) is not None:
+                out.append(
+                    Problem(
+                        "factory",
+                        f"{where}.{key}",
+                        f"{where}.{key} and data.factory both give data",
+                        f"remove {where}.{key} (the factory returns the train and eval sets)",
+                    )
+                )
+        if d.packing:
+            out.append(
+                Problem(
+                    "factory",
+                    f"{where}.packing",
+                    f"{where}.packing applies to text data, not to a data factory's batches",
+                    "set packing: false",
+                )
+            )
+    return out
+
+
 def rule_problems(spec: RunSpec) -> list[Problem]:
     """Every cross-field rule, on the decided run."""
-    out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec)
+    out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec) + _factory_rules(spec)
     bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.world_size)
     if bad is not None:
         out.append(bad)

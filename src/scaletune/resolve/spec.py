@@ -102,13 +102,19 @@ class BatchArithmetic:
 
 @dataclass(frozen=True)
 class Stage:
-    """One curriculum stage with the top level's data and training merged under its own keys."""
+    """One curriculum stage with the top level's data and training merged under its own keys.
+
+    `trainable` / `frozen`: the stage's glob patterns over parameter names (None: not given);
+    `freezing.trainable_names` turns them into the set of parameters that train.
+    """
 
     index: int
     name: str
     data: DataConfig
     training: TrainingConfig
     continue_schedule: bool
+    trainable: tuple[str, ...] | None = None
+    frozen: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,16 @@ class RunSpec:
     def shards_params(self) -> bool:
         """FSDP or ZeRO-3: parameters partitioned over ranks."""
         return self.strategy == "fsdp" or (self.strategy == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def custom_model(self) -> bool:
+        """The model comes from `model.factory` (your own module), not `from_pretrained`."""
+        return self.config.model.factory is not None
+
+    @property
+    def freezes_per_stage(self) -> bool:
+        """Some stage names what trains (`trainable` / `frozen`)."""
+        return any(s.trainable is not None or s.frozen is not None for s in self.stages)
 
     @property
     def strategy_label(self) -> str:

@@ -94,6 +94,9 @@ class Strategy(ABC):
         self.scaler: Any = None
         #: True when the last `step` skipped the optimizer update (fp16 gradients overflowed).
         self.skipped_step = False
+        #: Frozen weights a checkpoint holds anyway: they trained in an earlier stage (the loop sets
+        #: it, `freezing.checkpointed_frozen`). Empty: checkpoints hold the trainable weights only.
+        self.checkpointed_frozen: frozenset[str] = frozenset()
         self.log = get_logger()
 
     # -- process group ---------------------------------------------------------------------
@@ -175,11 +178,28 @@ class Strategy(ABC):
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(model, self.training)
 
+    def retarget(self, trainable: frozenset[str]) -> None:
+        """Train exactly the parameters named in `trainable` (as `self.module` names them) from now
+        on: `requires_grad` set, the optimizer rebuilt over them (fresh AdamW state) and whatever the
+        engine derived from the trainable set rebuilt with it. Every rank calls it at once (a stage
+        boundary). The loop builds the stage's scheduler on the new optimizer afterwards."""
+        from scaletune.freezing import apply_trainable
+
+        assert self.module is not None
+        apply_trainable(self.module, trainable)
+        self.optimizer = self.build_optimizer(self.module)
+        self._grad_bytes = None  # measured again at the new optimizer's first step
+        self._track_gradients()
+
+    def move_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Put a micro-batch's tensors on this rank's device (other values pass through)."""
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in inputs.items()}
+
     @property
     def unwrapped(self) -> nn.Module:
-        """The Hugging Face (or peft) model inside the engine's wrapper and the loss module."""
+        """The Hugging Face (or peft) model, or the factory's module, inside the engine's wrapper and the loss module."""
         assert self.module is not None
-        return self.module.causal_lm
+        return self.module.causal_lm if hasattr(self.module, "causal_lm") else self.module.model
 
     # -- one optimizer step ----------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:
@@ -310,7 +330,15 @@ class Strategy(ABC):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # Frozen weights (a LoRA base) come from model.name_or_path, not from the checkpoint.
-        return StateDictOptions(ignore_frozen_params=True, **kw)
+        return StateDictOptions(ignore_frozen_params=not self.checkpointed_frozen, **kw)
+
+    def _checkpointed(self, model_sd: dict) -> dict:
+        """The weights a checkpoint holds: the trainable ones, the `checkpointed_frozen` ones, buffers."""
+        if not self.checkpointed_frozen:
+            return model_sd
+        assert self.module is not None
+        params = {n: p.requires_grad for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in model_sd.items() if params.get(k, True) or k in self.checkpointed_frozen}
 
     def prepare_resume(self, path: Path, world_size: int) -> None:  # noqa: B027 - a hook; most engines need none
         """Called before `wrap` when resuming from `path`, written by `world_size` ranks."""
@@ -326,14 +354,14 @@ class Strategy(ABC):
 
         assert self.module is not None and self.optimizer is not None
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "state"))
+        dcp.save({"model": self._checkpointed(model_sd), "optim": optim_sd}, checkpoint_id=str(path / "state"))
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Global shapes of the trainable weights as `save_state` names them (for resume checks)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.module is not None
-        sd = get_model_state_dict(self.module, options=self._state_options())
+        sd = self._checkpointed(get_model_state_dict(self.module, options=self._state_options()))
         return {f"model.{k}": tuple(v.shape) for k, v in sd.items()}
 
     def load_state(self, path: Path) -> None:
@@ -345,7 +373,7 @@ class Strategy(ABC):
 
         assert self.module is not None and self.optimizer is not None
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": self._checkpointed(model_sd), "optim": optim_sd}
         dcp.load(state, storage_reader=dcp_reader(path / "state"))
         set_state_dict(
             self.module,
@@ -367,9 +395,12 @@ class Strategy(ABC):
         state = self.full_state_dict()
         if self.env.is_main:
             assert state is not None
-            prefix = "causal_lm."
-            state = {k.removeprefix(prefix): v.detach().to("cpu") for k, v in state.items()}
-            self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
+            if hasattr(self.module, "save_export"):  # a factory's module: safetensors + its reference
+                self.module.save_export(out_dir, state)
+            else:
+                prefix = "causal_lm."
+                state = {k.removeprefix(prefix): v.detach().to("cpu") for k, v in state.items()}
+                self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
         self.barrier()
 
     def describe(self) -> str:

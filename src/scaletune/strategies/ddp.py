@@ -25,16 +25,28 @@ class DDPStrategy(Strategy):
 
     def wrap(self, module: nn.Module) -> None:
         check_devices(module, self.device, strategy=self.name)
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.module = module
-        self.model = DistributedDataParallel(
+        self.model = self._replicate(module)
+        self.optimizer = self.build_optimizer(module)
+        self._finish_wrap()
+
+    def _replicate(self, module: nn.Module) -> DistributedDataParallel:
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(
             module,
             device_ids=device_ids,
             find_unused_parameters=False,
             gradient_as_bucket_view=True,
         )
-        self.optimizer = self.build_optimizer(module)
-        self._finish_wrap()
+
+    def retarget(self, trainable: frozenset[str]) -> None:
+        # DDP's reducer buckets and hooks the parameters that required grad when it was built: a
+        # parameter unfrozen later would never be all-reduced, one frozen later would be waited
+        # for forever. A new wrapper over the same module builds a new reducer; dropping the old
+        # one removes its hooks.
+        super().retarget(trainable)
+        self.model = None
+        self.model = self._replicate(self.module)
 
     def micro_step(self, is_last: bool) -> contextlib.AbstractContextManager:
         # Gradients of accumulation micro-steps stay local; only the last one all-reduces.

@@ -99,6 +99,15 @@ class DeepSpeedStrategy(Strategy):
         return None  # DeepSpeed's fp16 mode scales the loss itself (dynamic, `fp16.loss_scale: 0`)
 
     def wrap(self, model: nn.Module) -> None:
+        self._keep_blocks_whole(model)
+        self._initialize(model)
+        self.log.info(
+            f"deepspeed: ZeRO-{self.spec.zero_stage}"
+            f"{', optimizer offload' if self.spec.offload_optimizer else ''}"
+            f"{', parameter offload' if self.spec.offload_params else ''}"
+        )
+
+    def _initialize(self, model: nn.Module) -> None:
         import deepspeed
 
         optimizer = self._optimizer(model)
@@ -109,11 +118,38 @@ class DeepSpeedStrategy(Strategy):
         # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
         self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
         self._finish_wrap()
-        self.log.info(
-            f"deepspeed: ZeRO-{self.spec.zero_stage}"
-            f"{', optimizer offload' if self.spec.offload_optimizer else ''}"
-            f"{', parameter offload' if self.spec.offload_params else ''}"
-        )
+
+    def _keep_blocks_whole(self, model: nn.Module) -> None:
+        """ZeRO-3: a factory's blocks (`models.factory.shard_classes`, named in the loss module's
+        `_no_split_modules`) become leaf modules, whose parameters are gathered together when the
+        block's forward starts, so code inside a block may read any of them directly."""
+        names = getattr(model, "_no_split_modules", None)
+        if self.spec.zero_stage == 3 and names:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, list({type(m) for m in model.modules() if type(m).__name__ in names}))
+
+    def retarget(self, trainable: frozenset[str]) -> None:
+        # ZeRO's optimizer flattens and partitions the parameters it was built with, and hooks their
+        # gradients: a new trainable set needs a new engine. destroy() removes the old one's hooks;
+        # under ZeRO-3 the module stays partitioned and the new engine takes the partitions over.
+        from scaletune.freezing import apply_trainable
+
+        self.engine.destroy()
+        self.engine = None
+        self._grad_bytes = None
+        apply_trainable(self.module, trainable)
+        self._initialize(self.module)
+
+    def move_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # DeepSpeed casts the module, not its inputs, to bf16/fp16: floating inputs (images,
+        # features) must match it. Token ids are integers and pass unchanged.
+        out = super().move_batch(inputs)
+        if self.compute_dtype == torch.float32:
+            return out
+        return {
+            k: v.to(self.compute_dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in out.items()
+        }
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if not self.spec.offload_optimizer:
@@ -212,8 +248,12 @@ class DeepSpeedStrategy(Strategy):
         self._resume_tag = "universal"
 
     def save_state(self, path: Path) -> None:
+        # Frozen weights that trained in an earlier stage must be saved (all frozen ones then are).
         self.engine.save_checkpoint(
-            str(path / "deepspeed"), tag="state", save_latest=False, exclude_frozen_parameters=True
+            str(path / "deepspeed"),
+            tag="state",
+            save_latest=False,
+            exclude_frozen_parameters=not self.checkpointed_frozen,
         )
 
     def load_state(self, path: Path) -> None:

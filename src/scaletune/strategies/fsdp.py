@@ -128,6 +128,20 @@ class FSDPStrategy(Strategy):
     def grad_divisor(self) -> float:
         return float(self.env.world_size)  # reduce-scatter averages over ranks
 
+    def retarget(self, trainable: frozenset[str]) -> None:
+        # FSDP2 re-reads requires_grad from each sharded parameter at every all-gather, but fixes a
+        # unit's gradient dtypes at its lazy init from the parameters trainable then: a unit that was
+        # all frozen would reduce a mixed-precision gradient in its low dtype. unshard() re-runs that
+        # (idempotent) init; with float32 compute there are no other dtypes to fix.
+        from torch.distributed.fsdp import FSDPModule
+
+        super().retarget(trainable)
+        if self.compute_dtype != torch.float32:
+            for module in self.module.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
+                    module.reshard()
+
     def step(self) -> torch.Tensor:
         norm = super().step()
         # The norm over DTensor gradients is a replicated DTensor: every rank has the total.

@@ -40,7 +40,7 @@ class SingleStrategy(Strategy):
         return super().memory_devices()
 
     def wrap(self, module: nn.Module) -> None:
-        if getattr(module.causal_lm, "hf_device_map", None) is None:
+        if getattr(getattr(module, "causal_lm", None), "hf_device_map", None) is None:
             # A device_map spreads layers over devices on purpose; otherwise one device holds all.
             check_devices(module, self.device, strategy=self.name)
         self.module = self.model = module
