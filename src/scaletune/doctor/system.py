@@ -91,10 +91,12 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
 
 
 def _config_json(spec: RunSpec) -> dict | None:
-    from scaletune.models import PRESETS
+    from scaletune.models import PRESETS, PRETRAINED, models_cache
 
     name = spec.config.model.name_or_path
     p = Path(name).expanduser()
+    if name in PRETRAINED and not p.exists():
+        p = models_cache() / name  # a pretrained preset, once prepared
     if (p / "config.json").is_file():
         try:
             return json.loads((p / "config.json").read_text())
