@@ -11,7 +11,17 @@ from scaletune.resolve import Problem, RunSpec
 #: Files whose presence makes a folder a scaletune run.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "final")
 #: What a run writes, removed when `overwrite: true` replaces it.
-RUN_OUTPUTS = (*RUN_MARKERS, "loss.png", "tensorboard", "checkpoints", "plan.json", "memory.json")
+RUN_OUTPUTS = (
+    *RUN_MARKERS,
+    "loss.png",
+    "tensorboard",
+    "checkpoints",
+    "plan.json",
+    "memory.json",
+    "samples.md",
+    "samples.jsonl",
+    "wandb",
+)
 
 
 def run_dir_problems(spec: RunSpec) -> list[Problem]:

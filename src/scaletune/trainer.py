@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from scaletune import checkpoint
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
 from scaletune.data import count_input_tokens, count_target_tokens
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
+from scaletune.inference import samples
 from scaletune.loss import CausalLMLoss, target_index
 from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics
 from scaletune.optim import make_scheduler
@@ -152,16 +154,18 @@ class Trainer:
             self.load_tokenizer()
             self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
             progress = self.read_resume()
+            base_answers = self.sample_base()
             seed_everything(self.cfg.seed)
             model = self.load_model()
             prepare_run_dir(self.spec)
             self.strategy.barrier()
             self.wrap(model, progress)
-            self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
+            self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)
             try:
                 for plan in self.plans:
                     self.run_stage(plan)
                 self.export()
+                self.sample_trained(base_answers)
             finally:
                 self.logger.close()
             self.strategy.barrier()
@@ -219,7 +223,8 @@ class Trainer:
             )
         if progress.checkpoint_format == "dcp":
             check_shapes(path, strategy.state_shapes())
-        strategy.load_state(path)
+        with checkpoint.single_process_dcp():
+            strategy.load_state(path)
         self.state.step = progress.step
         self.state.resume = progress
         self.state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
@@ -262,6 +267,8 @@ class Trainer:
             load_rng(self.spec.resume_from, self.env.rank)  # after data building, right before the next step
         done = start.stage_step if resuming_here else 0
         state.resume = None
+        if eval_loader is not None and stage.training.eval_on_start and state.step == 0:
+            self.log_eval(plan, eval_loader)
         strategy.train_mode(True)
         assert self.logger is not None
         self.logger.start_progress(plan.total, stage.name, completed=done)
@@ -281,16 +288,15 @@ class Trainer:
             if stage_step % t.log_every == 0 or last or will_save:
                 self.log_step(plan, stage_step, epoch, i, lr, result, window)
             if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
-                self.logger.log(
-                    {
-                        "step": state.step,
-                        "stage": stage.name,
-                        "eval_loss": evaluate(strategy, eval_loader),
-                        "elapsed_s": round(time.perf_counter() - state.start_time, 3),
-                    }
-                )
+                self.log_eval(plan, eval_loader)
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
+
+    def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
+        """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
+        assert self.logger is not None
+        loss, elapsed = evaluate(self.strategy, eval_loader), round(time.perf_counter() - self.state.start_time, 3)
+        self.logger.log({"step": self.state.step, "stage": plan.stage.name, "eval_loss": loss, "elapsed_s": elapsed})
 
     def log_step(
         self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list
@@ -365,15 +371,23 @@ class Trainer:
             return
         (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
         per_rank = predicted["per_rank_bytes"]
+        entry = predicted["name"] + (" (a whole replica, as one rank holds)" if self.spec.strategy == "single" else "")
         lines = [
-            f"[scaletune] memory per rank (MiB) of strategy {self.spec.strategy}: planned (plan entry "
-            f"{predicted['name']}) vs measured on rank 0:"
+            f"[scaletune] memory (MiB) of strategy {self.spec.strategy}: the plan's {entry} vs measured on rank 0:"
         ]
         for key in ("params", "grads", "optimizer"):
             lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
         peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
         lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")
         print0("\n".join(lines))
+
+    def sample_base(self) -> list[str] | None:
+        """Rank 0: the untrained model answers `training.sample_prompts` (before the training copy loads)."""
+        return samples.before_training(self.spec)
+
+    def sample_trained(self, base: list[str] | None) -> None:
+        """Rank 0: `final/` answers them too; both answers go to samples.md and the terminal."""
+        samples.after_training(self.spec, base)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
