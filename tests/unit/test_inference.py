@@ -129,3 +129,20 @@ def test_help_rewraps_docstrings_to_the_terminal():
     assert not continuation, "\n".join(continuation)
     for verb in ("chat", "generate", "eval"):
         assert any(r.startswith(f"│ {verb} ") for r in commands)
+
+
+def test_the_quickstart_config_is_valid_and_its_sample_prompts_are_held_out():
+    """examples/quickstart.yaml says its sample prompts are not in the training data: check it, on the
+    records it really reads (the list of files, cut at max_samples)."""
+    from scaletune.config import load_config
+    from tests.conftest import REPO_ROOT
+
+    cfg = load_config(REPO_ROOT / "examples" / "quickstart.yaml")
+    assert cfg.model.name_or_path == "smollm2-135m-instruct" and cfg.training.eval_on_start
+    train = cfg.data.train
+    paths = [str(REPO_ROOT / p) for p in train.path]
+    records = D.load_records(train.model_copy(update={"path": paths}))
+    assert len(records) == train.max_samples
+    asked = {p.strip().lower() for p in cfg.training.sample_prompts}
+    seen = {r["instruction"].strip().lower() for r in records}
+    assert asked and not asked & seen, asked & seen
