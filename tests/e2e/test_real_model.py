@@ -58,7 +58,7 @@ def _numel(shape) -> int:
 
 def test_a_few_lora_steps_then_eval_and_chat_on_the_run(smollm, tmp_path):
     records = json.loads(IDENTITY.read_text())
-    (tmp_path / "eval.json").write_text(json.dumps(records[16:24]))
+    (tmp_path / "eval.json").write_text(json.dumps(records[16:20]))
     cfg = {
         "output_dir": str(tmp_path / "run"),
         "seed": 7,
@@ -66,7 +66,7 @@ def test_a_few_lora_steps_then_eval_and_chat_on_the_run(smollm, tmp_path):
         "data": {
             "train": {"path": str(IDENTITY), "template": "chat", "max_samples": 16},
             "eval": {"path": str(tmp_path / "eval.json"), "template": "chat"},
-            "max_seq_length": 96,
+            "max_seq_length": 80,
         },
         "training": {
             "global_batch_size": 4,
@@ -79,12 +79,12 @@ def test_a_few_lora_steps_then_eval_and_chat_on_the_run(smollm, tmp_path):
             "eval_on_start": True,
             "save_every": 0,
             "sample_prompts": ["Who are you?"],
-            "sample_max_new_tokens": 12,
+            "sample_max_new_tokens": 8,
         },
         "distributed": {"strategy": "single", "num_processes": 1},
         "logging": {"tensorboard": False},
     }
-    proc = train(cfg, tmp_path)
+    proc = train(cfg, tmp_path, timeout=1800)  # about 40 s on 2 idle cores; CI machines may be busy
     run = tmp_path / "run"
     evals = [r["eval_loss"] for r in metrics(run) if "eval_loss" in r]
     assert metrics(run)[0]["step"] == 0 and len(evals) == 2
@@ -98,6 +98,6 @@ def test_a_few_lora_steps_then_eval_and_chat_on_the_run(smollm, tmp_path):
     ev = run_cli(["eval", str(run), "--data", str(tmp_path / "eval.json"), "--json"])
     assert ev.returncode == 0, ev.stderr[-3000:]
     assert json.loads(ev.stdout)["loss"] == pytest.approx(evals[1], rel=1e-4)
-    chat = run_cli(["chat", str(run), "--temperature", "0", "--max-new-tokens", "12"], input="Who are you?\n")
+    chat = run_cli(["chat", str(run), "--temperature", "0", "--max-new-tokens", "8"], input="Who are you?\n")
     assert chat.returncode == 0, chat.stderr[-3000:]
     assert chat.stdout.splitlines()[0] == "model> " + sample["trained"]

