@@ -158,6 +158,7 @@ class Trainer:
             seed_everything(self.cfg.seed)
             model = self.load_model()
             prepare_run_dir(self.spec)
+            samples.record_base(self.spec, base_answers)
             self.strategy.barrier()
             self.wrap(model, progress)
             self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)

@@ -43,17 +43,20 @@ def trained_answers(cfg: Config, run_dir: Path) -> list[str]:
 
 
 def before_training(spec: RunSpec) -> list[str] | None:
-    """Rank 0 of a run with sample prompts: :func:`base_answers` (written to `samples.jsonl` at once
-    when the run resumes, its directory being there). Other ranks and runs without prompts: None."""
+    """Rank 0 of a run with sample prompts: :func:`base_answers`. Other ranks and runs without
+    prompts: None."""
     cfg, run_dir = spec.config, spec.run_dir
     if not (cfg.training.sample_prompts and spec.env.is_main):
         return None
     print0(f"[scaletune] answering {len(cfg.training.sample_prompts)} sample prompts before training")
-    resuming = spec.resume_from is not None
-    answers = base_answers(cfg, run_dir, resuming)
-    if resuming:
-        write_samples(run_dir, cfg.training.sample_prompts, answers)
-    return answers
+    return base_answers(cfg, run_dir, spec.resume_from is not None)
+
+
+def record_base(spec: RunSpec, base: list[str] | None) -> None:
+    """Write the base answers as soon as the run directory exists, so they are there to read while
+    the run trains, and a resumed run reuses them rather than answering again."""
+    if base is not None:
+        write_samples(spec.run_dir, spec.config.training.sample_prompts, base)
 
 
 def after_training(spec: RunSpec, base: list[str] | None) -> None:
