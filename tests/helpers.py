@@ -51,9 +51,10 @@ def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
 
 
 def run_cli(
-    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None
+    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None, input: str | None = None
 ) -> subprocess.CompletedProcess:
-    """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU)."""
+    """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU); `input`
+    is its standard input (none: an empty one)."""
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
     full_env.update(env or {})
@@ -64,6 +65,7 @@ def run_cli(
         timeout=timeout,
         env=full_env,
         cwd=cwd or REPO_ROOT,
+        input=input if input is not None else "",
     )
 
 

@@ -1,38 +1,65 @@
-"""Metrics of a run: `metrics.jsonl`, TensorBoard and the progress bar (rank 0 only; a no-op logger on
-other ranks), and `loss.png` drawn from the metrics file."""
+"""Metrics of a run: `metrics.jsonl`, TensorBoard, Weights & Biases and the progress display
+(rank 0 only; a no-op logger on other ranks), and `loss.png` drawn from the metrics file."""
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scaletune.config import Config, redacted
 from scaletune.env import DistributedEnv, print0
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
+#: The file in `output_dir/wandb/` naming the W&B run, so a resumed run continues it.
+WANDB_ID = "scaletune-run-id"
+
+
+def _sink_key(key: str) -> str:
+    """`eval_loss` -> `eval/loss`, `loss` -> `train/loss`: the same names in TensorBoard and W&B."""
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
 
 class RunLogger:
-    """metrics.jsonl, TensorBoard and the progress bar; a no-op on ranks other than 0."""
+    """metrics.jsonl, TensorBoard, W&B and the progress display; a no-op on ranks other than 0.
 
-    def __init__(self, run_dir: Path, env: DistributedEnv, *, tensorboard: bool) -> None:
+    The progress display is a live bar when stderr is a terminal and one plain line per logged
+    step otherwise (CI logs, `nohup`, pipes), so redirected output stays readable.
+
+    Raises:
+        RuntimeError: `logging.wandb` is set and wandb is not installed (train's preflight says so first).
+    """
+
+    def __init__(self, run_dir: Path, env: DistributedEnv, cfg: Config) -> None:
         self.active = env.is_main
         self._tb = None
+        self._wandb = None
         self._file = None
         self._progress = None
+        self._lines: dict | None = None  # line mode: description, total, start time, first step
         if not self.active:
             return
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if cfg.logging.wandb is not None:
+            self._wandb = _start_wandb(cfg, run_dir)
 
     def start_progress(self, total: int, description: str, completed: int = 0) -> None:
         if not self.active:
             return
         from rich.console import Console
+
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            self._lines = {"description": description, "total": total, "t0": time.perf_counter(), "done": completed}
+            return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         if self._progress is None:
@@ -43,7 +70,7 @@ class RunLogger:
                 TextColumn("loss {task.fields[loss]}"),
                 TextColumn("{task.fields[tps]} tok/s"),
                 TimeRemainingColumn(),
-                console=Console(stderr=True),
+                console=console,
             )
             self._progress.start()
         self._task = self._progress.add_task(description, total=total, completed=completed, loss="-", tps="-")
@@ -53,27 +80,74 @@ class RunLogger:
             return
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
+        scalars = {_sink_key(k): v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step",):
-                    self._tb.add_scalar(f"{'eval' if k.startswith('eval') else 'train'}/{k}", v, record["step"])
-        if self._progress is not None and "loss" in record:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, record["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=record["step"])
+        if "loss" in record and self._progress is not None:
             self._progress.update(
                 self._task,
                 completed=record["stage_step"],
                 loss=f"{record['loss']:.4f}",
                 tps=f"{record['tokens_per_s']:,.0f}",
             )
+        elif "loss" in record and self._lines is not None:
+            print0(self._progress_line(record))
         elif "eval_loss" in record:
             print0(f"[scaletune] step {record['step']} eval_loss {record['eval_loss']:.4f}")
+
+    def _progress_line(self, record: dict) -> str:
+        lines = self._lines
+        assert lines is not None
+        done, total = record["stage_step"], lines["total"]
+        rate = (time.perf_counter() - lines["t0"]) / max(done - lines["done"], 1)
+        eta = time.strftime("%H:%M:%S", time.gmtime(rate * (total - done)))
+        return (
+            f"[scaletune] {lines['description']} {done}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"{record['tokens_per_s']:,.0f} tok/s eta {eta}"
+        )
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
         if self._file is not None:
             self._file.close()
+        sys.stderr.flush()
+
+
+def _start_wandb(cfg: Config, run_dir: Path):
+    """`wandb.init` for this run: files under `run_dir/wandb`, the resolved config with secret-looking
+    values redacted; a resumed run continues the W&B run its first start created."""
+    try:
+        import wandb
+    except ImportError:
+        raise RuntimeError("logging.wandb needs the wandb package: pip install 'scaletune[wandb]'") from None
+    w = cfg.logging.wandb
+    assert w is not None
+    folder = run_dir / "wandb"
+    folder.mkdir(parents=True, exist_ok=True)
+    id_file = folder / WANDB_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() and cfg.training.resume else None
+    run = wandb.init(
+        project=w.project,
+        entity=w.entity,
+        name=w.name,
+        group=w.group,
+        tags=w.tags or None,
+        mode=w.mode,
+        dir=str(run_dir),
+        config=redacted(cfg),
+        id=run_id,
+        resume="allow" if run_id else None,
+    )
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 def plot_losses(history: list[dict], path: Path) -> None:
@@ -135,10 +209,8 @@ def report_memory(strategy: Any, spec: RunSpec, predicted: dict | None) -> None:
     (run_dir / "plan.json").write_text(json.dumps(predicted, indent=2) + "\n")
     per_rank = predicted["per_rank_bytes"]
     stage = f", stage {predicted['stage']}" if predicted.get("stage") else ""
-    lines = [
-        f"[scaletune] memory per rank (MiB) of strategy {spec.strategy}{stage}: planned (plan entry "
-        f"{predicted['name']}) vs measured on rank 0:"
-    ]
+    entry = predicted["name"] + (" (a whole replica, as one rank holds)" if spec.strategy == "single" else "")
+    lines = [f"[scaletune] memory (MiB) of strategy {spec.strategy}{stage}: the plan's {entry} vs measured on rank 0:"]
     for key in ("params", "grads", "optimizer"):
         lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
     peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"

@@ -43,6 +43,8 @@ RUN_OUTPUTS = (
     "plan.json",
     "memory.json",
     "samples.md",
+    "samples.jsonl",
+    "wandb",
 )
 
 

@@ -24,8 +24,10 @@ import torch
 
 from scaletune.batches import TEXT, BatchKind, batch_kind, model_inputs
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
+from scaletune.checkpoint.save import single_process_dcp
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
+from scaletune.inference import samples
 from scaletune.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
 from scaletune.modelsetup import StageFreezing, loss_module
 from scaletune.optim import make_scheduler
@@ -153,16 +155,19 @@ class Trainer:
             print0(f"[scaletune] {self.strategy.describe()} ({self.spec.reason})")
             print0(f"[scaletune] {self.spec.batch.describe()}")
             progress = self.read_resume()
+            base_answers = self.sample_base()
             model = self.load_model_and_data()
             with opened_run_dir(self.spec) as run_dir:
+                samples.record_base(self.spec, base_answers)
                 self.strategy.barrier()
                 with run_dir.checking():  # a replaced run is deleted only once this passes
                     self.wrap(model, progress)
-                self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
+                self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)
                 try:
                     for plan in self.plans:
                         self.run_stage(plan)
                     self.export()
+                    self.sample_trained(base_answers)
                 finally:
                     self.logger.close()
                 self.strategy.barrier()
@@ -233,7 +238,8 @@ class Trainer:
             )
         if progress.checkpoint_format == "dcp":
             check_shapes(path, strategy.state_shapes())
-        strategy.load_state(path)
+        with single_process_dcp():
+            strategy.load_state(path)
         self.state.step = progress.step
         self.state.resume = progress
         self.state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
@@ -291,6 +297,8 @@ class Trainer:
             load_rng(self.spec.resume_from, self.env.rank)  # after data building, right before the next step
         done = start.stage_step if resuming_here else 0
         state.resume = None
+        if eval_loader is not None and stage.training.eval_on_start and state.step == 0:
+            self.log_eval(plan, eval_loader)
         strategy.train_mode(True)
         assert self.logger is not None
         self.logger.start_progress(plan.total, stage.name, completed=done)
@@ -311,16 +319,18 @@ class Trainer:
             if stage_step % t.log_every == 0 or last or will_save:
                 self.log_step(plan, stage_step, epoch, i, lr, result, window)
             if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
-                self.logger.log(
-                    {
-                        "step": state.step,
-                        "stage": stage.name,
-                        "eval_loss": evaluate(strategy, eval_loader, self.kind),
-                        "elapsed_s": round(time.perf_counter() - state.start_time, 3),
-                    }
-                )
+                self.log_eval(plan, eval_loader)
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
+
+    def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
+        """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
+        assert self.logger is not None
+        loss, elapsed = (
+            evaluate(self.strategy, eval_loader, self.kind),
+            round(time.perf_counter() - self.state.start_time, 3),
+        )
+        self.logger.log({"step": self.state.step, "stage": plan.stage.name, "eval_loss": loss, "elapsed_s": elapsed})
 
     def rebuild_schedule(self, plan: StagePlan) -> None:
         """After a re-target (a new optimizer): a stage that continues the running schedule gets it
@@ -394,6 +404,14 @@ class Trainer:
         """After the first optimizer step: `memory.json` and `plan.json` (see `metrics.report_memory`)."""
         self.state.memory_reported = True
         report_memory(self.strategy, self.spec, self.predicted_memory)
+
+    def sample_base(self) -> list[str] | None:
+        """Rank 0: the untrained model answers `training.sample_prompts` (before the training copy loads)."""
+        return samples.before_training(self.spec)
+
+    def sample_trained(self, base: list[str] | None) -> None:
+        """Rank 0: `final/` answers them too; both answers go to samples.md and the terminal."""
+        samples.after_training(self.spec, base)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""

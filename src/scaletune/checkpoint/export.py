@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from scaletune.checkpoint.resume import checkpoint_problems, read_progress
-from scaletune.checkpoint.save import latest_checkpoint
+from scaletune.checkpoint.save import latest_checkpoint, single_process_dcp
 from scaletune.config import Config, read_config
 from scaletune.errors import UserError
 from scaletune.safe_load import dcp_reader, enforce
@@ -35,7 +35,8 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     saved = reader.read_metadata().state_dict_metadata
     full = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=False))
     state = {"model": {k: v for k, v in full.items() if f"model.{k}" in saved}}
-    dcp.load(state, storage_reader=dcp_reader(path / "state"))  # no process group: reads every shard
+    with single_process_dcp():
+        dcp.load(state, storage_reader=dcp_reader(path / "state"))  # no process group: reads every shard
     return state["model"]
 
 

@@ -17,10 +17,13 @@ any point leaves `latest` naming the previous complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """torch.distributed.checkpoint without a process group warns on every save and load that it
+    assumes one process. scaletune means exactly that there (a single-process run, or an export that
+    reads every shard), and the user can do nothing about it, so that one warning is not shown."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def save_checkpoint(
     strategy: Any,
     run_dir: Path,
@@ -139,7 +152,8 @@ def save_checkpoint(
             shutil.rmtree(tmp)  # a previous attempt that died mid-save
         (tmp / "rng").mkdir(parents=True)
     strategy.barrier()
-    strategy.save_state(tmp)
+    with single_process_dcp():
+        strategy.save_state(tmp)
     torch.save(rng_state(), tmp / "rng" / f"rank-{env.rank}.pt")
     strategy.barrier()
     if fail_after_state:

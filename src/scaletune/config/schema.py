@@ -129,11 +129,17 @@ class ModelConfig(_Strict):
 class DataSource(_Strict):
     """One data set: a local JSON/JSONL/Parquet/CSV file or folder, or a Hugging Face `datasets` name."""
 
-    path: str
-    """The file, folder or data set name."""
+    path: str | list[str]
+    """The file, folder or data set name; or a list of local files of this format, read in order as
+    one source."""
     format: Literal["alpaca", "messages", "text"] = "alpaca"
     """alpaca: instruction/input/output records; messages: chat turns rendered with the chat template;
     text: plain text, all of it trained."""
+    template: Literal["alpaca", "chat"] = "alpaca"
+    """How alpaca records become text. alpaca: Stanford Alpaca's prompt (for base models); chat: a user
+    turn (the instruction, then the input after a blank line) and an assistant turn (the output)
+    rendered with the chat template, as `messages` data (for instruct models, which `scaletune chat`
+    prompts the same way). Only the output is trained either way."""
     split: str = "train"
     """The split of a `datasets` name."""
     subset: str | None = None
@@ -142,6 +148,19 @@ class DataSource(_Strict):
     """Column holding the record (text: default `text`; messages: default `messages`)."""
     max_samples: int | None = Field(None, ge=1)
     """Read at most this many records (the first ones)."""
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("give a path, or a non-empty list of files")
+        return v
+
+    @model_validator(mode="after")
+    def _template(self) -> DataSource:
+        if self.template == "chat" and self.format != "alpaca":
+            raise ValueError(f"template chat applies to format alpaca only (format {self.format} has its own)")
+        return self
 
 
 class DummyData(_Strict):
@@ -248,6 +267,14 @@ class TrainingConfig(_Strict):
     """Clip the global gradient norm (L2, all ranks) to this; null: no clipping."""
     eval_every: int = Field(50, ge=0)
     """Evaluate every N optimizer steps and at the end of each stage; 0: only at stage ends."""
+    eval_on_start: bool = False
+    """Also evaluate before the first optimizer step: metrics.jsonl then opens with a step-0 `eval_loss`
+    line, the untrained model's loss, so the curve starts at the baseline."""
+    sample_prompts: list[str] = Field(default_factory=list)
+    """Prompts the model answers before training and after it (greedy decoding, chat template where
+    the data uses one); both answers go to `samples.md` and `samples.jsonl` in the run directory."""
+    sample_max_new_tokens: int = Field(96, ge=1)
+    """Longest answer to each of `sample_prompts`, in tokens."""
     save_every: int = Field(100, ge=0)
     """Write a resumable checkpoint every N optimizer steps; 0: only at stage ends."""
     log_every: int = Field(1, ge=1)
@@ -345,14 +372,23 @@ class StageConfig(_Strict):
 
 
 class WandbConfig(_Strict):
-    """Weights & Biases logging from rank 0."""
+    """Weights & Biases logging from rank 0 through the `wandb` package (`pip install
+    'scaletune[wandb]'`). The API key comes from `wandb login` or WANDB_API_KEY, never from this
+    file; the resolved config is sent with secret-looking values redacted."""
 
     project: str
     """W&B project."""
     entity: str | None = None
-    """W&B team or user."""
+    """W&B team or user (default: your default entity)."""
     name: str | None = None
     """Run name (default: W&B's)."""
+    group: str | None = None
+    """Group runs together (e.g. the runs of one sweep)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags on the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline (files under `output_dir/wandb`, upload later with `wandb sync`) or disabled;
+    null: WANDB_MODE, else online."""
 
 
 class LoggingConfig(_Strict):

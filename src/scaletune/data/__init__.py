@@ -22,7 +22,9 @@ Formats (``DataSource.format``):
 - ``alpaca``: ``instruction``, ``input`` (optional), ``output``. The prompt is the Stanford Alpaca
   prompt (:data:`ALPACA_PROMPT`, :data:`ALPACA_PROMPT_NO_INPUT`), untrained; the target is
   ``output`` followed by the tokenizer's eos token. Prompt and target are tokenized separately, as
-  at inference the prompt is tokenized alone.
+  at inference the prompt is tokenized alone. With ``DataSource.template: chat`` the record is a user
+  turn (instruction, blank line, input) and an assistant turn (output) rendered and masked as
+  ``messages`` (:func:`alpaca_messages`).
 - ``messages``: a list of ``{role, content}`` (roles system, user, assistant) rendered with a chat
   template: ``data.chat_template`` if given, else the tokenizer's own, else :data:`CHATML_TEMPLATE`.
   Only the content of assistant turns and the template's end-of-turn text after it (``<|im_end|>``
@@ -50,6 +52,9 @@ from scaletune.data.templates import (
     ALPACA_PROMPT,
     ALPACA_PROMPT_NO_INPUT,
     CHATML_TEMPLATE,
+    alpaca_messages,
+    alpaca_prompt,
+    render_chat,
     resolve_chat_template,
     tokenizer_fingerprint,
 )
@@ -68,6 +73,8 @@ __all__ = [
     "Collator",
     "DataBundle",
     "ResumableSampler",
+    "alpaca_messages",
+    "alpaca_prompt",
     "build_custom_data",
     "build_datasets",
     "check_packing_support",
@@ -81,6 +88,7 @@ __all__ = [
     "make_eval_loader",
     "make_loader",
     "pack_rows",
+    "render_chat",
     "resolve_chat_template",
     "split_records",
     "tokenizer_fingerprint",

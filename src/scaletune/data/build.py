@@ -62,15 +62,17 @@ def _tokenize(
     import datasets
     import pyarrow.compute as pc
 
-    template = resolve_chat_template(data_cfg, tokenizer) if source.format == "messages" else ""
+    chat = source.format == "messages" or source.template == "chat"
+    template = resolve_chat_template(data_cfg, tokenizer) if chat else ""
+    fmt = "alpaca_chat" if source.format == "alpaca" and chat else source.format
     h = hashlib.sha256()
-    for part in (_CACHE_VERSION, source.format, tok_hash, str(data_cfg.max_seq_length), template):
+    for part in (_CACHE_VERSION, fmt, tok_hash, str(data_cfg.max_seq_length), template):
         h.update(part.encode() + b"\0")
     h.update(json.dumps(records, sort_keys=True, ensure_ascii=False).encode())
     key = h.hexdigest()[:32]
     cache.mkdir(parents=True, exist_ok=True)
     num_proc = data_cfg.num_workers or None
-    encoder = _Encoder(tokenizer, source.format, data_cfg.max_seq_length, template)
+    encoder = _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
     # Fail here, in this process, on what would fail for every record (no eos, a template that
     # cannot be split into turns): worker processes would re-raise it less legibly.
     try:

@@ -84,7 +84,7 @@ def load_records(source: DataSource) -> list[dict]:
 
     Accepts a local ``.json`` file (a list of objects), a ``.jsonl`` file (one object per line), a
     ``.parquet`` / ``.csv`` file, or a local folder / Hugging Face data set name, read with
-    ``datasets.load_dataset(path, subset, split=split)``.
+    ``datasets.load_dataset(path, subset, split=split)``; or a list of local files, concatenated.
 
     Returns:
         At most ``source.max_samples`` records (the first ones), each reduced to the fields of its
@@ -95,6 +95,8 @@ def load_records(source: DataSource) -> list[dict]:
             record lacks a required field or has the wrong type (file, record number counted from
             1, line for JSONL, the field). All problems are reported at once, the first 20 listed.
     """
+    if isinstance(source.path, list):
+        return _load_files(source)
     path = os.path.expanduser(source.path)
     limit = source.max_samples
     problems: list[str] = []
@@ -181,6 +183,23 @@ def _json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
             title="invalid data",
         )
     return data[:limit] if limit else data
+
+
+def _load_files(source: DataSource) -> list[dict]:
+    """The records of a list of local files, in order, as one source (at most `max_samples`)."""
+    assert isinstance(source.path, list)
+    records: list[dict] = []
+    problems: list[str] = []
+    for path in source.path:
+        if not _looks_local(path) and not Path(path).expanduser().exists():
+            problems.append(f"{path}: a list of paths holds local files only (use one source for a data set name)")
+            continue
+        try:
+            records += load_records(source.model_copy(update={"path": path, "max_samples": None}))
+        except DataError as exc:
+            problems += exc.problems
+    _raise(problems)
+    return records[: source.max_samples] if source.max_samples else records
 
 
 def _load_hf(source: DataSource, path: str) -> list[dict]:

@@ -21,6 +21,23 @@ ALPACA_PROMPT_NO_INPUT = (
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
 
+ALPACA_FIELDS = ("instruction", "input", "output")
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:
+    """Stanford Alpaca's prompt for one record (the text before the response)."""
+    return (ALPACA_PROMPT if input else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=input)
+
+
+def alpaca_messages(instruction: str, input: str, output: str | None) -> list[dict]:
+    """An alpaca record as chat turns (`DataSource.template: chat`): the user says the instruction,
+    then the input after a blank line; the assistant answers the output (left out when None, for a
+    prompt to be answered)."""
+    user = f"{instruction}\n\n{input}" if input else instruction
+    turns = [{"role": "user", "content": user}]
+    return turns if output is None else [*turns, {"role": "assistant", "content": output}]
+
+
 #: The built-in chat template (ChatML), used when neither ``data.chat_template`` nor the tokenizer
 #: has one. Each turn is ``<|im_start|>{role}\n{content}<|im_end|>\n``; the generation prompt is
 #: ``<|im_start|>assistant\n``. Trained: an assistant turn's content and its ``<|im_end|>``. The markers
@@ -34,12 +51,28 @@ CHATML_TEMPLATE = (
 )
 
 
-def resolve_chat_template(data_cfg: DataConfig, tokenizer) -> str:
-    """The Jinja chat template used for ``messages`` data: ``data.chat_template``, else the
-    tokenizer's ``chat_template``, else :data:`CHATML_TEMPLATE`. Save it with the tokenizer so the
-    trained model is prompted the way it was trained."""
+def resolve_chat_template(data_cfg: DataConfig | None, tokenizer) -> str:
+    """The Jinja chat template used for ``messages`` data (and alpaca records with ``template: chat``):
+    ``data.chat_template``, else the tokenizer's ``chat_template``, else :data:`CHATML_TEMPLATE`.
+    Save it with the tokenizer so the trained model is prompted the way it was trained."""
     own = getattr(tokenizer, "chat_template", None)
-    return data_cfg.chat_template or (own if isinstance(own, str) else None) or CHATML_TEMPLATE
+    mine = data_cfg.chat_template if data_cfg is not None else None
+    return mine or (own if isinstance(own, str) else None) or CHATML_TEMPLATE
+
+
+def render_chat(tokenizer, template: str, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+    """Each conversation rendered to text with the Jinja `template` (and the tokenizer's special
+    tokens as template variables): the one rendering of training data and of inference prompts, which
+    are then tokenized without added special tokens."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=conversations,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        **tokenizer.special_tokens_map,
+    )
+    return rendered
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -98,13 +131,13 @@ class _Encoder:
 
     def _alpaca(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
         eos = self._eos()
-        prompts = [
-            (ALPACA_PROMPT if inp else ALPACA_PROMPT_NO_INPUT).format(instruction=ins, input=inp)
-            for ins, inp in zip(batch["instruction"], batch["input"])
-        ]
+        prompts = [alpaca_prompt(ins, inp) for ins, inp in zip(batch["instruction"], batch["input"])]
         prompt_ids = self.tok(prompts, add_special_tokens=True)["input_ids"]
         target_ids = self.tok(batch["output"], add_special_tokens=False)["input_ids"]
         return [(p + t + [eos], [IGNORE_INDEX] * len(p) + t + [eos]) for p, t in zip(prompt_ids, target_ids)]
+
+    def _alpaca_chat(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
+        return self._messages({"messages": [alpaca_messages(*r) for r in zip(*(batch[k] for k in ALPACA_FIELDS))]})
 
     def _text(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
         eos = self._eos()
@@ -115,15 +148,7 @@ class _Encoder:
         return out
 
     def _render(self, convs: list[list[dict]], add_generation_prompt: bool) -> list[str]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        rendered, _ = render_jinja_template(
-            conversations=convs,
-            chat_template=self.template,
-            add_generation_prompt=add_generation_prompt,
-            **self.tok.special_tokens_map,
-        )
-        return rendered
+        return render_chat(self.tok, self.template, convs, add_generation_prompt)
 
     def _messages(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
         # Assistant spans are found on the rendered text, then mapped to tokens through the offsets

@@ -17,6 +17,7 @@ from scaletune.doctor.checks import (
     check_liger,
     check_processes_vs_gpus,
     check_quantization,
+    check_wandb,
 )
 from scaletune.doctor.checks import (
     _version as _version,
@@ -45,6 +46,7 @@ __all__ = [
     "check_port",
     "check_processes_vs_gpus",
     "check_quantization",
+    "check_wandb",
     "checks",
     "comm_test",
     "environment_problems",
@@ -68,6 +70,7 @@ def _environment_checks(spec: RunSpec | None, env: DistributedEnv, e: Mapping[st
         check_liger(env, spec),
         check_checkpointing(env, spec),
         check_deepspeed_ops(spec),
+        check_wandb(spec),
         *check_nccl_env(env, e),
         check_disk(spec),
         check_port(env, e),
@@ -92,6 +95,7 @@ def checks(
         check_checkpointing(env, spec),
         check_batch(spec),
         check_deepspeed_ops(spec),
+        check_wandb(spec),
         *check_nccl_env(env, e),
         check_disk(spec),
         check_port(env, e),

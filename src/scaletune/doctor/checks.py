@@ -214,6 +214,22 @@ def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
     return _ok(name, f"Liger kernels on GPU with liger-kernel {_version('liger-kernel')}")
 
 
+def check_wandb(spec: RunSpec | None) -> Check:
+    """`logging.wandb` needs the wandb package (checked without importing it)."""
+    name = "wandb"
+    if spec is None or spec.config.logging.wandb is None:
+        return _ok(name, "logging.wandb off")
+    if _version("wandb") is None:
+        return Check(
+            name,
+            "FAIL",
+            "logging.wandb needs the wandb package, which is not installed",
+            "pip install 'scaletune[wandb]'",
+            fatal=True,
+        )
+    return _ok(name, f"wandb {_version('wandb')}, project {spec.config.logging.wandb.project}")
+
+
 def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
     """DDP + LoRA + reentrant checkpointing fails with 'Expected to mark a variable ready only once'.
     Guards scaletune's own default: the checkpointing it enables must stay non-reentrant."""

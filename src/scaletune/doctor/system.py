@@ -91,12 +91,14 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
 
 
 def _config_json(spec: RunSpec) -> dict | None:
-    from scaletune.models import PRESETS
+    from scaletune.models import PRESETS, PRETRAINED, models_cache
 
     name = spec.config.model.name_or_path
     if name is None or spec.config.model.factory is not None:
         return None  # a factory's module: no config.json to size it from
     p = Path(name).expanduser()
+    if name in PRETRAINED and not p.exists():
+        p = models_cache() / name  # a pretrained preset, once prepared
     if (p / "config.json").is_file():
         try:
             return json.loads((p / "config.json").read_text())

@@ -95,17 +95,24 @@ def plan_inputs(config: dict[str, Any], cwd: Path) -> ModalPlan:
     cfg = yaml.safe_load(yaml.safe_dump(config))  # deep copy of plain data
     mounts: dict[str, str] = {}
 
-    def localize(holder: dict | None, key: str) -> None:
-        if not isinstance(holder, dict) or not isinstance(holder.get(key), str):
-            return
-        p = Path(holder[key]).expanduser()
+    def mounted(value: str) -> str:
+        p = Path(value).expanduser()
         p = p if p.is_absolute() else cwd / p
         if not p.exists():
-            return
+            return value
         local = str(p.resolve())
         if local not in mounts:
             mounts[local] = str(PurePosixPath(REMOTE_INPUTS) / f"{len(mounts)}-{p.name}")
-        holder[key] = mounts[local]
+        return mounts[local]
+
+    def localize(holder: dict | None, key: str) -> None:
+        if not isinstance(holder, dict):
+            return
+        value = holder.get(key)
+        if isinstance(value, str):
+            holder[key] = mounted(value)
+        elif isinstance(value, list):  # data.train.path: a list of files
+            holder[key] = [mounted(v) if isinstance(v, str) else v for v in value]
 
     localize(cfg.get("model"), "name_or_path")
     localize(cfg.get("model"), "tokenizer")

@@ -1,8 +1,8 @@
 """Models: presets, loading, device placement, adapters (LoRA, quantization, Liger, compile) and introspection."""
 
 # Everything that turns `model:` of the YAML into a `torch.nn.Module` lives in this package.
-# Submodules, bottom up (each imports only those before it): introspection; placement, presets;
-# loading; adapters. The names below are the package's interface: import them from
+# Submodules, bottom up (each imports only those before it): introspection; placement, pretrained,
+# presets; loading; adapters. The names below are the package's interface: import them from
 # `scaletune.models`. Callers that look a function up on this package at call time (doctor reads
 # `models.enable_gradient_checkpointing`) see what is bound here, so patching the package reaches them.
 
@@ -32,6 +32,7 @@ from scaletune.models.presets import (
     init_model,
     preset_config,
 )
+from scaletune.models.pretrained import PRETRAINED, copy_pretrained, models_cache, pretrained_path
 
 _unwrap = unwrap  # the name before the split; plan.py imports it
 
@@ -40,12 +41,14 @@ __all__ = [
     "LORA_TARGETS",
     "OLMO2_TOKENIZER",
     "PRESETS",
+    "PRETRAINED",
     "DevicePlacement",
     "Preset",
     "apply_liger_kernels",
     "apply_lora",
     "bnb_config",
     "compile_decoder_layers",
+    "copy_pretrained",
     "decoder_layer_classes",
     "enable_gradient_checkpointing",
     "get_preset",
@@ -56,9 +59,11 @@ __all__ = [
     "load_tokenizer",
     "lora_target_modules",
     "max_positions",
+    "models_cache",
     "parameter_counts",
     "prepare_model",
     "preset_config",
+    "pretrained_path",
     "require_liger",
     "resolve_device_map",
     "unwrap",

@@ -9,8 +9,10 @@ checkpointing, `torch.compile` of the decoder layers and Liger's kernels, and
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from scaletune.config import LoraConfig, ModelConfig
@@ -156,7 +158,18 @@ def apply_lora(model: Any, lora: LoraConfig | Mapping | peft.LoraConfig) -> peft
     peft_cfg = _to_peft_config(model, lora)
     if is_quantized(model):
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return peft.get_peft_model(model, peft_cfg)
+    with quiet_peft():
+        return peft.get_peft_model(model, peft_cfg)
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Around peft's model wrapping: peft (0.17 to 0.21) reads the deprecated
+    `model.is_gradient_checkpointing` when it wraps a model, and transformers 5 then warns on every
+    LoRA run and adapter load about a call that is neither ours nor the user's to change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def enable_gradient_checkpointing(model: Any, *, use_reentrant: bool = False) -> None:

@@ -20,6 +20,7 @@ from scaletune.config import ModelConfig, QuantizationConfig
 from scaletune.env import get_logger
 from scaletune.errors import UserError
 from scaletune.models.presets import PRESETS
+from scaletune.models.pretrained import PRETRAINED, no_load_bars, pretrained_path
 
 if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --help` stays fast
     import torch
@@ -48,12 +49,16 @@ def _looks_local(name: str) -> bool:
 
 
 def _resolve_source(name: str, key: str, *, need_config: bool) -> str:
-    """The path or hub id to hand to `from_pretrained`.
+    """The path or hub id to hand to `from_pretrained`: an existing path as given, a pretrained
+    preset's name (`smollm2-135m-instruct`) as its cached folder (fetched on first use), else a hub id.
 
     Raises:
         UserError: a local-looking path that does not exist, or a folder without config.json.
+        RuntimeError: a pretrained preset that could not be fetched.
     """
     p = Path(name).expanduser()
+    if name in PRETRAINED and not p.exists():
+        return str(pretrained_path(name))
     if p.exists():
         if need_config and p.is_dir() and not (p / "config.json").is_file():
             raise UserError(
@@ -264,7 +269,8 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     if placement.message:
         log.info(placement.message)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        with no_load_bars():
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except ValueError as exc:
         if _is_remote_code_refusal(exc):
             raise _remote_code_error("model.name_or_path", name, exc) from exc

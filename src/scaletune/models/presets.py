@@ -205,10 +205,12 @@ def get_preset(name: str) -> Preset:
     Raises:
         UserError: no such preset; the message lists them all.
     """
+    from scaletune.models.pretrained import PRETRAINED
+
     try:
         return PRESETS[name]
     except KeyError:
-        listing = "; ".join(f"{p.name} ({p.description})" for p in PRESETS.values())
+        listing = "; ".join(f"{p.name} ({p.description})" for p in [*PRETRAINED.values(), *PRESETS.values()])
         raise UserError(f"unknown model preset {name!r}; presets: {listing}", title="unknown preset") from None
 
 

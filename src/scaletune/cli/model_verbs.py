@@ -1,0 +1,153 @@
+"""Verbs that talk to a trained run or any model: `chat`, `generate`, `eval`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from scaletune.cli import app
+
+TargetArg = Annotated[
+    str,
+    typer.Argument(
+        help="A run directory (its final/), a model or LoRA adapter folder, a pretrained preset name "
+        "(smollm2-135m-instruct) or a hub id."
+    ),
+]
+DtypeOpt = Annotated[
+    str, typer.Option(help="Weights dtype: auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16.")
+]
+TemplateOpt = Annotated[
+    str,
+    typer.Option(
+        help="Prompt format: auto (as the run trained; else the chat template if the tokenizer has one), "
+        "chat, alpaca or none."
+    ),
+]
+MaxNewOpt = Annotated[int, typer.Option(min=1, help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float, typer.Option(min=0.0, help="0: greedy (deterministic); above 0: sampling.")]
+TopPOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass (with temperature > 0).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of sampling.")]
+TrustOpt = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Run Python code shipped in the model folder (off by default).")
+]
+
+
+def _load(target: str, dtype: str, template: str, trust_remote_code: bool):
+    from scaletune.env import get_logger
+    from scaletune.inference import load_for_inference
+
+    get_logger()  # scaletune's messages (model loaded, fetches) go to stderr
+    return load_for_inference(target, dtype=dtype, template=template, trust_remote_code=trust_remote_code)
+
+
+@app.command()
+def chat(
+    target: TargetArg,
+    system: Annotated[str | None, typer.Option(help="System message opening the conversation.")] = None,
+    max_new_tokens: MaxNewOpt = 256,
+    temperature: TemperatureOpt = 0.7,
+    top_p: TopPOpt = 0.9,
+    seed: SeedOpt = 0,
+    dtype: DtypeOpt = "auto",
+    template: TemplateOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Talk to a model: each line you type is answered as the tokens arrive, with the whole
+    conversation as context. /reset forgets it; /exit or Ctrl-D ends. Reads standard input, so
+    `echo "Who are you?" | scaletune chat RUN` works too."""
+    from scaletune.inference import Sampling
+    from scaletune.inference.chat import HELP, chat_loop
+
+    loaded = _load(target, dtype, template, trust_remote_code)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        typer.echo(f"{loaded.description}\n{HELP}", err=True)
+
+    def read(prompt: str) -> str:
+        if interactive:
+            return input(prompt)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    chat_loop(loaded, sampling, read=read, out=sys.stdout, system=system)
+
+
+@app.command()
+def generate(
+    target: TargetArg,
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            help="Prompts: .txt (one per line), .jsonl (objects with `prompt` or `messages`) or .json (a list)."
+        ),
+    ],
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="JSONL file to write (default: stdout).")
+    ] = None,
+    max_new_tokens: MaxNewOpt = 256,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 0.9,
+    seed: SeedOpt = 0,
+    batch_size: Annotated[int, typer.Option(min=1, help="Prompts generated together.")] = 8,
+    dtype: DtypeOpt = "auto",
+    template: TemplateOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Answer every prompt of a file, in batches; write one JSON object per prompt
+    ({"prompt", "response"}) to a JSONL file or standard output."""
+    from scaletune.inference import Sampling, read_prompts
+    from scaletune.inference import generate as run_generate
+
+    items = read_prompts(prompts)
+    loaded = _load(target, dtype, template, trust_remote_code)
+    sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    answers = run_generate(loaded, items, sampling, batch_size=batch_size)
+    text = "".join(json.dumps({"prompt": p, "response": a}, ensure_ascii=False) + "\n" for p, a in zip(items, answers))
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        typer.echo(f"{len(answers)} answers written to {output}", err=True)
+
+
+@app.command("eval")
+def eval_(
+    target: TargetArg,
+    data: Annotated[str, typer.Option(help="Data file, folder or data set name (as data.train.path).")],
+    format: Annotated[
+        str | None, typer.Option("--format", help="alpaca, messages or text (default: the run's, else alpaca).")
+    ] = None,
+    field: Annotated[str | None, typer.Option(help="Column holding the records (text / messages).")] = None,
+    max_seq_length: Annotated[
+        int | None, typer.Option(min=8, help="Tokens per example (default: the run's, else 1024).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Examples per forward pass.")] = 8,
+    dtype: DtypeOpt = "auto",
+    template: TemplateOpt = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Mean loss and perplexity on a data set, over the tokens training would train (the same
+    prompt format, masking and truncation), so it compares with eval_loss in metrics.jsonl."""
+    from scaletune.errors import UserError
+    from scaletune.inference.evaluate import eval_data_config, evaluate
+
+    if format is not None and format not in ("alpaca", "messages", "text"):
+        raise UserError(f"--format {format}: use alpaca, messages or text", title="invalid arguments")
+    loaded = _load(target, dtype, template, trust_remote_code)
+    result = evaluate(loaded, eval_data_config(loaded, data, format, max_seq_length, field), batch_size=batch_size)
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(
+        f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  "
+        f"({result['target_tokens']:,} target tokens in {result['examples']} examples; {loaded.description})"
+    )
