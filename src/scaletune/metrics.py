@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from scaletune.env import DistributedEnv, print0
+from scaletune.report import reporter
 
 
 class RunLogger:
@@ -49,6 +50,7 @@ class RunLogger:
             return
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
+        reporter().add("metric", record)  # to `scaletune serve` when it watches this run
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step",):
@@ -64,6 +66,8 @@ class RunLogger:
             print0(f"[scaletune] step {record['step']} eval_loss {record['eval_loss']:.4f}")
 
     def close(self) -> None:
+        if self.active:
+            reporter().flush()
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:

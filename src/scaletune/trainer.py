@@ -29,6 +29,7 @@ from scaletune.errors import UserError
 from scaletune.loss import CausalLMLoss, target_index
 from scaletune.metrics import RunLogger, plot_losses, read_metrics, truncate_metrics, write_memory_report
 from scaletune.optim import make_scheduler
+from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
 from scaletune.rundir import opened as opened_run_dir
 from scaletune.stages import StagePlan, plan_stages, stage_loaders
@@ -149,10 +150,12 @@ class Trainer:
             print0(f"[scaletune] {self.env.describe()}")
             print0(f"[scaletune] {self.strategy.describe()} ({self.spec.reason})")
             print0(f"[scaletune] {self.spec.batch.describe()}")
+            self.report("phase", phase="loading data")
             self.load_tokenizer()
             self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
             progress = self.read_resume()
             seed_everything(self.cfg.seed)
+            self.report("phase", phase="loading model")
             model = self.load_model()
             with opened_run_dir(self.spec) as run_dir:
                 self.strategy.barrier()
@@ -161,14 +164,24 @@ class Trainer:
                 self.logger = RunLogger(self.spec.run_dir, self.env, tensorboard=self.cfg.logging.tensorboard)
                 try:
                     for plan in self.plans:
+                        self.report("phase", phase="training", stage=plan.stage.name)
                         self.run_stage(plan)
+                    self.report("phase", phase="exporting")
                     self.export()
+                except RunStopped:  # checkpoint saved, no export: resumable, not finished
+                    self.report("stopped on request", step=self.state.step)
                 finally:
                     self.logger.close()
                 self.strategy.barrier()
         return self.spec.run_dir
 
     # -- steps -----------------------------------------------------------------------------
+    def report(self, kind: str, **data: Any) -> None:
+        """A phase, checkpoint or stop: a log line, and a post (kind: its last word) to `scaletune serve`."""
+        print0(f"[scaletune] {kind}: " + " ".join(f"{k}={v}" for k, v in data.items()))
+        if self.env.is_main:
+            reporter().add(kind.split()[-1], data, flush=True)
+
     def load_tokenizer(self) -> None:
         from scaletune.models import load_tokenizer
 
@@ -290,7 +303,8 @@ class Trainer:
             window[1] += float(result.tokens)
             last = stage_step == plan.total
             t = stage.training
-            will_save = last or bool(t.save_every and state.step % t.save_every == 0)
+            stop = not last and stop_agreed(strategy.all_reduce_sum)  # `scaletune serve` asked to stop
+            will_save = last or stop or bool(t.save_every and state.step % t.save_every == 0)
             if stage_step % t.log_every == 0 or last or will_save:
                 self.log_step(plan, stage_step, epoch, i, lr, result, window)
             if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
@@ -304,6 +318,8 @@ class Trainer:
                 )
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
+            if stop:
+                raise RunStopped()
 
     def log_step(
         self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list
@@ -336,6 +352,7 @@ class Trainer:
             )
 
     def save(self, plan: StagePlan, stage_step: int, epoch: int, i: int, last: bool) -> None:
+        self.report("phase", phase="checkpointing", step=self.state.step)
         next_epoch, next_step = (epoch, i + 1) if i + 1 < plan.steps_per_epoch else (epoch + 1, 0)
         progress = Progress(
             step=self.state.step,
@@ -354,7 +371,7 @@ class Trainer:
         path = save_checkpoint(
             self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep
         )
-        print0(f"[scaletune] saved checkpoint {path}")
+        self.report("saved checkpoint", step=self.state.step, path=str(path))
 
     def report_memory(self) -> None:
         """After the first optimizer step: every rank measures what it holds; rank 0 writes
