@@ -43,8 +43,12 @@ def apply_report(svc: JobService, s: Any, job: Job, kind: str, data: dict) -> in
     return 0
 
 
+_FIELD = re.compile(r"(\w+)=(.*?)(?= \w+=|$)")
+
+
 def _log_fields(rest: str) -> dict:
-    return dict(kv.split("=", 1) for kv in rest.split() if "=" in kv)
+    """`phase=loading data stage=main` (Trainer.report's line) as a mapping."""
+    return dict(_FIELD.findall(rest))
 
 
 def read_outputs(svc: JobService, s: Any, job: Job) -> None:
