@@ -1,6 +1,5 @@
 """The FastAPI app: the REST API of the job service (OpenAPI at /docs) and the web page (web.py)."""
 
-
 import asyncio
 import contextlib
 import json
