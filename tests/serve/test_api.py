@@ -42,6 +42,7 @@ def test_submit_streams_to_succeeded(server, uninterrupted):
     assert {d["phase"] for _, k, d in events if k == "state" and d.get("phase")} >= {"loading model", "training"}
     metric_steps = [d["step"] for _, k, d in events if k == "metric"]
     assert metric_steps == [1, 2, 3, 4]
+    assert server.svc.posted.get(job_id, 0) >= 4  # rank 0 posted its lines (the file is the fallback)
     ids = [int(i) for i, k, _ in events if k != "heartbeat"]  # a heartbeat repeats the last id
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
     assert (out / "final" / "config.json").is_file()

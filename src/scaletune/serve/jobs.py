@@ -49,6 +49,7 @@ class JobService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
+        self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
 
     # -- records ---------------------------------------------------------------------------
     def files(self, job: Job) -> JobFiles:
@@ -223,6 +224,7 @@ class JobService:
             job = self._need(s, job_id)
             n = sum(apply_report(self, s, job, e.get("kind", ""), e.get("data") or {}) for e in events)
             s.commit()
+            self.posted[job_id] = self.posted.get(job_id, 0) + len(events)
             return n
 
     def add_metric(self, s: Any, job: Job, record: dict) -> bool:
