@@ -59,7 +59,10 @@ def read_outputs(svc: JobService, s: Any, job: Job) -> None:
         svc.add_metric(s, job, record)
     for name in ("train.log", *(p.name for p in Path(job.job_dir).glob("slurm-*.out"))):
         for line in svc.read_new(job, name).splitlines():
-            m = _REPORT.match(line.split("]: ", 1)[-1] if line.startswith("[rank") else line)
+            text = line.split("]: ", 1)[-1] if line.startswith("[rank") else line
+            if text.startswith(("[scaletune]", "error:", "Traceback", "scaletune:")):
+                svc.event(s, job, "log", {"line": line})  # scaletune's own lines; the rest via /logs
+            m = _REPORT.match(text)
             if not m:
                 continue
             fields = _log_fields(m.group(2))
@@ -69,7 +72,6 @@ def read_outputs(svc: JobService, s: Any, job: Job) -> None:
                 apply_report(
                     svc, s, job, "checkpoint", {"step": int(fields.get("step", 0)), "path": fields.get("path")}
                 )
-            svc.event(s, job, "log", {"line": line})
 
 
 def settle(svc: JobService, s: Any, job: Job, code: int | None) -> None:
