@@ -28,9 +28,10 @@ class JobRequest(BaseModel):
 
 
 class ResumeRequest(BaseModel):
-    checkpoint: str | None = None
-    target: str | None = None
-    resources: dict[str, Any] | None = None
+    checkpoint: str | None = Field(None, description="A checkpoints/step-N folder; default: the latest.")
+    target: str | None = Field(None, description="Another target; default: the job's.")
+    resources: dict[str, Any] | None = Field(None, description="Other resources (e.g. more ranks).")
+    overrides: list[str] = Field(default_factory=list, description="Added overrides, e.g. distributed.num_processes=2.")
 
 
 class CloneRequest(BaseModel):
@@ -168,7 +169,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         req = req or ResumeRequest()
         job_or_404(job_id)
         try:
-            return svc.resume(job_id, req.checkpoint, req.target, req.resources).summary()
+            return svc.resume(job_id, req.checkpoint, req.target, req.resources, req.overrides).summary()
         except UserError as exc:
             return bad(exc)
 

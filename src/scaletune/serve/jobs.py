@@ -178,14 +178,27 @@ class JobService:
             s.commit()
             return job
 
-    def resume(self, job_id: str, checkpoint: str | None, target: str | None, resources: dict | None) -> Job:
+    def resume(
+        self,
+        job_id: str,
+        checkpoint: str | None,
+        target: str | None,
+        resources: dict | None,
+        overrides: list[str] = (),  # type: ignore[assignment]
+    ) -> Job:
         """Queue a stopped / failed / cancelled job again from `checkpoint` (default: its latest),
-        possibly on another target or world size."""
+        possibly on another target or world size (`resources`, or `overrides` such as
+        distributed.num_processes=2: the checkpoint is resharded as `scaletune train` does).
+
+        Raises:
+            UserError: the job is not resumable, or the resumed run does not pass the checks.
+        """
         with self.lock, self.Session() as s:
             job = self._need(s, job_id)
             if job.state not in S.RESUMABLE:
                 raise UserError(f"job {job_id} is {job.state}: only a stopped, failed or cancelled job resumes")
-            overrides = [o for o in job.overrides if not o.startswith("training.resume=")]
+            added = list(overrides)
+            overrides = [o for o in job.overrides if not o.startswith("training.resume=")] + added
             overrides.append(f"training.resume={checkpoint or 'auto'}")
             self.prepare_job(
                 job.config_yaml, overrides, target or job.target, resources or job.resources, job_id=job.id

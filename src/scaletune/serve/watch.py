@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from scaletune.errors import UserError
 from scaletune.serve import states as S
-from scaletune.serve.db import Job
+from scaletune.serve.db import Event, Job
 
 if TYPE_CHECKING:
     from scaletune.serve.jobs import JobService
@@ -34,11 +34,11 @@ def apply_report(svc: JobService, s: Any, job: Job, kind: str, data: dict) -> in
         svc.event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
         return 1
     if kind == "checkpoint":
-        known = {e for e in (job.resources or {}).get("_checkpoints", [])}
-        if data.get("path") in known:
-            return 0
+        s.flush()
+        known = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint"))
+        if any(d.get("path") == data.get("path") for d in known):
+            return 0  # posted by the run and read from its log: once
         svc.event(s, job, "checkpoint", data)
-        job.resources = {**(job.resources or {}), "_checkpoints": sorted(known | {data.get("path")})}
         return 1
     return 0
 
@@ -82,7 +82,7 @@ def settle(svc: JobService, s: Any, job: Job, code: int | None) -> None:
     final = (Path(job.run_dir) / "final").is_dir()
     if code == 0 and final:
         svc.set_state(s, job, S.SUCCEEDED, phase=None)
-    elif code == 0 and job.stop_requested:
+    elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
         svc.set_state(s, job, S.STOPPED, phase=None)
     else:
         tail = svc.dispatchers[job.target].logs(svc.files(job))[-4000:]
