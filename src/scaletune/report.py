@@ -83,6 +83,8 @@ def stop_agreed(all_reduce_sum: Callable) -> bool:
     Args:
         all_reduce_sum: the strategy's sum over ranks of a CPU tensor.
     """
+    if not os.environ.get(STOP_ENV):  # not watched (the same on every rank): no collective, no sync
+        return False
     import torch
 
     return float(all_reduce_sum(torch.tensor([float(stop_requested())], dtype=torch.float64))[0]) > 0
