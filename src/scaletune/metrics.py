@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from scaletune.config import Config, redacted
 from scaletune.env import DistributedEnv, print0
+from scaletune.report import reporter
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
@@ -80,6 +81,7 @@ class RunLogger:
             return
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
+        reporter().add("metric", record)  # to `scaletune serve` when it watches this run
         scalars = {_sink_key(k): v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -110,6 +112,8 @@ class RunLogger:
         )
 
     def close(self) -> None:
+        if self.active:
+            reporter().flush()
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:

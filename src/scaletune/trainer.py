@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 
 import torch
 
-from scaletune.batches import TEXT, BatchKind, batch_kind, model_inputs
+from scaletune.batches import batch_kind, model_inputs
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
 from scaletune.checkpoint.save import single_process_dcp
 from scaletune.env import get_logger, print0, set_rank
@@ -31,82 +30,15 @@ from scaletune.inference import samples
 from scaletune.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
 from scaletune.modelsetup import StageFreezing, loss_module
 from scaletune.optim import make_scheduler
+from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
 from scaletune.rundir import opened as opened_run_dir
 from scaletune.stages import StagePlan, plan_stages, stage_loaders
+from scaletune.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
 from scaletune.strategies import make_strategy
-from scaletune.strategies.base import Strategy, torn_down
-
-
-class DivergenceError(RuntimeError):
-    """A non-finite loss or gradient norm: the run stops before any checkpoint of that state."""
-
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initial weights (LoRA init included) everywhere."""
-    import numpy as np
-
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-
+from scaletune.strategies.base import torn_down
 
 __all__ = ["DivergenceError", "StepResult", "Trainer", "evaluate", "model_inputs", "seed_everything", "train_step"]
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # global mean token loss (0-dim, on device)
-    grad_norm: torch.Tensor
-    tokens: torch.Tensor  # non-padding tokens, global count
-    skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
-
-
-def train_step(
-    strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]], kind: BatchKind = TEXT, check_units: bool = False
-) -> StepResult:
-    """Forward/backward every micro-batch of this rank's share of the global batch, then step.
-
-    The loss of each micro-batch is its summed token loss divided by the target tokens of the
-    whole global batch (all-reduced first), so accumulation and world size do not change the step.
-    `kind` says how batches are read and counted (`batches.TEXT`, `batches.CUSTOM`); `check_units`
-    compares a factory module's own count of its first micro-batch with the loop's.
-    """
-    device = strategy.device
-    counts = torch.tensor(
-        [sum(kind.targets(mb) for mb in micro_batches), sum(kind.tokens(mb) for mb in micro_batches)],
-        dtype=torch.float64,
-    )
-    counts = strategy.all_reduce_sum(counts)
-    denominator = counts[0].clamp(min=1).to(device, torch.float32)
-    loss_total = torch.zeros((), dtype=torch.float32, device=device)
-    n = len(micro_batches)
-    for i, mb in enumerate(micro_batches):
-        inputs = strategy.move_batch(kind.inputs(mb))
-        with strategy.micro_step(is_last=i == n - 1):
-            with strategy.forward_context():
-                loss = strategy.model(**inputs) / denominator
-            if check_units and i == 0 and kind.checks_units:
-                strategy.module.check_units(kind.targets(mb))
-            strategy.backward(loss)
-        loss_total += loss.detach()
-    grad_norm = strategy.step()
-    return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[1], strategy.skipped_step)
-
-
-@torch.no_grad()
-def evaluate(strategy: Strategy, loader: Any, kind: BatchKind = TEXT) -> float:
-    """Mean token loss (loss per target unit) over the whole eval set (all ranks)."""
-    strategy.train_mode(False)
-    total = torch.zeros(2, dtype=torch.float64)
-    for mb in loader:
-        inputs = strategy.move_batch(kind.inputs(mb))
-        with strategy.forward_context():
-            total[0] += float(strategy.model(**inputs))
-        total[1] += kind.targets(mb)
-    strategy.train_mode(True)
-    total = strategy.all_reduce_sum(total).cpu()
-    return float(total[0] / max(total[1], 1))
 
 
 @dataclass
@@ -165,9 +97,13 @@ class Trainer:
                 self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)
                 try:
                     for plan in self.plans:
+                        self.report("phase", phase="training", stage=plan.stage.name)
                         self.run_stage(plan)
+                    self.report("phase", phase="exporting")
                     self.export()
                     self.sample_trained(base_answers)
+                except RunStopped:  # checkpoint saved, no export: resumable, not finished
+                    self.report("stopped on request", step=self.state.step)
                 finally:
                     self.logger.close()
                 self.strategy.barrier()
@@ -180,13 +116,23 @@ class Trainer:
         tokenizer or processor the model factory returns."""
         if self.spec.custom_model:
             seed_everything(self.cfg.seed)
+            self.report("phase", phase="loading model")
             model = self.load_model()
+            self.report("phase", phase="loading data")
             self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
             return model
+        self.report("phase", phase="loading data")
         self.load_tokenizer()
         self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
         seed_everything(self.cfg.seed)
+        self.report("phase", phase="loading model")
         return self.load_model()
+
+    def report(self, kind: str, **data: Any) -> None:
+        """A phase, checkpoint or stop: a log line, and a post (kind: its last word) to `scaletune serve`."""
+        print0(f"[scaletune] {kind}: " + " ".join(f"{k}={v}" for k, v in data.items()))
+        if self.env.is_main:
+            reporter().add(kind.split()[-1], data, flush=True)
 
     def load_tokenizer(self) -> None:
         from scaletune.models import load_tokenizer
@@ -315,13 +261,16 @@ class Trainer:
             window[1] += float(result.tokens)
             last = stage_step == plan.total
             t = stage.training
-            will_save = last or bool(t.save_every and state.step % t.save_every == 0)
+            stop = not last and stop_agreed(strategy.all_reduce_sum)  # `scaletune serve` asked to stop
+            will_save = last or stop or bool(t.save_every and state.step % t.save_every == 0)
             if stage_step % t.log_every == 0 or last or will_save:
                 self.log_step(plan, stage_step, epoch, i, lr, result, window)
             if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
                 self.log_eval(plan, eval_loader)
             if will_save:
                 self.save(plan, stage_step, epoch, i, last)
+            if stop:
+                raise RunStopped()
 
     def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
         """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
@@ -380,6 +329,7 @@ class Trainer:
             )
 
     def save(self, plan: StagePlan, stage_step: int, epoch: int, i: int, last: bool) -> None:
+        self.report("phase", phase="checkpointing", step=self.state.step)
         next_epoch, next_step = (epoch, i + 1) if i + 1 < plan.steps_per_epoch else (epoch + 1, 0)
         progress = Progress(
             step=self.state.step,
@@ -398,7 +348,7 @@ class Trainer:
         path = save_checkpoint(
             self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep
         )
-        print0(f"[scaletune] saved checkpoint {path}")
+        self.report("saved checkpoint", step=self.state.step, path=str(path))
 
     def report_memory(self) -> None:
         """After the first optimizer step: `memory.json` and `plan.json` (see `metrics.report_memory`)."""

@@ -112,4 +112,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # The verbs register themselves on `app` / `config_app` when imported.
-from scaletune.cli import run_verbs, model_verbs, launch_verbs, config_verbs  # noqa: E402, F401, I001 - registration order is --help's order
+from scaletune.cli import run_verbs, model_verbs, launch_verbs, config_verbs, serve_verbs  # noqa: E402, F401, I001 - registration order is --help's order

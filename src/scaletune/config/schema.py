@@ -9,21 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from scaletune.config.observability import LoggingConfig, WandbConfig
+from scaletune.config.strict import _Strict
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Scheduler = Literal["cosine", "linear", "constant"]
 
-
-class _Strict(BaseModel):
-    """Base for every config section: unknown keys are errors, assignments are validated, numbers
-    are finite, and each field's docstring is its description."""
-
-    # Infinite or NaN numbers (an `inf` learning rate) are refused here rather than found as a
-    # divergence after training started.
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
-    )
+__all__ = ["Config", "LoggingConfig", "WandbConfig", "_Strict"]
 
 
 class LoraConfig(_Strict):
@@ -369,35 +363,6 @@ class StageConfig(_Strict):
     frozen: list[str] | None = Field(None, min_length=1)
     """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
     set). Each pattern must match. The optimizer is rebuilt when a stage trains another set."""
-
-
-class WandbConfig(_Strict):
-    """Weights & Biases logging from rank 0 through the `wandb` package (`pip install
-    'scaletune[wandb]'`). The API key comes from `wandb login` or WANDB_API_KEY, never from this
-    file; the resolved config is sent with secret-looking values redacted."""
-
-    project: str
-    """W&B project."""
-    entity: str | None = None
-    """W&B team or user (default: your default entity)."""
-    name: str | None = None
-    """Run name (default: W&B's)."""
-    group: str | None = None
-    """Group runs together (e.g. the runs of one sweep)."""
-    tags: list[str] = Field(default_factory=list)
-    """Tags on the run."""
-    mode: Literal["online", "offline", "disabled"] | None = None
-    """online, offline (files under `output_dir/wandb`, upload later with `wandb sync`) or disabled;
-    null: WANDB_MODE, else online."""
-
-
-class LoggingConfig(_Strict):
-    """Where metrics go besides metrics.jsonl."""
-
-    tensorboard: bool = True
-    """TensorBoard event files under `output_dir/tensorboard`."""
-    wandb: WandbConfig | None = None
-    """Weights & Biases run; null: none."""
 
 
 class Config(_Strict):

@@ -47,7 +47,6 @@ LoRA adds each adapter's `x A` (s b r) and, with `lora.dropout > 0`, the dropped
 layer keeps only its input (sbh) and one layer is recomputed at a time: `L sbh + one layer`.
 The loss (`loss.py`) never builds `[tokens, vocab]` logits: one chunk of 1024 target rows is
 alive, in the compute dtype, as fp32, its log-softmax and its gradient (`1024 V (b_c + 12)`).
-
 See also `simulate.py` (the meta model sharded by FSDP2 over a fake process group).
 """
 

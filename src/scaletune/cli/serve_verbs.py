@@ -1,0 +1,74 @@
+"""`serve` (the job API and web page) and `serve token create`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from scaletune.cli import app
+from scaletune.errors import UserError
+
+serve_app = typer.Typer(
+    help="Job API and web page: submit, watch, stop, cancel, resume and clone runs (local, slurm, modal).",
+    invoke_without_command=True,
+)
+token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
+serve_app.add_typer(token_app, name="token")
+app.add_typer(serve_app, name="serve")
+
+DbOpt = Annotated[
+    str | None,
+    typer.Option("--db", help="SQLAlchemy URL of the job records (default sqlite:///~/.scaletune/serve.db)."),
+]
+
+
+@serve_app.callback()
+def serve(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Address to bind; anything but loopback needs API tokens.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    db: DbOpt = None,
+    jobs_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--jobs-dir", help="Folder of the job folders (config, log, stop request); default ~/.scaletune/jobs."
+        ),
+    ] = None,
+    max_concurrent: Annotated[int, typer.Option(help="Local jobs running at once; the rest wait queued.")] = 1,
+) -> None:
+    """Serve the job API (/api, OpenAPI at /docs) and the web page (/)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import uvicorn
+
+    from scaletune.serve.app import create_app
+    from scaletune.serve.auth import bind_problems
+    from scaletune.serve.db import default_url
+    from scaletune.serve.jobs import JobService
+
+    problems = [] if max_concurrent >= 1 else [f"--max-concurrent must be 1 or more, got {max_concurrent}"]
+    jobs_dir = (jobs_dir or Path.home() / ".scaletune" / "jobs").resolve()
+    svc = JobService(db or default_url(), jobs_dir, f"http://{host}:{port}", max_concurrent=max_concurrent)
+    problems += bind_problems(host, svc.Session)
+    if problems:
+        raise UserError(problems, title="cannot serve")
+    uvicorn.run(create_app(svc), host=host, port=port, log_level="warning")
+
+
+@token_app.command("create")
+def token_create(
+    scope: Annotated[str, typer.Option(help="read | submit | admin")] = "read",
+    db: DbOpt = None,
+) -> None:
+    """Create an API token; it is printed once, as the last word (stored hashed)."""
+    from scaletune.serve.auth import create_token
+    from scaletune.serve.db import default_url, open_db
+
+    _, Session = open_db(db or default_url())
+    try:
+        token = create_token(Session, scope)
+    except ValueError as exc:
+        raise UserError(str(exc), title="invalid arguments") from None
+    typer.echo(f"created a {scope} token (shown once): {token}")

@@ -1,0 +1,147 @@
+"""Job records in SQL through SQLAlchemy (SQLite by default, any SQLAlchemy URL such as
+`postgresql://...`); the schema is created and upgraded by the Alembic scripts in `migrations/`,
+applied when the service starts (:func:`open_db`)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    """One submitted run. `secret_refs` names environment variables (references), never values."""
+
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    phase: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    stage: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    target: Mapped[str] = mapped_column(String(16))
+    target_id: Mapped[str | None] = mapped_column(String(200), nullable=True)  # PID, SLURM job id, Modal call id
+    config_yaml: Mapped[str] = mapped_column(Text)
+    overrides: Mapped[list] = mapped_column(JSON, default=list)
+    resources: Mapped[dict] = mapped_column(JSON, default=dict)
+    secret_refs: Mapped[list] = mapped_column(JSON, default=list)
+    job_dir: Mapped[str] = mapped_column(Text)
+    run_dir: Mapped[str] = mapped_column(Text)
+    last_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    token_hash: Mapped[str] = mapped_column(String(64))
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    stop_requested: Mapped[int] = mapped_column(Integer, default=0)
+    created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
+    updated: Mapped[dt.datetime] = mapped_column(DateTime, default=now, onupdate=now)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state,
+            "phase": self.phase,
+            "stage": self.stage,
+            "step": self.step,
+            "reason": self.reason,
+            "message": self.message,
+            "target": self.target,
+            "target_id": self.target_id,
+            "run_dir": self.run_dir,
+            "overrides": self.overrides,
+            "resources": self.resources,
+            "last_metrics": self.last_metrics,
+            "exit_code": self.exit_code,
+            "created": self.created.isoformat() + "Z",
+            "updated": self.updated.isoformat() + "Z",
+        }
+
+
+class Event(Base):
+    """What a job's SSE stream carries; `id` is the SSE event id (Last-Event-ID replays after it)."""
+
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # state metric log checkpoint
+    data: Mapped[dict] = mapped_column(JSON)
+    created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
+
+
+class Metric(Base):
+    """One metrics.jsonl line of a job; (job, step, kind) is unique, so the rank-0 post and the
+    file tail of the same line meet once."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (UniqueConstraint("job_id", "step", "kind"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(8))  # train | eval
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    data: Mapped[dict] = mapped_column(JSON)
+
+
+class Token(Base):
+    """An API token, stored as its SHA-256 (the value is shown once, at creation)."""
+
+    __tablename__ = "tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scope: Mapped[str] = mapped_column(String(8))
+    created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
+
+
+def default_url(home: Path | None = None) -> str:
+    home = home or Path.home() / ".scaletune"
+    home.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{home / 'serve.db'}"
+
+
+def upgrade(url: str) -> None:
+    """Apply the Alembic migrations up to head (idempotent)."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    command.upgrade(cfg, "head")
+
+
+def open_db(url: str) -> tuple[Engine, sessionmaker]:
+    """Migrate the database at `url` and return its engine and session factory.
+
+    Raises:
+        RuntimeError: the database cannot be reached or migrated.
+    """
+    try:
+        upgrade(url)
+    except Exception as exc:  # noqa: BLE001 - one clear message for a wrong environment
+        raise RuntimeError(f"cannot open the job database {url}: {exc}") from exc
+    args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
+    engine = create_engine(url, connect_args=args)
+    if url.startswith("sqlite"):
+        from sqlalchemy import event
+
+        @event.listens_for(engine, "connect")
+        def _wal(conn, _):  # concurrent readers while the poller writes
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+
+    return engine, sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,112 @@
+"""`local`: the job as a subprocess of this machine (`scaletune train`, which re-executes itself
+under torchrun when the config wants several processes), at most `max_concurrent` at a time.
+
+The process runs in a session of its own under a small `sh` wrapper that writes its exit code
+into the job folder, so a restarted service still learns how a job it did not start ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from scaletune.serve.dispatch.base import EXIT_FILE, LOG_FILE, Dispatcher, JobFiles, Status, exit_code, pid_alive
+
+# "$@" is the train command; $0 the exit file: values reach sh as arguments, never as code.
+_WRAPPER = '"$@"; code=$?; echo "$code" > "$0.tmp" && mv "$0.tmp" "$0"'
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun puts its workers in sessions of their own)."""
+    from pathlib import Path
+
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+class LocalDispatcher(Dispatcher):
+    name = "local"
+
+    def __init__(self, max_concurrent: int = 1, python: str = sys.executable) -> None:
+        self.max_concurrent = max_concurrent
+        self.python = python
+        self._procs: dict[int, subprocess.Popen] = {}
+
+    def argv(self, job: JobFiles) -> list[str]:
+        train = [self.python, "-m", "scaletune", "train", str(job.config_path), *job.overrides]
+        return ["/bin/sh", "-c", _WRAPPER, str(job.job_dir / EXIT_FILE), *train]
+
+    def submit(self, job: JobFiles) -> str:
+        for stale in (job.job_dir / EXIT_FILE, job.stop_file):
+            stale.unlink(missing_ok=True)
+        log = open(job.job_dir / LOG_FILE, "a")
+        env = {**os.environ, **job.env, "SCALETUNE_STOP_FILE": str(job.stop_file), "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            self.argv(job),
+            cwd=job.workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        self._procs[proc.pid] = proc
+        return str(proc.pid)
+
+    def poll(self, target_id: str, job: JobFiles) -> Status:
+        pid = int(target_id)
+        proc = self._procs.get(pid)
+        if proc is not None and proc.poll() is not None:
+            self._procs.pop(pid, None)
+        code = exit_code(job)
+        if code is not None:
+            return Status("exited", code)
+        if pid_alive(pid, str(job.job_dir)):
+            return Status("running")
+        return Status("lost")
+
+    def cancel(self, target_id: str, job: JobFiles) -> None:
+        pid = int(target_id)
+        if not pid_alive(pid, str(job.job_dir)):
+            return
+        tree = [pid, *descendants(pid)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in tree:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(_exists(p) for p in tree):
+                self._reap(pid)
+                time.sleep(0.1)
+        self._reap(pid)
+
+    def _reap(self, pid: int) -> None:
+        proc = self._procs.get(pid)
+        if proc is not None and proc.poll() is not None:
+            self._procs.pop(pid, None)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

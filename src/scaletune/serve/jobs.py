@@ -1,0 +1,338 @@
+"""The job service: records, the queue, the watcher thread that polls dispatchers and reads what
+runs write, and the events the API streams. One instance per `scaletune serve`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from scaletune.errors import UserError
+from scaletune.serve import states as S
+from scaletune.serve.db import Event, Job, Metric, open_db
+from scaletune.serve.dispatch import Dispatcher, JobFiles, make_dispatchers
+from scaletune.serve.dispatch.base import LOG_FILE
+
+TARGETS = ("local", "slurm", "modal")
+
+
+def digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class JobService:
+    """Args:
+    db_url: SQLAlchemy URL of the job records.
+    home: folder of the job folders (config, log, exit code, stop request).
+    base_url: how a job reaches this service (its report endpoint), e.g. http://127.0.0.1:8000.
+    max_concurrent: local jobs running at once.
+    """
+
+    def __init__(self, db_url: str, home: Path, base_url: str, max_concurrent: int = 1, poll_s: float = 0.5) -> None:
+        self.engine, self.Session = open_db(db_url)
+        self.home = home
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.base_url = base_url.rstrip("/")
+        self.workdir = Path.cwd()
+        self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
+        self.poll_s = poll_s
+        self.lock = threading.RLock()  # one writer at a time (SQLite)
+        self._tails: dict[tuple[str, str], int] = {}  # (job, file) -> bytes read
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
+        self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
+
+    # -- records ---------------------------------------------------------------------------
+    def files(self, job: Job) -> JobFiles:
+        env = {}
+        token = self._tokens.get(job.id)
+        if token:
+            env = {"SCALETUNE_REPORT_URL": f"{self.base_url}/api/jobs/{job.id}/report", "SCALETUNE_REPORT_TOKEN": token}
+        return JobFiles(
+            job_id=job.id,
+            job_dir=Path(job.job_dir),
+            config_path=Path(job.job_dir) / "config.yaml",
+            overrides=tuple(job.overrides),
+            resources=dict(job.resources or {}),
+            workdir=self.workdir,
+            env=env,
+        )
+
+    def get(self, job_id: str) -> Job | None:
+        with self.Session() as s:
+            return s.get(Job, job_id)
+
+    def list(self) -> list[Job]:
+        with self.Session() as s:
+            return list(s.scalars(select(Job).order_by(Job.created.desc())))
+
+    def event(self, s: Any, job: Job, kind: str, data: dict) -> None:
+        s.add(Event(job_id=job.id, kind=kind, data=data))
+
+    def set_state(self, s: Any, job: Job, state: str, **fields: Any) -> None:
+        job.state = state
+        for k, v in fields.items():
+            setattr(job, k, v)
+        data = {"state": state, **{k: v for k, v in fields.items() if k in ("reason", "message", "phase", "stage")}}
+        self.event(s, job, "state", data)
+
+    # -- submit ----------------------------------------------------------------------------
+    def prepare_job(
+        self, config: str, overrides: list[str], target: str, resources: dict, *, job_id: str | None = None
+    ) -> tuple[Job, dict | None]:
+        """A job folder with the config written, checked as the CLI checks it (not yet stored).
+
+        Raises:
+            UserError: every problem of the request and the config (the API answers 422).
+        """
+        from scaletune.serve.validate import check
+
+        problems = []
+        if target not in TARGETS:
+            problems.append(f"target {target!r}: one of {', '.join(TARGETS)}")
+        if not isinstance(resources, dict):
+            problems.append("resources: must be a mapping")
+        if problems:
+            raise UserError(problems, title="invalid job")
+        job_id = job_id or uuid.uuid4().hex[:12]
+        job_dir = self.home / job_id
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / "config.yaml").write_text(config)
+        try:
+            spec = check(job_dir / "config.yaml", overrides, self.workdir)
+        except UserError:
+            if not any(job_dir.glob("*.log")):
+                for p in job_dir.iterdir():
+                    p.unlink()
+                job_dir.rmdir()
+            raise
+        secret_refs = list(spec.config.distributed.secret_env or ())
+        job = Job(
+            id=job_id,
+            name=spec.run_dir.name,
+            state=S.QUEUED,
+            step=0,
+            target=target,
+            config_yaml=config,
+            overrides=list(overrides),
+            resources=dict(resources),
+            secret_refs=secret_refs,
+            job_dir=str(job_dir),
+            run_dir=str(spec.run_dir),
+            token_hash="",
+            stop_requested=0,
+        )
+        return job, spec  # type: ignore[return-value]
+
+    def submit(self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False) -> dict:
+        job, spec = self.prepare_job(config, overrides, target, resources)
+        if dry_run:
+            from scaletune.serve.validate import dry_run as plan
+
+            try:
+                return {"id": None, "state": "dry_run", "plan": plan(spec, self.files(job), self.dispatchers[target])}
+            finally:
+                for p in Path(job.job_dir).iterdir():
+                    p.unlink()
+                Path(job.job_dir).rmdir()
+        with self.lock, self.Session() as s:
+            s.add(job)
+            s.flush()
+            self.set_state(s, job, S.QUEUED)
+            s.commit()
+        self.kick()
+        return {"id": job.id, "state": job.state}
+
+    # -- control ---------------------------------------------------------------------------
+    def stop(self, job_id: str) -> Job:
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state == S.QUEUED:
+                self.set_state(s, job, S.STOPPED)
+            elif job.state in (S.STARTING, S.RUNNING):
+                job.stop_requested = 1
+                self.dispatchers[job.target].stop(job.target_id or "", self.files(job))
+                self.set_state(s, job, S.STOPPING)
+            else:
+                raise UserError(f"job {job_id} is {job.state}: only a queued or running job can be stopped")
+            s.commit()
+            return job
+
+    def cancel(self, job_id: str) -> Job:
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state in S.TERMINAL:
+                raise UserError(f"job {job_id} is already {job.state}")
+            if job.state in S.ACTIVE and job.target_id:
+                self.dispatchers[job.target].cancel(job.target_id, self.files(job))
+            self.set_state(s, job, S.CANCELLED)
+            s.commit()
+            return job
+
+    def resume(
+        self,
+        job_id: str,
+        checkpoint: str | None,
+        target: str | None,
+        resources: dict | None,
+        overrides: list[str] = (),  # type: ignore[assignment]
+    ) -> Job:
+        """Queue a stopped / failed / cancelled job again from `checkpoint` (default: its latest),
+        possibly on another target or world size (`resources`, or `overrides` such as
+        distributed.num_processes=2: the checkpoint is resharded as `scaletune train` does).
+
+        Raises:
+            UserError: the job is not resumable, or the resumed run does not pass the checks.
+        """
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state not in S.RESUMABLE:
+                raise UserError(f"job {job_id} is {job.state}: only a stopped, failed or cancelled job resumes")
+            added = list(overrides)
+            overrides = [o for o in job.overrides if not o.startswith("training.resume=")] + added
+            overrides.append(f"training.resume={checkpoint or 'auto'}")
+            self.prepare_job(
+                job.config_yaml, overrides, target or job.target, resources or job.resources, job_id=job.id
+            )
+            job.overrides, job.target = overrides, target or job.target
+            job.resources = resources if resources is not None else job.resources
+            job.stop_requested, job.target_id, job.exit_code = 0, None, None
+            self.set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
+            s.commit()
+        self.kick()
+        return job
+
+    def clone(self, job_id: str, overrides: list[str]) -> dict:
+        job = self.get(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        base = [o for o in job.overrides if not o.startswith("training.resume=")]
+        return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources))
+
+    def _need(self, s: Any, job_id: str) -> Job:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return job
+
+    # -- reports from the run --------------------------------------------------------------
+    def check_job_token(self, job_id: str, token: str) -> bool:
+        job = self.get(job_id)
+        return job is not None and bool(job.token_hash) and secrets.compare_digest(job.token_hash, digest(token))
+
+    def ingest(self, job_id: str, events: list[dict]) -> int:
+        """Store what a run reported (metric lines, phases, checkpoints); returns how many were new."""
+        from scaletune.serve.watch import apply_report
+
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            n = sum(apply_report(self, s, job, e.get("kind", ""), e.get("data") or {}) for e in events)
+            s.commit()
+            self.posted[job_id] = self.posted.get(job_id, 0) + len(events)
+            return n
+
+    def add_metric(self, s: Any, job: Job, record: dict) -> bool:
+        if not isinstance(record.get("step"), int):
+            return False
+        kind = "eval" if "eval_loss" in record else "train"
+        exists = s.scalar(
+            select(Metric.id).where(Metric.job_id == job.id, Metric.step == record["step"], Metric.kind == kind)
+        )
+        if exists:
+            return False
+        try:
+            with s.begin_nested():
+                s.add(Metric(job_id=job.id, step=record["step"], kind=kind, loss=record.get("loss"), data=record))
+        except IntegrityError:
+            return False
+        job.step = max(job.step or 0, record["step"])
+        if kind == "train":
+            job.last_metrics = record
+            job.stage = record.get("stage", job.stage)
+            if job.state == S.STARTING:
+                self.set_state(s, job, S.RUNNING, phase="training")
+        self.event(s, job, "metric", record)
+        return True
+
+    def metrics(self, job_id: str, since_step: int = 0) -> list[dict]:
+        with self.Session() as s:
+            rows = s.scalars(
+                select(Metric).where(Metric.job_id == job_id, Metric.step > since_step).order_by(Metric.step, Metric.id)
+            )
+            return [r.data for r in rows]
+
+    def events_after(self, job_id: str, last_id: int) -> list[tuple[int, str, dict]]:
+        with self.Session() as s:
+            rows = s.scalars(select(Event).where(Event.job_id == job_id, Event.id > last_id).order_by(Event.id))
+            return [(e.id, e.kind, e.data) for e in rows]
+
+    # -- the watcher -----------------------------------------------------------------------
+    def start(self) -> None:
+        from scaletune.serve.watch import reattach_all
+
+        reattach_all(self)
+        self._thread = threading.Thread(target=self._loop, name="scaletune-serve-watch", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.engine.dispose()
+
+    def kick(self) -> None:
+        from scaletune.serve.watch import tick
+
+        tick(self)
+
+    def _loop(self) -> None:
+        from scaletune.serve.watch import tick
+
+        while not self._stop.wait(self.poll_s):
+            try:
+                tick(self)
+            except Exception as exc:  # noqa: BLE001 - the watcher outlives one bad poll
+                print(f"[scaletune serve] watcher: {type(exc).__name__}: {exc}", flush=True)
+
+    def new_token(self, job: Job) -> str:
+        token = "stj_" + secrets.token_urlsafe(24)
+        self._tokens[job.id] = token
+        job.token_hash = digest(token)
+        return token
+
+    def read_new(self, job: Job, name: str) -> str:
+        """What was appended to a file of the job since the last read (whole lines only)."""
+        path = (Path(job.run_dir) if name == "metrics.jsonl" else Path(job.job_dir)) / name
+        key = (job.id, name)
+        pos = self._tails.get(key, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+        except OSError:
+            return ""
+        end = chunk.rfind(b"\n") + 1
+        self._tails[key] = pos + end
+        return chunk[:end].decode(errors="replace")
+
+
+def json_lines(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+__all__ = ["JobService", "LOG_FILE", "digest", "json_lines", "time"]

@@ -1,0 +1,64 @@
+"""The web page: server-rendered (jinja2) with a little JavaScript, no build step and nothing
+fetched from elsewhere (the chart is an SVG drawn by the page's own script)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+from fastapi import FastAPI, Form, Request
+from fastapi.responses import HTMLResponse, RedirectResponse
+
+from scaletune.serve import auth
+from scaletune.serve.jobs import JobService
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+_env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
+
+
+def add_pages(app: FastAPI, svc: JobService, caller) -> None:
+    def page(name: str, request: Request, **ctx) -> HTMLResponse:
+        cookie = request.cookies.get(auth.COOKIE, "")
+        csrf = app.state.csrf.token(cookie) if cookie else ""
+        return HTMLResponse(_env.get_template(name).render(csrf=csrf, **ctx))
+
+    def who(request: Request) -> auth.Caller | None:
+        try:
+            return caller(request)
+        except Exception:  # noqa: BLE001 - not logged in: the login page
+            return None
+
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    def login_page(request: Request, error: str = ""):
+        return page("login.html", request, error=error)
+
+    @app.post("/login", include_in_schema=False)
+    def login(token: str = Form(...)):
+        if auth.scope_of(svc.Session, token) is None:
+            return RedirectResponse("/login?error=unknown+token", status_code=303)
+        resp = RedirectResponse("/", status_code=303)
+        resp.set_cookie(auth.COOKIE, token, httponly=True, samesite="strict")
+        return resp
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index(request: Request):
+        c = who(request)
+        if c is None:
+            return RedirectResponse("/login", status_code=303)
+        return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope)
+
+    @app.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
+    def job_page(job_id: str, request: Request):
+        c = who(request)
+        if c is None:
+            return RedirectResponse("/login", status_code=303)
+        job = svc.get(job_id)
+        if job is None:
+            return HTMLResponse("no such job", status_code=404)
+        return page("job.html", request, job=job.summary(), scope=c.scope)
+
+    @app.get("/compare", response_class=HTMLResponse, include_in_schema=False)
+    def compare(request: Request, a: str, b: str):
+        if who(request) is None:
+            return RedirectResponse("/login", status_code=303)
+        return page("compare.html", request, a=a, b=b)

@@ -1,0 +1,109 @@
+"""A real `scaletune serve` (uvicorn in a thread, SQLite in tmp) for the API tests, and an SSE reader."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from scaletune.serve.app import create_app
+from scaletune.serve.auth import create_token
+from scaletune.serve.jobs import JobService
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The service on loopback; `restart()` ends it and starts a new one on the same database."""
+
+    def __init__(self, db: str, home: Path, max_concurrent: int = 1) -> None:
+        self.db, self.home, self.max_concurrent = db, home, max_concurrent
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.start()
+
+    def start(self) -> None:
+        self.svc = JobService(self.db, self.home, self.url, max_concurrent=self.max_concurrent, poll_s=0.3)
+        config = uvicorn.Config(create_app(self.svc), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cancel_all(self) -> None:
+        for job in self.svc.list():
+            if job.state in ("starting", "running", "stopping"):
+                self.svc.cancel(job.id)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    db = f"sqlite:///{root / 'serve.db'}"
+    srv = Server(db, root / "jobs")
+    srv.admin = create_token(srv.svc.Session, "admin")
+    srv.read = create_token(srv.svc.Session, "read")
+    srv.submit = create_token(srv.svc.Session, "submit")
+    yield srv
+    srv.cancel_all()
+    srv.stop()
+
+
+def client(server, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=server.url, headers=headers, timeout=60)
+
+
+def read_events(c: httpx.Client, job_id: str, until, *, last_id: str | None = None, timeout: float = 180) -> list:
+    """(id, event, data) of the job's SSE stream until `until(event, data)` is true."""
+    out: list = []
+    headers = {"Last-Event-ID": last_id} if last_id else {}
+    deadline = time.monotonic() + timeout
+    with c.stream("GET", f"/api/jobs/{job_id}/events", headers=headers, timeout=30) as resp:
+        assert resp.status_code == 200, resp.read()
+        eid = kind = None
+        for line in resp.iter_lines():
+            if line.startswith("id:"):
+                eid = line[3:].strip()
+            elif line.startswith("event:"):
+                kind = line[6:].strip()
+            elif line.startswith("data:"):
+                data = json.loads(line[5:].strip())
+                out.append((eid, kind, data))
+                if until(kind, data):
+                    return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no end of stream after {timeout} s: {out[-5:]}")
+    return out
+
+
+def wait_state(c: httpx.Client, job_id: str, states: set[str], timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = c.get(f"/api/jobs/{job_id}").json()
+        if job["state"] in states:
+            return job
+        time.sleep(0.3)
+    logs = c.get(f"/api/jobs/{job_id}/logs").text[-3000:]
+    raise AssertionError(f"job {job_id} is {job['state']}, not {states}, after {timeout} s\n{logs}")

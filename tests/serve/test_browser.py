@@ -1,0 +1,82 @@
+"""The web page in a real headless Chromium (Debian's `chromium` + `chromedriver`, driven by
+Selenium; no browser download): log in, submit a config, watch the chart gain points, see
+`succeeded`. Screenshots go to docs/img/ (docs/serve.md shows them)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import yaml
+
+from scaletune.serve.auth import create_token
+from tests.conftest import REPO_ROOT
+from tests.helpers import base_config
+from tests.serve.conftest import Server
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver (apt-get install chromium-driver)"
+)
+
+
+def wait(pred, timeout: float = 240, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_login_submit_watch_succeeded(tiny_model_dir, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
+    token = create_token(srv.svc.Session, "submit")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1200,1000"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    try:
+        driver.get(srv.url + "/")
+        assert driver.current_url.endswith("/login")
+        driver.find_element(By.ID, "token").send_keys(token)
+        driver.find_element(By.ID, "login").click()
+        wait(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
+        # Every problem at once, before anything runs.
+        bad = base_config(tiny_model_dir, tmp_path / "bad")
+        bad["model"]["dtype"] = "float99"
+        bad["training"]["micro_batch_size"] = 0
+        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
+        driver.find_element(By.ID, "preview").click()
+        items = wait(lambda: driver.find_elements(By.CSS_SELECTOR, "#problems li"), 60, "the problems")
+        assert len(items) >= 2 and any("float99" in i.text for i in items)
+        cfg = base_config(tiny_model_dir, tmp_path / "run")
+        cfg["training"].update(max_steps=6, save_every=0, micro_batch_size=8)
+        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
+        driver.find_element(By.ID, "preview").click()
+        wait(lambda: "strategy" in driver.find_element(By.ID, "plan").text, 60, "the plan preview")
+        driver.save_screenshot(str(REPO_ROOT / "docs" / "img" / "serve-submit.png"))
+        driver.find_element(By.ID, "submit").click()
+        wait(lambda: "/jobs/" in driver.current_url, 60, "the job page")
+
+        def points() -> int:
+            lines = driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
+            return int(lines[0].get_attribute("data-points")) if lines else 0
+
+        first = wait(points, 240, "the first point")
+        wait(lambda: points() > first, 240, "more points")
+        wait(lambda: driver.find_element(By.ID, "state").text == "succeeded", 240, "succeeded")
+        assert points() == 6
+        driver.save_screenshot(str(REPO_ROOT / "docs" / "img" / "serve-job.png"))
+    finally:
+        driver.quit()
+        srv.cancel_all()
+        srv.stop()

@@ -1,0 +1,99 @@
+"""Load on loopback: 50 concurrent API clients, 20 submitted jobs, at most 2 running at once.
+Every job ends, every record and metric line is there; the p95 latency of the API is printed
+(docs/serve.md states the measured number). Slow: 20 training processes of 2 steps each."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+
+import pytest
+import yaml
+
+from tests.helpers import base_config
+from tests.serve.conftest import Server, client
+
+# scripts/test.sh runs every marker, and 20 training processes cost minutes of the CI budget: this
+# runs when asked (SCALETUNE_LOAD_TEST=1 pytest -s tests/serve/test_load.py).
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("SCALETUNE_LOAD_TEST") != "1", reason="set SCALETUNE_LOAD_TEST=1 to run"),
+]
+
+CLIENTS, JOBS, LIMIT, STEPS = 50, 20, 2, 2
+
+
+def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", max_concurrent=LIMIT)
+    latencies: list[float] = []
+    errors: list[str] = []
+    job_ids: list[str] = []
+    done = threading.Event()
+    peak = [0]
+
+    def config(i: int) -> str:
+        cfg = base_config(tiny_model_dir, tmp_path / "runs" / f"job-{i}")
+        cfg["training"].update(max_steps=STEPS, save_every=0, micro_batch_size=8)
+        return yaml.safe_dump(cfg)
+
+    def worker(i: int) -> None:
+        c = client(srv, None)
+
+        def call(method: str, url: str, **kw):
+            t = time.perf_counter()
+            r = c.request(method, url, **kw)
+            latencies.append(time.perf_counter() - t)
+            if r.status_code >= 400:
+                errors.append(f"{method} {url}: {r.status_code} {r.text[:200]}")
+            return r
+
+        if i < JOBS:
+            job_ids.append(call("POST", "/api/jobs", json={"config": config(i)}).json()["id"])
+        while not done.is_set():
+            jobs = call("GET", "/api/jobs").json()
+            peak[0] = max(peak[0], sum(j["state"] in ("starting", "running", "stopping") for j in jobs))
+            if job_ids:
+                jid = job_ids[i % len(job_ids)]
+                call("GET", f"/api/jobs/{jid}")
+                call("GET", f"/api/jobs/{jid}/metrics")
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(CLIENTS)]
+    start = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        c = client(srv, None)
+        while time.monotonic() - start < 1500:
+            jobs = c.get("/api/jobs").json()
+            if len(jobs) == JOBS and all(j["state"] in ("succeeded", "failed", "cancelled") for j in jobs):
+                break
+            time.sleep(1)
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+        wall = time.monotonic() - start
+        jobs = {j["id"]: j for j in c.get("/api/jobs").json()}
+        assert sorted(jobs) == sorted(job_ids) and len(jobs) == JOBS
+        assert all(j["state"] == "succeeded" for j in jobs.values()), [
+            j for j in jobs.values() if j["state"] != "succeeded"
+        ]
+        assert peak[0] <= LIMIT
+        for jid, j in jobs.items():
+            written = [json.loads(x) for x in open(f"{j['run_dir']}/metrics.jsonl").read().splitlines()]
+            assert [m["step"] for m in written] == list(range(1, STEPS + 1))
+            assert c.get(f"/api/jobs/{jid}/metrics").json() == written
+        assert not errors, errors[:5]
+        q = statistics.quantiles(latencies, n=100)
+        print(
+            f"\n[load] {CLIENTS} clients, {JOBS} jobs, limit {LIMIT}: {len(latencies)} requests in {wall:.0f} s; "
+            f"latency p50 {q[49] * 1000:.0f} ms, p95 {q[94] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms; "
+            f"peak running {peak[0]}"
+        )
+    finally:
+        done.set()
+        srv.cancel_all()
+        srv.stop()
