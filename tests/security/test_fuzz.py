@@ -70,7 +70,7 @@ RECORDS = st.lists(
 
 
 @settings(
-    max_examples=120, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=40, deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(data=st.data())
 def test_preflight_ends_in_a_run_or_one_user_error(tiny_model_dir, tmp_path, data):
