@@ -69,7 +69,9 @@ class DeepSpeedStrategy(Strategy):
         # DeepSpeed's communication layer adopts that group now, not at `initialize`: ZeRO-3's
         # zero.Init during loading reads the world size from it (else 1, and its batch check fails).
         deepspeed.init_distributed(dist_backend=dist.get_backend())
-        if self.spec.zero_stage == 3:
+        # A factory's module is built as its factory builds it (and ZeRO-3 partitions it at
+        # `initialize`): a zero.Init around the factory would change its random initialisation.
+        if self.spec.zero_stage == 3 and not self.spec.custom_model:
             self._announce_zero3()
 
     def _announce_zero3(self) -> None:
