@@ -213,6 +213,11 @@ def _verify_dcp_bytes(folder: Path, meta: Any) -> None:
                 f"{folder}: an entry points outside the checkpoint ({info.relative_path})",
                 title="unsafe or corrupt checkpoint",
             )
+        need, size = info.offset + info.length, shard.stat().st_size if shard.is_file() else 0
+        if size < need:
+            raise UnsafeCheckpointError(
+                f"{shard}: truncated ({size:,} bytes, its entries need {need:,})", title="unsafe or corrupt checkpoint"
+            )
         with open(shard, "rb") as f:
             f.seek(info.offset)
             blob = f.read(info.length)

@@ -12,8 +12,6 @@ import yaml
 from tests.conftest import REPO_ROOT
 from tests.helpers import metrics, run_cli, train
 
-pytestmark = pytest.mark.slow
-
 NAME = "smollm2-135m-instruct"
 IDENTITY = REPO_ROOT / "examples" / "data" / "identity.json"
 
