@@ -164,9 +164,18 @@ def test_quantization_with_sharding_strategies(tmp_path):
         tmp_path,
         GPU8,
         model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
-        distributed={"strategy": "fsdp"},
+        distributed={"strategy": "deepspeed", "zero_stage": 3},
     )
     assert doctor.check_quantization(GPU8, base)[1].status == "OK"
+    # FSDP + QLoRA is refused (issue 16): rank 0 loads 4-bit weights, the others build meta ones.
+    fsdp = cfg(
+        tmp_path,
+        GPU8,
+        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
+        distributed={"strategy": "fsdp"},
+    )
+    c = doctor.check_quantization(GPU8, fsdp)[1]
+    assert c.status == "FAIL" and "strategy ddp" in c.fix
     bad_storage = _bypass(base, storage_dtype="uint8")
     c = doctor.check_quantization(GPU8, bad_storage)[1]
     assert c.status == "FAIL" and c.name == "quantization storage dtype" and "storage_dtype: bfloat16" in c.fix

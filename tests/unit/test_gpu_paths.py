@@ -190,7 +190,7 @@ def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_di
 
     trainer = Trainer(strategy.spec)
     (tmp_path / "log").mkdir()
-    trainer.logger = RunLogger(tmp_path / "log", CPU, tensorboard=False)
+    trainer.logger = RunLogger(tmp_path / "log", CPU, strategy.spec.config)
     plan = SimpleNamespace(stage=SimpleNamespace(name="main"), steps_per_epoch=4)
     trainer.log_step(plan, 1, 0, 0, 1e-3, result, [0.0, 0.0])  # skipped: logged, not raised
     with pytest.raises(DivergenceError):
