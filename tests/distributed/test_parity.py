@@ -159,7 +159,12 @@ def test_loss_moves_because_of_training(run_once):
         assert after[-1][1] >= MARGIN[kind], f"{kind}: last step only {after[-1][1]:.4f} below the lr=0 control"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The offload variants and ZeRO-1 repeat a proof a cheaper case makes (the same engine without
+# offload, ZeRO-2/3): the slow tier (SCALETUNE_SLOW_TESTS=1) runs them.
+SLOW_CASES = {"zero1", "fsdp-offload", "zero2-offload-optimizer", "zero3-offload-params"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_full_finetune_parity(case, run_once):
     run, _ = world2(run_once, case)
     ref = reference(run_once, "full")

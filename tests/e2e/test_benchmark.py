@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
@@ -48,6 +49,7 @@ def test_flops_count_the_head_once_tied_or_not():
             assert (linear + norms) / (total - config.vocab_size * config.hidden_size) > 1.25
 
 
+@pytest.mark.slow  # a measurement harness (four trainers); the FLOPs rule above is the CI proof
 def test_benchmark_smoke(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -104,7 +104,7 @@ def _limits() -> None:
 
 
 @settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
 @given(data=st.data())
 def test_cli_exits_0_or_2_never_a_traceback(tiny_model_dir, tmp_path, data):
