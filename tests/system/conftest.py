@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from scaletune.serve.dispatch.local import descendants  # noqa: F401 - the tests import it from here
 from tests.conftest import REPO_ROOT
 
 HERE = Path(__file__).resolve().parent
@@ -43,26 +44,6 @@ def start(
         text=True,
         start_new_session=True,
     )
-
-
-def descendants(pid: int) -> list[int]:
-    """All processes below `pid` (torchrun starts its workers in sessions of their own, so
-    killing the launcher's process group alone would leave them running)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def stop(proc: subprocess.Popen) -> None:
