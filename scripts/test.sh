@@ -13,4 +13,6 @@ if [ "${1:-}" = "--slow" ]; then
   export SCALETUNE_SLOW_TESTS=1
 fi
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The suite needs a few GB of temporary space at its peak; say how much there is, for a failure's reader.
+df -h "${TMPDIR:-/tmp}" | awk 'NR == 2 {print "[test.sh] free disk for temporary files: " $4}'
 python -m pytest -q --durations=30 "$@"

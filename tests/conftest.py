@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,18 @@ def shared_data() -> Path:
     if not ALPACA_5000.is_file():
         pytest.fail(f"the reference data is missing: {ALPACA_5000} (../shared/data beside the clone)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="module")
+def module_tmp_path(request, tmp_path_factory) -> Iterator[Path]:
+    """A folder for the runs one module's tests share, removed when the module is done.
+
+    The suite trains a few hundred runs whose checkpoints (about 150 MB each) would fill the disk
+    if each stayed until the session ends; `tmp_path` is removed after each passing test
+    (`tmp_path_retention_policy = "failed"` in pyproject.toml) and this one after its module."""
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

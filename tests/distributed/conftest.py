@@ -3,8 +3,9 @@ parity, resume, resharding and export tests read its metrics, checkpoints and fi
 
 from __future__ import annotations
 
+import shutil
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"},
 RunFn = Callable[..., tuple[Path, subprocess.CompletedProcess]]
 
 
-@pytest.fixture(scope="session")
-def run_once(tiny_model_dir, tmp_path_factory) -> RunFn:
+@pytest.fixture(scope="package")
+def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
     """`run_once(name, model={...}, distributed={...}, training={...})` -> (run_dir, process):
-    trains the base config with those sections updated, once per name and session."""
+    trains the base config with those sections updated, once per name; the runs (about 2.5 GB of
+    checkpoints) are removed when the tests of this package are done."""
     cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
 
     def run(name: str, **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
@@ -29,4 +31,6 @@ def run_once(tiny_model_dir, tmp_path_factory) -> RunFn:
             cache[name] = (tmp / "run", train(cfg, tmp))
         return cache[name]
 
-    return run
+    yield run
+    for run_dir, _ in cache.values():
+        shutil.rmtree(run_dir.parent, ignore_errors=True)

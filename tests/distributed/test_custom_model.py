@@ -109,9 +109,9 @@ def _run(cmd: list[str], timeout: int = 1800) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(module_tmp_path) -> Path:
     pytest.importorskip("sklearn")
-    out = tmp_path_factory.mktemp("custom")
+    out = module_tmp_path
     _run([sys.executable, str(HERE), str(out), "single", "single-resume"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     _run([*torchrun, str(HERE), str(out), "ddp", "fsdp", "zero3", "zero3-resume"])

@@ -108,7 +108,7 @@ def drive_zero3_load(model_dir: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def wide_model(tmp_path_factory) -> Path:
+def wide_model(module_tmp_path) -> Path:
     """A small Llama (5.2M parameters, 4 layers)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -116,7 +116,7 @@ def wide_model(tmp_path_factory) -> Path:
     from scaletune.models import _tokenizer_from_file
     from tests.conftest import OLMO2_TOKENIZER
 
-    out = tmp_path_factory.mktemp("models") / "wide-llama"
+    out = module_tmp_path / "wide-llama"
     config = LlamaConfig(
         vocab_size=4096,
         hidden_size=256,

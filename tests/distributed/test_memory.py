@@ -129,8 +129,8 @@ def _compare(case: str, measured: dict, entry) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def world2(tiny_model_dir, tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("memory")
+def world2(tiny_model_dir, module_tmp_path):
+    out_dir = module_tmp_path
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), env.get("PYTHONPATH")]))
     cmd = [

@@ -47,8 +47,8 @@ def train_in_process(model_dir: Path, out: Path, learning_rate: float) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora-control")
+def runs(tiny_model_dir, module_tmp_path):
+    tmp = module_tmp_path
     return {lr: train_in_process(tiny_model_dir, tmp / f"lr{lr}", lr) for lr in (0.0, 2e-3)}
 
 

@@ -25,8 +25,8 @@ SECRET_CFG = "token-in-config-env-8d21"
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora-run")
+def lora_run(tiny_model_dir, module_tmp_path):
+    tmp = module_tmp_path
     records = json.loads(ALPACA_5000.read_text())
     (tmp / "eval.json").write_text(json.dumps(records[100:108]))
     cfg = base_config(

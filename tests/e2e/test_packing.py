@@ -62,9 +62,9 @@ def packing_config(model_dir: Path, out: Path, packing: bool, global_batch: int,
 
 
 @pytest.fixture(scope="module")
-def packing_runs(tiny_model_dir, tmp_path_factory):
+def packing_runs(tiny_model_dir, module_tmp_path):
     """`run(packing, world)` -> run directory: one full-batch run per combination, once per module."""
-    tmp = tmp_path_factory.mktemp("packing")
+    tmp = module_tmp_path
     packed_rows, examples = rows_of(tiny_model_dir, tmp, packing=True)
     unpacked_rows, _ = rows_of(tiny_model_dir, tmp, packing=False)
     assert unpacked_rows == examples and packed_rows < examples, "packing must put several examples in a row"

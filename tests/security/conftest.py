@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ def pickle_payload(marker: Path) -> bytes:
     return pickle.dumps(Payload(marker), protocol=4)
 
 
-@pytest.fixture(scope="session")
-def finished_runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+@pytest.fixture(scope="package")
+def finished_runs(tiny_model_dir, tmp_path_factory) -> Iterator[dict[str, Path]]:
     """Two finished runs with two checkpoints each: DCP format (single) and DeepSpeed format
     (ZeRO-2 at world size 1). Tests copy them before tampering."""
     out = {}
@@ -37,7 +38,9 @@ def finished_runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
         cfg = base_config(tiny_model_dir, tmp / "run", training={"max_steps": 2, "save_every": 1}, distributed=dist)
         train(cfg, tmp)
         out[name] = tmp / "run"
-    return out
+    yield out
+    for run_dir in out.values():
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
 
 
 @pytest.fixture

@@ -58,8 +58,9 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
+def server(module_tmp_path):
+    root = module_tmp_path / "serve"
+    root.mkdir()
     db = f"sqlite:///{root / 'serve.db'}"
     srv = Server(db, root / "jobs")
     srv.admin = create_token(srv.svc.Session, "admin")

@@ -23,9 +23,9 @@ def job_config(tiny_model_dir, out: Path, steps: int = 4) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(server, tiny_model_dir, tmp_path_factory):
+def uninterrupted(server, tiny_model_dir, module_tmp_path):
     """The control: a 4-step job run through the API without interruption; its SSE stream."""
-    out = tmp_path_factory.mktemp("runs") / "whole"
+    out = module_tmp_path / "whole"
     c = client(server, server.submit)
     r = c.post("/api/jobs", json={"config": job_config(tiny_model_dir, out)})
     assert r.status_code == 201, r.text

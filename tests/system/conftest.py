@@ -4,10 +4,12 @@ reference run the distributed runs are compared with, and bounded subprocesses."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +103,8 @@ def assert_trains_like_reference(run_dir: Path, ref_dir: Path, rel: float = 1e-4
     assert_same_logits(logits(run_dir / "final"), logits(ref_dir / "final"), f"{run_dir}/final")
 
 
-@pytest.fixture(scope="session")
-def reference_run(tiny_model_dir, tmp_path_factory) -> Path:
+@pytest.fixture(scope="package")
+def reference_run(tiny_model_dir, tmp_path_factory) -> Iterator[Path]:
     """The run directory of the single-process run of :func:`system_config`."""
     d = tmp_path_factory.mktemp("reference")
     cfg_path = d / "config.yaml"
@@ -117,7 +119,8 @@ def reference_run(tiny_model_dir, tmp_path_factory) -> Path:
     )
     if proc.returncode != 0:
         pytest.fail(f"single-process reference run failed:\n{proc.stderr[-4000:]}")
-    return d / "run"
+    yield d / "run"
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def skip_unless_ci(reason: str) -> None:
