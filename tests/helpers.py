@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.conftest import ALPACA_5000, REPO_ROOT
@@ -146,3 +148,43 @@ def assert_close(actual: list[float], expected: list[float], rel: float, what: s
     assert worst <= rel, (
         f"{what}: worst relative difference {worst:.2e} > {rel:.0e}\n actual   {actual}\n expected {expected}"
     )
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
+    """Poll `predicate()` every `interval` seconds until it returns something truthy, and return
+    that; fail the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def run_bench(tmp_path: Path, preset: str, *args: str, timeout: int) -> tuple[dict, str]:
+    """Run benchmarks/bench.py with `--preset PRESET ARGS`, its models cached under tmp_path;
+    returns (the JSON report it wrote, its stdout), failing the test with its stderr when it exits
+    non-zero."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--preset", preset, *args]
+    cmd += ["--cache", str(tmp_path / "models"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **config: Any) -> Path:
+    """A `LlamaConfig(**config)` model with random float32 weights (drawn after
+    `torch.manual_seed(seed)`) saved to `out` with a tokenizer over `tokenizer_file`, whose
+    `model_max_length` is the config's `max_position_embeddings`: a folder `from_pretrained` loads."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from scaletune.models import _tokenizer_from_file
+
+    llama = LlamaConfig(**config)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(llama, dtype=torch.float32).save_pretrained(out)
+    _tokenizer_from_file(tokenizer_file, model_max_length=llama.max_position_embeddings).save_pretrained(out)
+    return out

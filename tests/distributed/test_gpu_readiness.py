@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import base_config, run_cli
+from tests.helpers import base_config, run_cli, save_random_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -110,14 +110,11 @@ def drive_zero3_load(model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def wide_model(module_tmp_path) -> Path:
     """A small Llama (5.2M parameters, 4 layers)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from scaletune.models import _tokenizer_from_file
     from tests.conftest import OLMO2_TOKENIZER
 
-    out = module_tmp_path / "wide-llama"
-    config = LlamaConfig(
+    return save_random_llama(
+        module_tmp_path / "wide-llama",
+        OLMO2_TOKENIZER,
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=704,
@@ -127,10 +124,6 @@ def wide_model(module_tmp_path) -> Path:
         max_position_embeddings=256,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    _tokenizer_from_file(OLMO2_TOKENIZER, model_max_length=256).save_pretrained(out)
-    return out
 
 
 def test_zero3_no_rank_materialises_the_full_model_while_loading(wide_model, tmp_path):

@@ -7,15 +7,14 @@ against the parameters of real configs."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from tests.conftest import REPO_ROOT
+from tests.helpers import run_bench
 
 
 def bench_module():
@@ -51,24 +50,7 @@ def test_flops_count_the_head_once_tied_or_not():
 
 @pytest.mark.slow  # a measurement harness (four trainers); the FLOPs rule above is the CI proof
 def test_benchmark_smoke(tmp_path):
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "benchmarks" / "bench.py"),
-            "--preset",
-            "smoke",
-            "--cache",
-            str(tmp_path / "models"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(out.read_text())
+    r, stdout = run_bench(tmp_path, "smoke", timeout=600)
     t = r["trainers"]
     assert set(t) == {"trl", "hf", "bare", "scaletune"}
     steps = r["spec"]["steps"]
@@ -86,6 +68,6 @@ def test_benchmark_smoke(tmp_path):
     assert t["scaletune"]["tokens"] == t["bare"]["tokens"]
     assert r["peak"]["flops_per_s"] > 1e9
     assert r["speedup_vs_hf"] > 0.5 and r["speedup_vs_trl"] > 0.5 and r["overhead_vs_bare"] < 0.5  # generous floors
-    assert "scaletune / TRL SFTTrainer" in proc.stdout and "MFU" in proc.stdout
+    assert "scaletune / TRL SFTTrainer" in stdout and "MFU" in stdout
     # The head runs at target positions only in scaletune: fewer FLOPs executed than the model's.
     assert r["executed_flops_per_token"] < r["flops_per_token"] and 0 < r["target_fraction"] < 1

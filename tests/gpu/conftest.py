@@ -21,13 +21,12 @@ def mid_model_dir(tmp_path_factory):
     """A Llama of 0.34B parameters (hidden 1024, 12 layers, OLMo-2's 100,352-entry vocabulary and
     tokenizer bundled with scaletune, untied head) with random weights: large enough that memory and
     time are the model's, not fixed overheads."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from scaletune.models import _tokenizer_from_file
     from tests.conftest import REPO_ROOT
+    from tests.helpers import save_random_llama
 
-    out = tmp_path_factory.mktemp("models") / "llama-0.3b"
-    config = LlamaConfig(
+    return save_random_llama(
+        tmp_path_factory.mktemp("models") / "llama-0.3b",
+        REPO_ROOT / "src" / "scaletune" / "assets" / "olmo2-dolma2.json",
         vocab_size=100_352,
         hidden_size=1024,
         intermediate_size=2816,
@@ -37,8 +36,3 @@ def mid_model_dir(tmp_path_factory):
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    tokenizer = REPO_ROOT / "src" / "scaletune" / "assets" / "olmo2-dolma2.json"
-    _tokenizer_from_file(tokenizer, model_max_length=2048).save_pretrained(out)
-    return out

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from scaletune.serve.auth import create_token
-from tests.helpers import base_config
+from tests.helpers import base_config, wait_for
 from tests.serve.conftest import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -30,16 +29,6 @@ def browser_binaries() -> tuple[str, str]:
             pytest.fail(f"CI=true and {reason}")
         pytest.skip(reason)
     return CHROMIUM, DRIVER
-
-
-def wait(pred, timeout: float = 240, what: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path):
@@ -74,14 +63,14 @@ def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path
         assert driver.current_url.endswith("/login")
         driver.find_element(By.ID, "token").send_keys(token)
         driver.find_element(By.ID, "login").click()
-        wait(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
+        wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
         # Every problem at once, before anything runs.
         bad = base_config(tiny_model_dir, tmp_path / "bad")
         bad["model"]["dtype"] = "float99"
         bad["training"]["micro_batch_size"] = 0
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
         driver.find_element(By.ID, "preview").click()
-        items = wait(lambda: driver.find_elements(By.CSS_SELECTOR, "#problems li"), 60, "the problems")
+        items = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#problems li"), 60, "the problems")
         texts = [i.text for i in items]
         for key in ("model.dtype", "training.micro_batch_size"):
             assert any(key in t for t in texts), f"{key} missing from the problems shown: {texts}"
@@ -89,18 +78,18 @@ def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path
         cfg["training"].update(max_steps=6, save_every=0, micro_batch_size=8)
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
         driver.find_element(By.ID, "preview").click()
-        wait(lambda: "strategy" in driver.find_element(By.ID, "plan").text, 60, "the plan preview")
+        wait_for(lambda: "strategy" in driver.find_element(By.ID, "plan").text, 60, "the plan preview")
         driver.save_screenshot(str(shots / "serve-submit.png"))
         driver.find_element(By.ID, "submit").click()
-        wait(lambda: "/jobs/" in driver.current_url, 60, "the job page")
+        wait_for(lambda: "/jobs/" in driver.current_url, 60, "the job page")
 
         def points() -> int:
             lines = driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
             return int(lines[0].get_attribute("data-points")) if lines else 0
 
-        first = wait(points, 240, "the first point")
-        wait(lambda: points() > first, 240, "more points")
-        wait(lambda: driver.find_element(By.ID, "state").text == "succeeded", 240, "succeeded")
+        first = wait_for(points, 240, "the first point")
+        wait_for(lambda: points() > first, 240, "more points")
+        wait_for(lambda: driver.find_element(By.ID, "state").text == "succeeded", 240, "succeeded")
         assert points() == 6
         driver.save_screenshot(str(shots / "serve-job.png"))
     finally:

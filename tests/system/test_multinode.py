@@ -16,6 +16,7 @@ import yaml
 
 from scaletune.launch.commands import LaunchOptions, build_launch
 from scaletune.strategies.base import free_port
+from tests.helpers import wait_for
 from tests.system.conftest import (
     PAYLOAD,
     assert_trains_like_reference,
@@ -126,16 +127,6 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = predicate()
-        if v:
-            return v
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
 def test_max_restarts_restarts_after_a_rank_is_killed_payload(tmp_path):
     """`--max-restarts 1`: SIGKILL one rank of the first attempt; torchrun restarts the group,
     whose second attempt (TORCHELASTIC_RESTART_COUNT=1) completes.
@@ -154,7 +145,7 @@ def test_max_restarts_restarts_after_a_rank_is_killed_payload(tmp_path):
     )
     proc = start(build_launch(opts).argv, cwd=tmp_path, log=tmp_path / "launch.log")
     try:
-        pid = int(_wait_for(lambda: (out / "pid-1").is_file() and (out / "pid-1").read_text(), 90, "rank 1 to start"))
+        pid = int(wait_for(lambda: (out / "pid-1").is_file() and (out / "pid-1").read_text(), 90, "rank 1 to start"))
         os.kill(pid, signal.SIGKILL)
         codes = wait_all([proc], timeout=120)
     finally:
@@ -192,8 +183,8 @@ def test_max_restarts_resumes_training_after_a_rank_is_killed(tmp_path, tiny_mod
     proc = start(argv, cwd=tmp_path, log=tmp_path / "launch.log")
     latest = tmp_path / "run" / "checkpoints" / "latest"
     try:
-        _wait_for(lambda: latest.is_file() and latest.read_text().strip() == "step-4", 180, "the step-4 checkpoint")
-        rank1 = _wait_for(lambda: [p for p in descendants(proc.pid) if _rank_of(p) == 1], 30, "rank 1's process")[0]
+        wait_for(lambda: latest.is_file() and latest.read_text().strip() == "step-4", 180, "the step-4 checkpoint")
+        rank1 = wait_for(lambda: [p for p in descendants(proc.pid) if _rank_of(p) == 1], 30, "rank 1's process")[0]
         os.kill(rank1, signal.SIGKILL)
         codes = wait_all([proc], timeout=240)
     finally:
