@@ -22,7 +22,7 @@ trainer differs, not the tokenisation:
   schedule and clipping; with packing (the default) on scaletune's own packed rows (same packing,
   same attention separation by position ids), with ``--no-packing`` padded per batch.
 - ``bare``: the floor for framework overhead: scaletune's model + loss module
-  (``scaletune.loss.CausalLMLoss``) on scaletune's batches (same sampler, same order) in a plain
+  (``scaletune.models.loss.CausalLMLoss``) on scaletune's batches (same sampler, same order) in a plain
   ``forward / backward / clip / AdamW.step`` loop, no strategy, scheduler, logging or checkpoint
   code. ``--bare-loss full`` runs the model's own loss (full ``[tokens, vocab]`` logits) instead:
   the before/after of the chunked loss.
@@ -422,9 +422,9 @@ def run_bare(spec: Spec) -> dict:
 
     from scaletune.data import Collator, count_input_tokens, count_target_tokens, global_batches, make_loader
     from scaletune.env import DistributedEnv, tune_host_allocator
-    from scaletune.loss import CausalLMLoss
-    from scaletune.optim import param_groups
+    from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import batch_arithmetic
+    from scaletune.strategies.optim import param_groups
     from scaletune.trainer import model_inputs, seed_everything
 
     if device_type() == "cpu":

@@ -57,8 +57,8 @@ def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
 
     from scaletune.config import load_config
     from scaletune.env import DistributedEnv
-    from scaletune.loss import CausalLMLoss
     from scaletune.models import prepare_model, resolve_device_map
+    from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import decide
     from scaletune.strategies import make_strategy
     from scaletune.trainer import seed_everything, train_step

@@ -170,8 +170,8 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     from scaletune.checkpoint import Progress, latest_checkpoint, save_checkpoint
     from scaletune.config import Config
     from scaletune.env import DistributedEnv
-    from scaletune.loss import CausalLMLoss
     from scaletune.models import DevicePlacement, prepare_model
+    from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import decide
     from scaletune.strategies import make_strategy
 

@@ -40,7 +40,7 @@ def driver(out: Path) -> None:
     import torch
     from torch import nn
 
-    from scaletune.loss import chunked_head_cross_entropy
+    from scaletune.models.loss import chunked_head_cross_entropy
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()

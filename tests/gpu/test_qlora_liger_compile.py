@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletune.loss import CausalLMLoss, chunked_head_cross_entropy, liger_head_cross_entropy, target_index
+from scaletune.models.loss import CausalLMLoss, chunked_head_cross_entropy, liger_head_cross_entropy, target_index
 from tests.helpers import base_config
 
 

@@ -67,7 +67,7 @@ def test_a_replaced_run_comes_back_when_the_new_one_fails_its_last_checks(run_co
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
     from scaletune.resolve import decide
-    from scaletune.rundir import lock_holder, opened
+    from scaletune.run.rundir import lock_holder, opened
 
     run = run_copy("dcp")
     before = snapshot(run)

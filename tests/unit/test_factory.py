@@ -9,11 +9,10 @@ import sys
 import pytest
 import torch
 
-from scaletune.callables import call_checked, import_callable
 from scaletune.config import Config, ModelConfig
+from scaletune.config.references import call_checked, import_callable
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
-from scaletune.freezing import apply_trainable, checkpointed_frozen, peak_stage, trainable_sets
 from scaletune.models.custom import CustomModelLoss, check_output
 from scaletune.models.factory import (
     build_model,
@@ -24,6 +23,7 @@ from scaletune.models.factory import (
     write_export,
 )
 from scaletune.resolve import Stage, decide, rule_problems
+from scaletune.trainer.freezing import apply_trainable, checkpointed_frozen, peak_stage, trainable_sets
 from tests.custom_factories import TinyRegressor
 
 REF = "tests.custom_factories:build_tiny"

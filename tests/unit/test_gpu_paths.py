@@ -14,7 +14,7 @@ import torch
 
 from scaletune.config import load_config
 from scaletune.env import DistributedEnv
-from scaletune.loss import CausalLMLoss, target_index
+from scaletune.models.loss import CausalLMLoss, target_index
 from scaletune.resolve import precision_for, resolve
 from scaletune.strategies import make_strategy
 from scaletune.strategies.process_group import MIXED_BACKEND, select_backend
@@ -180,8 +180,8 @@ def test_fp16_loss_scaling_unscales_before_clipping(tiny_model_dir, tmp_path):
 
 
 def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_dir, tmp_path):
-    from scaletune.metrics import RunLogger
     from scaletune.trainer import DivergenceError, StepResult, Trainer
+    from scaletune.trainer.metrics import RunLogger
 
     result, moved, strategy = fp16_run(tiny_model_dir, tmp_path, scaler=True, init_scale=2.0**80)
     assert result.skipped and moved == 0.0  # no weight changed

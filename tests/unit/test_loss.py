@@ -1,4 +1,4 @@
-"""scaletune.loss: the chunked head+loss against plain cross-entropy, CausalLMLoss against the
+"""scaletune.models.loss: the chunked head+loss against plain cross-entropy, CausalLMLoss against the
 model's own `labels=` loss on tiny real Hugging Face models, activation offloading, and Liger's
 fused linear cross-entropy (GPU only)."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scaletune.loss import IGNORE_INDEX, CausalLMLoss, chunked_head_cross_entropy, target_index
+from scaletune.models.loss import IGNORE_INDEX, CausalLMLoss, chunked_head_cross_entropy, target_index
 
 TOL = 1e-5
 
@@ -61,7 +61,7 @@ def test_chunked_loss_and_grads_equal_plain_cross_entropy(n):
 
 
 def test_default_chunk_keeps_cpu_logits_under_the_mmap_threshold():
-    from scaletune.loss import CPU_CHUNK_BYTES, default_chunk
+    from scaletune.models.loss import CPU_CHUNK_BYTES, default_chunk
 
     cpu = torch.device("cpu")
     rows = default_chunk(100_352, cpu)

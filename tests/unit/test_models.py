@@ -562,7 +562,7 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(tiny_model_di
     """model.compile: every decoder layer runs through torch.compile (inductor on this CPU) and the
     summed token loss and every gradient equal the eager model's within 1e-5 (fp32)."""
     from scaletune.data import Collator
-    from scaletune.loss import CausalLMLoss, target_index
+    from scaletune.models.loss import CausalLMLoss, target_index
 
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=False)
     eager = models.prepare_model(cfg, CPU)

@@ -12,10 +12,10 @@ from torch import nn
 from scaletune.config import Config
 from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError, UserError
-from scaletune.optim import param_groups
 from scaletune.resolve import decide, precision_for, resolve, wanted_world_size
 from scaletune.strategies.base import check_devices
 from scaletune.strategies.deepspeed_config import engine_config, read_user_config
+from scaletune.strategies.optim import param_groups
 
 
 def cfg(**dist) -> Config:

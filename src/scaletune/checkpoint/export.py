@@ -78,8 +78,8 @@ def export_checkpoint(
         UserError: not a checkpoint, a corrupt or unsafe one; an output that exists and is not an
             empty folder; an unreadable shard size.
     """
-    from scaletune.loss import CausalLMLoss
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
+    from scaletune.models.loss import CausalLMLoss
 
     enforce()
     checkpoint = Path(checkpoint)

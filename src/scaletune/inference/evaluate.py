@@ -41,8 +41,8 @@ def evaluate(loaded: LoadedModel, data_cfg: DataConfig, *, batch_size: int = 8) 
     import torch
 
     from scaletune.data import Collator, build_datasets, count_target_tokens
-    from scaletune.loss import CausalLMLoss, target_index
     from scaletune.models import max_positions
+    from scaletune.models.loss import CausalLMLoss, target_index
 
     tok = loaded.tokenizer
     base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()

@@ -61,14 +61,14 @@ class ModelShape:
 
 def meta_model(spec: RunSpec) -> torch.nn.Module:
     """The run's Hugging Face model on the meta device (`modelsetup.meta_model`)."""
-    from scaletune.modelsetup import meta_model as build
+    from scaletune.trainer.model_setup import meta_model as build
 
     return build(spec)
 
 
 def _peak_trainable(spec: RunSpec, model: torch.nn.Module) -> tuple[set[str] | None, str | None]:
     """With stage patterns: the names that train in the stage training the most, and its name."""
-    from scaletune.freezing import peak_stage, trainable_sets
+    from scaletune.trainer.freezing import peak_stage, trainable_sets
 
     sets = trainable_sets(model, spec.stages, numbered=bool(spec.config.stages))
     peak = peak_stage(sets, model)
@@ -80,7 +80,7 @@ def factory_shape(spec: RunSpec) -> ModelShape:
     as layers, and the activations measured by running one micro-batch of the first stage's data
     through it on the meta device (`factorycheck.meta_forward`: the bytes autograd saves; 0 with a
     note when the data or the forward cannot run there)."""
-    from scaletune.factorycheck import meta_forward, meta_run
+    from scaletune.plan.factory_check import meta_forward, meta_run
 
     run = meta_run(spec)
     model = run.loss.model

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletune.env import get_logger
-from scaletune.optim import build_optimizer
 from scaletune.strategies import memory
 from scaletune.strategies.devices import check_devices
+from scaletune.strategies.optim import build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
 
 __all__ = ["DTYPES", "Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
@@ -158,7 +158,7 @@ class Strategy(ABC):
         on: `requires_grad` set, the optimizer rebuilt over them (fresh AdamW state) and whatever the
         engine derived from the trainable set rebuilt with it. Every rank calls it at once (a stage
         boundary). The loop builds the stage's scheduler on the new optimizer afterwards."""
-        from scaletune.freezing import apply_trainable
+        from scaletune.trainer.freezing import apply_trainable
 
         assert self.module is not None
         apply_trainable(self.module, trainable)

@@ -135,7 +135,7 @@ class DeepSpeedStrategy(Strategy):
         # ZeRO's optimizer flattens and partitions the parameters it was built with, and hooks their
         # gradients: a new trainable set needs a new engine. destroy() removes the old one's hooks;
         # under ZeRO-3 the module stays partitioned and the new engine takes the partitions over.
-        from scaletune.freezing import apply_trainable
+        from scaletune.trainer.freezing import apply_trainable
 
         self.engine.destroy()
         self.engine = None
@@ -160,7 +160,7 @@ class DeepSpeedStrategy(Strategy):
         # optimizer it is built for (adamw_mode=True: decoupled weight decay as torch's AdamW).
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from scaletune.optim import param_groups
+        from scaletune.strategies.optim import param_groups
 
         t = self.training
         return DeepSpeedCPUAdam(

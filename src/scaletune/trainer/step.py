@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from scaletune.batches import TEXT, BatchKind, model_inputs
 from scaletune.strategies.base import Strategy
+from scaletune.trainer.batches import TEXT, BatchKind, model_inputs
 
 __all__ = ["DivergenceError", "StepResult", "evaluate", "model_inputs", "seed_everything", "train_step"]
 

@@ -1,5 +1,6 @@
-"""`scaletune train`: resolve the run once with every check (:func:`prepare`), re-execute under
-torchrun when several processes are wanted and no launcher started this one, then train.
+"""The one preflight of `scaletune train`: :func:`prepare` resolves a run with every check before
+anything is written; :func:`check_data` tokenises the data once before ranks start;
+:func:`predicted_memory` is the planner's entry written as `plan.json`.
 
 :func:`prepare` is the one place a run is resolved for training: the config (schema and rules,
 with `strategy: auto` decided by the planner), the model's facts, the checkpoint to resume, the
@@ -10,13 +11,10 @@ before anything is written, and every problem is reported in one error (exit 2).
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Mapping
-from pathlib import Path
 
-from scaletune.config import Config, LoadedConfig, read_config
-from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator
+from scaletune.config import Config, LoadedConfig
+from scaletune.env import DistributedEnv, print0
 from scaletune.errors import UserError
 from scaletune.resolve import RunSpec, decide, resolve
 
@@ -37,15 +35,15 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
     Raises:
         UserError: (exit 2) every problem of the config, model, checkpoint, environment, data and
             run directory, each once; for `model.factory` / `data.factory` runs and stage patterns
-            also those of :func:`scaletune.factorycheck.factory_problems` (imports, types, the
+            also those of :func:`scaletune.plan.factory_check.factory_problems` (imports, types, the
             forward's output, patterns that match nothing).
     """
     from scaletune.checkpoint import resolve_resume
     from scaletune.data import validate_data
     from scaletune.doctor import environment_problems
-    from scaletune.factorycheck import factory_problems
     from scaletune.plan import choose_auto
-    from scaletune.rundir import run_dir_problems
+    from scaletune.plan.factory_check import factory_problems
+    from scaletune.run.rundir import run_dir_problems
     from scaletune.strategies.deepspeed_config import engine_config
 
     loaded = cfg if isinstance(cfg, LoadedConfig) else None
@@ -105,27 +103,6 @@ def predicted_memory(spec: RunSpec) -> dict | None:
         return None
 
 
-def reexec_under_torchrun(spec: RunSpec, config_path: Path | str, overrides: list[str]) -> None:
-    """Replace this process by torchrun starting `spec.world_size` ranks on this machine, each with
-    `distributed.env` set."""
-    from scaletune.config import public_overrides
-    from scaletune.launch.commands import single_node_torchrun_argv
-    from scaletune.launch.presets import merged_env, split_secrets
-
-    d = spec.config.distributed
-    # Secret values reach the ranks through their environment, never their command line or a log.
-    argv = single_node_torchrun_argv(
-        sys.executable, spec.world_size, [str(config_path), *public_overrides(overrides, d.secret_env)]
-    )
-    env = merged_env(d.env)
-    public, secrets = split_secrets(env, d.secret_env)
-    shown = " ".join(f"{k}={v}" for k, v in public.items()) + "".join(f" {k}=<secret>" for k in secrets)
-    print0(f"[scaletune] starting {spec.world_size} processes:{' ' + shown if shown else ''} {' '.join(argv)}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(argv[0], argv, {**os.environ, **env})
-
-
 def check_data(spec: RunSpec) -> None:
     """Build every stage's data here (tokenise, pack, cache) and raise what stops training.
 
@@ -134,41 +111,8 @@ def check_data(spec: RunSpec) -> None:
             template that fails, fewer sequences than one global batch).
     """
     from scaletune.models import load_tokenizer
-    from scaletune.stages import data_problems
+    from scaletune.trainer.stages import data_problems
 
     problems = data_problems(spec, load_tokenizer(spec.config.model))
     if problems:
         raise UserError(problems, title="cannot start training")
-
-
-def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: bool = False) -> Path | None:
-    """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes);
-    with `check_only`, every check that can run without training (data tokenised), then stop.
-    Returns the run directory (None after a check)."""
-    from scaletune.safe_load import enforce
-
-    enforce()  # every torch.load of this process and its ranks through the restricted unpickler
-    env = DistributedEnv.from_environ()
-    set_rank(env.rank)
-    if env.device.type == "cpu":
-        tune_host_allocator()  # before the model and data are allocated
-    spec = prepare(read_config(config_path, overrides), env)
-    if check_only or (not env.launched and spec.world_size > 1):
-        check_data(spec)  # before the ranks start, so bad data ends here, once, with exit 2
-    if check_only:
-        print0(f"[scaletune] {config_path}: every check passed; {spec.batch.describe()}")
-        return None
-    if not env.launched and spec.world_size > 1:
-        reexec_under_torchrun(spec, config_path, overrides)
-    return train(spec)
-
-
-def train(spec: RunSpec) -> Path:
-    """Train a prepared run as this rank; returns the run directory."""
-    from scaletune.trainer import Trainer
-
-    if spec.env.restart_count > 0 and spec.config.training.resume == "auto":
-        attempt = spec.env.restart_count + 1
-        print0(f"[scaletune] restarted by torchrun: resuming from the latest checkpoint (attempt {attempt})")
-    predicted = predicted_memory(spec) if spec.env.is_main else None
-    return Trainer(spec, predicted_memory=predicted).fit()

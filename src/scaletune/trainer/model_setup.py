@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from scaletune.env import get_logger
-from scaletune.freezing import apply_trainable, checkpointed_frozen, peak_stage, trainable_sets
+from scaletune.trainer.freezing import apply_trainable, checkpointed_frozen, peak_stage, trainable_sets
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
@@ -79,7 +79,7 @@ def loss_module(spec: RunSpec, model: nn.Module, strategy: Strategy) -> nn.Modul
 
         classes = shard_classes(model, m.shard_modules)
         return CustomModelLoss(model, m, classes, activation_offload=m.activation_offload)
-    from scaletune.loss import CausalLMLoss
+    from scaletune.models.loss import CausalLMLoss
 
     return CausalLMLoss(
         model, activation_offload=m.activation_offload, liger=m.liger, partitioned_head=strategy.partitions_head

@@ -99,7 +99,7 @@ def meta_forward(loss: nn.Module, batch: dict) -> int:
     """
     import torch
 
-    from scaletune.batches import CUSTOM
+    from scaletune.trainer.batches import CUSTOM
 
     params = {id(p) for p in loss.parameters()}
     seen: set[int] = set()
@@ -123,7 +123,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
     """Every problem of a factory run (or of stage patterns) found without writing anything; empty
     for a Hugging Face run with neither. Data factories are called on rank 0 only (they may
     download); rank 0 alone then reports their problems, as it does the run directory's."""
-    from scaletune.freezing import trainable_sets
+    from scaletune.trainer.freezing import trainable_sets
 
     custom = spec.custom_model
     data_factories = [s for s in spec.stages if s.data.factory is not None]
@@ -139,7 +139,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
             model = loss.model
         else:
             from scaletune.models import load_tokenizer
-            from scaletune.modelsetup import meta_model
+            from scaletune.trainer.model_setup import meta_model
 
             processor = load_tokenizer(spec.config.model)
             model = meta_model(spec) if spec.freezes_per_stage else None
@@ -171,7 +171,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
 
 
 def _forward_problems(run: MetaRun) -> list[str]:
-    from scaletune.batches import CUSTOM
+    from scaletune.trainer.batches import CUSTOM
 
     assert run.batch is not None
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from scaletune.data import count_batch_tokens, count_input_tokens, count_target_tokens, count_units, custom_inputs
-from scaletune.loss import target_index
+from scaletune.models.loss import target_index
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,24 +21,24 @@ from typing import Any
 
 import torch
 
-from scaletune.batches import batch_kind, model_inputs
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
 from scaletune.checkpoint.save import single_process_dcp
 from scaletune.env import get_logger, print0, set_rank
 from scaletune.errors import UserError
 from scaletune.inference import samples
-from scaletune.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
-from scaletune.modelsetup import StageFreezing, loss_module
-from scaletune.optim import make_scheduler
 from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
-from scaletune.rundir import opened as opened_run_dir
-from scaletune.stages import StagePlan, plan_stages, stage_loaders
-from scaletune.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
+from scaletune.run.rundir import opened as opened_run_dir
 from scaletune.strategies import make_strategy
 from scaletune.strategies.base import torn_down
+from scaletune.strategies.optim import make_scheduler
+from scaletune.trainer.batches import batch_kind
+from scaletune.trainer.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
+from scaletune.trainer.model_setup import StageFreezing, loss_module
+from scaletune.trainer.stages import StagePlan, plan_stages, stage_loaders
+from scaletune.trainer.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
 
-__all__ = ["DivergenceError", "StepResult", "Trainer", "evaluate", "model_inputs", "seed_everything", "train_step"]
+__all__ = ["Trainer"]
 
 
 @dataclass
@@ -152,7 +152,7 @@ class Trainer:
 
     def load_model(self) -> torch.nn.Module:
         """The model (and a factory's tokenizer or processor), and what trains in each stage."""
-        from scaletune.modelsetup import load_model
+        from scaletune.trainer.model_setup import load_model
 
         model, processor = load_model(self.spec, self.strategy)
         if self.spec.custom_model:

@@ -1,0 +1,45 @@
+"""`scaletune train CONFIG [overrides]` as this process: the restricted loader, the environment,
+the preflight, the re-exec under torchrun when no launcher started this one, then the loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletune.config import read_config
+from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator
+from scaletune.resolve import RunSpec
+from scaletune.run.preflight import check_data, predicted_memory, prepare
+from scaletune.run.reexec import reexec_under_torchrun
+
+
+def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: bool = False) -> Path | None:
+    """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes);
+    with `check_only`, every check that can run without training (data tokenised), then stop.
+    Returns the run directory (None after a check)."""
+    from scaletune.safe_load import enforce
+
+    enforce()  # every torch.load of this process and its ranks through the restricted unpickler
+    env = DistributedEnv.from_environ()
+    set_rank(env.rank)
+    if env.device.type == "cpu":
+        tune_host_allocator()  # before the model and data are allocated
+    spec = prepare(read_config(config_path, overrides), env)
+    if check_only or (not env.launched and spec.world_size > 1):
+        check_data(spec)  # before the ranks start, so bad data ends here, once, with exit 2
+    if check_only:
+        print0(f"[scaletune] {config_path}: every check passed; {spec.batch.describe()}")
+        return None
+    if not env.launched and spec.world_size > 1:
+        reexec_under_torchrun(spec, config_path, overrides)
+    return train(spec)
+
+
+def train(spec: RunSpec) -> Path:
+    """Train a prepared run as this rank; returns the run directory."""
+    from scaletune.trainer import Trainer
+
+    if spec.env.restart_count > 0 and spec.config.training.resume == "auto":
+        attempt = spec.env.restart_count + 1
+        print0(f"[scaletune] restarted by torchrun: resuming from the latest checkpoint (attempt {attempt})")
+    predicted = predicted_memory(spec) if spec.env.is_main else None
+    return Trainer(spec, predicted_memory=predicted).fit()
