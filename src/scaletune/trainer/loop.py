@@ -129,10 +129,14 @@ class Trainer:
         return self.load_model()
 
     def report(self, kind: str, **data: Any) -> None:
-        """A phase, checkpoint or stop: a log line, and a post (kind: its last word) to `scaletune serve`."""
-        print0(f"[scaletune] {kind}: " + " ".join(f"{k}={v}" for k, v in data.items()))
+        """A phase, checkpoint or stop (`kind`: a `report.EventKind` or its words, "saved checkpoint"):
+        its log line (`report.event_line`) and, from the main rank, a post to `scaletune serve`."""
+        from scaletune.report import EventKind, event_line
+
+        event = EventKind.named(kind)
+        print0(event_line(event, data))
         if self.env.is_main:
-            reporter().add(kind.split()[-1], data, flush=True)
+            reporter().add(event, data, flush=True)
 
     def load_tokenizer(self) -> None:
         from scaletune.models import load_tokenizer
