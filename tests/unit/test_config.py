@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import textwrap
+import typing
 
 import pytest
 import yaml
 
-from scaletune.config import Config, dump_config, load_config, parse_override, read_config
+from scaletune.config import (
+    Config,
+    DataConfig,
+    StageData,
+    StageTraining,
+    TrainingConfig,
+    dump_config,
+    load_config,
+    parse_override,
+    read_config,
+)
 from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError
-from scaletune.resolve import batch_arithmetic, resolve, resolve_stages, steps_for
+from scaletune.resolve import decide, resolve, resolve_stages, steps_for
 
 BASE = """\
 output_dir: runs/x
@@ -133,21 +144,24 @@ def test_offload_and_quantization_cross_checks(tmp_path):
 
 
 @pytest.mark.parametrize("world,gas", [(1, 8), (2, 4), (4, 2), (8, 1)])
-def test_batch_arithmetic(tmp_path, world, gas):
+def test_decide_splits_the_global_batch(tmp_path, world, gas):
+    """What the run uses: `decide`'s batch arithmetic, 32 = 4 x world x gas (gas counted by hand)."""
     cfg = load_config(write(tmp_path, BASE + "training: {global_batch_size: 32, micro_batch_size: 4}\n"))
-    b = batch_arithmetic(cfg.training, world, 128)
-    assert b.gradient_accumulation_steps == gas
-    assert b.micro_batch_size * b.world_size * b.gradient_accumulation_steps == 32
-    assert b.max_tokens_per_step == 32 * 128
+    b = decide(cfg, DistributedEnv("none"), world_size=world).batch
+    assert (b.micro_batch_size, b.world_size, b.gradient_accumulation_steps) == (4, world, gas)
+    assert b.max_tokens_per_step == 32 * cfg.data.max_seq_length
     assert f"world_size {world}" in b.describe()
 
 
-def test_batch_arithmetic_rejects_indivisible(tmp_path):
-    cfg = load_config(write(tmp_path, BASE + "training: {global_batch_size: 32, micro_batch_size: 4}\n"))
+def test_indivisible_global_batch_is_a_located_error(tmp_path):
+    """32 sequences cannot split over 3 ranks of 4: `resolve` names the line of global_batch_size."""
+    text = BASE + "training:\n  micro_batch_size: 4\n  global_batch_size: 32\n"
     with pytest.raises(ConfigError) as info:
-        batch_arithmetic(cfg.training, 3, 128)
-    msg = info.value.problems[0]
-    assert "global_batch_size (32)" in msg and "4 x 3 = 12" in msg and "24 or 36" in msg
+        resolve(read_config(write(tmp_path, text)), DistributedEnv("none"), world_size=3)
+    [msg] = info.value.problems
+    line = text.splitlines().index("  global_batch_size: 32") + 1
+    assert msg.startswith(f"{tmp_path / 'c.yaml'}:{line}: training.global_batch_size (32)"), msg
+    assert "4 x 3 = 12" in msg and "24 or 36" in msg
 
 
 def test_resolved_config_round_trips_and_redacts_secrets(tmp_path):
@@ -258,3 +272,32 @@ def test_compile_is_off_by_default_and_rejected_under_zero3(tmp_path):
     assert len(probs) == 1 and "model.compile cannot run under deepspeed zero_stage 3" in probs[0]
     for dist in ("{strategy: deepspeed, zero_stage: 2}", "{strategy: fsdp}", "{strategy: ddp}"):
         assert resolved(tmp_path, BASE + f"distributed: {dist}\n", ["model.compile=true"]).model.compile
+
+
+@pytest.mark.parametrize(("stage_model", "main"), [(StageData, DataConfig), (StageTraining, TrainingConfig)])
+def test_stage_models_are_the_main_models_made_optional(stage_model, main):
+    """A stage's fields are a subset of the main section's, each with the same type, constraints
+    and description, optional with default None (not given: inherited)."""
+    assert stage_model.model_fields.keys() <= main.model_fields.keys()
+    for name, info in stage_model.model_fields.items():
+        ref = main.model_fields[name]
+        assert info.default is None and not info.is_required(), name
+        assert info.description == ref.description, name
+        args = [a for a in typing.get_args(info.annotation) if a is not type(None)]
+        assert type(None) in typing.get_args(info.annotation) and args, name
+        inner, metadata = args[0], []
+        if typing.get_origin(inner) is typing.Annotated:
+            inner, *metadata = typing.get_args(inner)
+        assert metadata == ref.metadata, name
+        # `X | None` of a field that already allows null is that field's own annotation.
+        own = inner if len(args) == 1 else info.annotation
+        assert typing.Optional[own] == typing.Optional[ref.annotation], name  # noqa: UP045
+
+
+def test_a_stage_key_is_refused_as_the_top_level_key_is(tmp_path):
+    """The constraint of `data.max_seq_length` (>= 8) holds in a stage too; not giving it inherits."""
+    text = BASE + "stages:\n  - {name: a, data: {max_seq_length: 4}, training: {epochs: 0}}\n  - {name: b}\n"
+    probs = "\n".join(problems_of(tmp_path, text))
+    assert "stages.0.data.max_seq_length: Input should be greater than or equal to 8" in probs
+    assert "stages.0.training.epochs: Input should be greater than 0" in probs
+    assert "stages.1" not in probs

@@ -188,6 +188,24 @@ def test_device_map_is_set_aside_under_any_launcher(environ, launcher, requested
     assert "DeepSpeed" in engine.message
 
 
+def test_device_map_values_are_the_schemas(monkeypatch):
+    """One list of device_map values: the schema's. A value added there is accepted by the schema
+    and by `resolve_device_map` alike (hf.py's path), and both refuse the same value the same way."""
+    from scaletune.config import schema
+
+    monkeypatch.setattr(schema, "DEVICE_MAPS", (*schema.DEVICE_MAPS, "balanced_high"))
+    assert ModelConfig(name_or_path="x", device_map="balanced_high").device_map == "balanced_high"
+    gpu = env_of({}, gpus=2)
+    assert resolve_device_map("balanced_high", gpu).device_map == "balanced_high"
+    with pytest.raises(ValueError, match="must be null, auto, .*balanced_high or cuda:N") as schema_error:
+        ModelConfig(name_or_path="x", device_map="cuda:x")
+    with pytest.raises(UserError) as placement_error:
+        resolve_device_map("cuda:x", gpu)
+    assert placement_error.value.problems[0].endswith(
+        schema_error.value.errors()[0]["msg"].removeprefix("Value error, ")
+    )
+
+
 def test_device_map_under_a_launcher_goes_to_the_ranks_gpu():
     env = env_of(TORCHRUN_2, gpus=2)
     p = resolve_device_map("auto", env)

@@ -16,6 +16,8 @@ from scaletune.config.schema import Config
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a stage's field: the main model's type with its constraints
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):

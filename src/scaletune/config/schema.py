@@ -1,23 +1,43 @@
-"""The config's schema: one pydantic model per section, a docstring per field (meaning, unit,
-default's source). Unknown keys are errors. Cross-field rules are not here: they run on resolved
-values in :mod:`scaletune.resolve`.
-
-`docs/config.md` and `scaletune config reference` are generated from these models.
-"""
+"""The config's schema: one strict pydantic model per section, a docstring per field (meaning, unit,
+default's source), from which `docs/config.md` is generated. Cross-field rules run in :mod:`scaletune.resolve`."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
-
-from scaletune.config.observability import LoggingConfig, WandbConfig
-from scaletune.config.strict import _Strict
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Scheduler = Literal["cosine", "linear", "constant"]
+DEVICE_MAPS = ("auto", "sequential", "balanced", "balanced_low_0", "cpu")
 
-__all__ = ["Config", "LoggingConfig", "WandbConfig", "_Strict"]
+
+def check_device_map(v: str | None) -> str | None:
+    """Raises ValueError unless `v` is null, `cuda:N` or one of :data:`DEVICE_MAPS` (all but `cpu` split the layers)."""
+    if v is not None and v not in DEVICE_MAPS and not re.fullmatch(r"cuda:\d+", v):
+        raise ValueError(f"must be null, {', '.join(DEVICE_MAPS)} or cuda:N")
+    return v
+
+
+class _Strict(BaseModel):
+    """Base of every section: unknown keys, bad assignments and non-finite numbers (an `inf` learning
+    rate, refused before a GPU-hour is spent) are errors; each field's docstring is its description."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
+
+
+def _overrides(model: type[_Strict], doc: str, keys: tuple[str, ...] | None = None) -> type[_Strict]:
+    """A stage's section: `model`'s fields (all, or `keys`), each optional with default None (not
+    given: inherited), with `model`'s type, constraints and description (written once)."""
+    fields: dict[str, Any] = {}
+    for key, info in model.model_fields.items():
+        if keys is None or key in keys:
+            inner = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            fields[key] = (Optional[inner], Field(None, description=info.description))  # noqa: UP045
+    return create_model(f"Stage{model.__name__[:-6]}", __base__=_Strict, __doc__=doc, __module__=__name__, **fields)
 
 
 class LoraConfig(_Strict):
@@ -110,14 +130,7 @@ class ModelConfig(_Strict):
             raise ValueError("give model.name_or_path (a Hugging Face model) or model.factory (your own module)")
         return self
 
-    @field_validator("device_map")
-    @classmethod
-    def _device_map(cls, v: str | None) -> str | None:
-        if v is None or v in ("auto", "sequential", "cpu", "balanced", "balanced_low_0"):
-            return v
-        if v.startswith("cuda:") and v[5:].isdigit():
-            return v
-        raise ValueError("must be null, auto, sequential, balanced, balanced_low_0, cpu or cuda:N")
+    _device_map = field_validator("device_map")(check_device_map)
 
 
 class DataSource(_Strict):
@@ -200,32 +213,6 @@ class DataConfig(_Strict):
         if self.eval is not None and self.eval_fraction is not None:
             raise ValueError("give data.eval or data.eval_fraction, not both")
         return self
-
-
-class StageData(_Strict):
-    """A stage's data: each key given replaces the top-level `data` key of the same name; the others
-    are inherited (so a stage that names only its `train` file keeps `max_seq_length`, `packing`...)."""
-
-    train: DataSource | None = None
-    """Training data of this stage."""
-    eval: DataSource | None = None
-    """Evaluation data of this stage."""
-    eval_fraction: float | None = Field(None, gt=0, lt=1)
-    """Fraction of this stage's training records held out for evaluation."""
-    max_seq_length: int | None = Field(None, ge=8)
-    """Tokens per sequence in this stage."""
-    packing: bool | None = None
-    """Pack examples in this stage."""
-    dummy: DummyData | None = None
-    """Synthetic data for this stage."""
-    chat_template: str | None = None
-    """Chat template for this stage's `messages` data."""
-    num_workers: int | None = Field(None, ge=0)
-    """Worker processes for this stage's data."""
-    factory: str | None = None
-    """This stage's data factory (`package.module:callable`)."""
-    factory_kwargs: dict[str, Any] | None = None
-    """Keyword arguments of this stage's data factory (replace the top level's)."""
 
 
 class TrainingConfig(_Strict):
@@ -328,21 +315,16 @@ class DistributedConfig(_Strict):
         return v
 
 
-class StageTraining(_Strict):
-    """The training fields a curriculum stage may override (the rest are inherited)."""
-
-    epochs: float | None = Field(None, gt=0)
-    """Passes over this stage's data (clears an inherited `max_steps`)."""
-    max_steps: int | None = Field(None, ge=1)
-    """Optimizer steps of this stage."""
-    learning_rate: float | None = Field(None, ge=0)
-    """Peak learning rate of this stage's schedule."""
-    lr_scheduler: Scheduler | None = None
-    """This stage's decay."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """This stage's warmup steps."""
-    min_lr_ratio: float | None = Field(None, ge=0, le=1)
-    """This stage's final learning-rate ratio (cosine)."""
+StageData = _overrides(
+    DataConfig,
+    """A stage's data: each key given replaces the top level's; the others are inherited (a stage
+    that names only its `train` file keeps `max_seq_length`, `packing`...).""",
+)
+StageTraining = _overrides(
+    TrainingConfig,
+    """The training keys a stage may replace; `epochs` without `max_steps` clears an inherited `max_steps`.""",
+    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio"),
+)
 
 
 class StageConfig(_Strict):
@@ -350,9 +332,9 @@ class StageConfig(_Strict):
 
     name: str
     """Unique name; every metrics.jsonl line carries it."""
-    data: StageData | None = None
+    data: StageData | None = None  # type: ignore[valid-type]
     """Data keys this stage replaces."""
-    training: StageTraining | None = None
+    training: StageTraining | None = None  # type: ignore[valid-type]
     """Training keys this stage replaces."""
     continue_schedule: bool = False
     """Extend the running learning-rate schedule instead of starting a new one."""
@@ -363,6 +345,35 @@ class StageConfig(_Strict):
     frozen: list[str] | None = Field(None, min_length=1)
     """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
     set). Each pattern must match. The optimizer is rebuilt when a stage trains another set."""
+
+
+class WandbConfig(_Strict):
+    """Weights & Biases logging from rank 0 through the `wandb` package (`pip install
+    'scaletune[wandb]'`). The API key comes from `wandb login` or WANDB_API_KEY, never from this
+    file; the resolved config is sent with secret-looking values redacted."""
+
+    project: str
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user (default: your default entity)."""
+    name: str | None = None
+    """Run name (default: W&B's)."""
+    group: str | None = None
+    """Group runs together (e.g. the runs of one sweep)."""
+    tags: list[str] = Field(default_factory=list)
+    """Tags on the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """online, offline (files under `output_dir/wandb`, upload later with `wandb sync`) or disabled;
+    null: WANDB_MODE, else online."""
+
+
+class LoggingConfig(_Strict):
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = True
+    """TensorBoard event files under `output_dir/tensorboard`."""
+    wandb: WandbConfig | None = None
+    """Weights & Biases run; null: none."""
 
 
 class Config(_Strict):

@@ -7,10 +7,10 @@ never mentions parallelism; the strategies wrap what this package returns).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from scaletune.config.schema import check_device_map
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
 
@@ -30,9 +30,6 @@ class DevicePlacement:
     device_map: str | dict[str, Any] | None
     device: str
     message: str | None = None
-
-
-_SPLITTING_MAPS = ("auto", "sequential", "balanced", "balanced_low_0")
 
 
 def resolve_device_map(
@@ -68,15 +65,10 @@ def resolve_device_map(
             is visible.
         UserError: `requested` is not one of the values above.
     """
-    if (
-        requested is not None
-        and requested not in _SPLITTING_MAPS + ("cpu",)
-        and not re.fullmatch(r"cuda:\d+", requested)
-    ):
-        raise UserError(
-            f"model.device_map {requested!r}: must be null, auto, sequential, balanced, balanced_low_0, cpu or cuda:N",
-            title="invalid config",
-        )
+    try:  # the schema's check again: hf.py's callers pass a device_map without a config
+        check_device_map(requested)
+    except ValueError as exc:
+        raise UserError(f"model.device_map {requested!r}: {exc}", title="invalid config") from None
     rank_device = "cpu" if engine_places_model else str(env.device)
 
     if env.launched:

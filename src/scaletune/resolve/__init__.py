@@ -158,13 +158,7 @@ def decide(
     resolved = cfg.model_copy(update={"distributed": dist, "training": training})
     stages = tuple(resolve_stages(resolved))
     t = training
-    batch = BatchArithmetic(
-        t.global_batch_size,
-        t.micro_batch_size,
-        w,
-        t.global_batch_size // (t.micro_batch_size * w),
-        stages[0].data.max_seq_length,
-    )
+    batch = batch_arithmetic(training, w, stages[0].data.max_seq_length)
     return RunSpec(
         config=resolved,
         env=env,

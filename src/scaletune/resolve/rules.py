@@ -4,7 +4,6 @@ returns the :class:`Problem` s it finds (the doctor shows the same problems as c
 from __future__ import annotations
 
 from scaletune.config import TrainingConfig
-from scaletune.errors import ConfigError
 from scaletune.resolve.spec import BatchArithmetic, Problem, RunSpec
 
 # Attention implementations that build their mask through transformers' masking_utils, which
@@ -29,14 +28,9 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, world_size: int
 
 
 def batch_arithmetic(training: TrainingConfig, world_size: int, max_seq_length: int) -> BatchArithmetic:
-    """Split `global_batch_size` into micro-batches over `world_size` ranks.
-
-    Raises:
-        ConfigError: `global_batch_size` is not a multiple of `micro_batch_size * world_size`.
-    """
-    bad = batch_problem(training.global_batch_size, training.micro_batch_size, world_size)
-    if bad is not None:
-        raise ConfigError([bad.text()], title="invalid config")
+    """THE gradient-accumulation rule: `global_batch_size` split into micro-batches over
+    `world_size` ranks (floor division; :func:`batch_problem` judges a remainder, so deciding never
+    fails on bad input)."""
     gas = training.global_batch_size // (training.micro_batch_size * world_size)
     return BatchArithmetic(training.global_batch_size, training.micro_batch_size, world_size, gas, max_seq_length)
 
