@@ -57,6 +57,7 @@ def run_case(out: Path, case: str) -> None:
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
     from scaletune.run import prepare
+    from scaletune.run.rundir import opened
     from scaletune.trainer import Trainer
 
     resume = out / case.removesuffix("-resume") / "checkpoints" / "step-4" if case.endswith("-resume") else None
@@ -75,7 +76,7 @@ def run_case(out: Path, case: str) -> None:
             after = self.weights()
             changed[plan.stage.name] = sorted(k for k in after if not torch.equal(before[k], after[k]))
 
-    Probe(spec).fit()
+    Probe(spec, open_run_dir=opened).fit()
     if env.is_main:
         (out / case / "changed.json").write_text(json.dumps(changed))
 

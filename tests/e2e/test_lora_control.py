@@ -24,6 +24,7 @@ def train_in_process(model_dir: Path, out: Path, learning_rate: float) -> tuple[
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
     from scaletune.run import prepare
+    from scaletune.run.rundir import opened
     from scaletune.trainer import Trainer
 
     class Observed(Trainer):
@@ -39,7 +40,8 @@ def train_in_process(model_dir: Path, out: Path, learning_rate: float) -> tuple[
     )
     cfg["data"]["eval_fraction"] = 0.125  # 8 held-out records, the same in both runs (seeded split)
     env = DistributedEnv.from_environ({})
-    trainer = Observed(prepare(read_config(None, data=cfg), env, environ={}), predicted_memory=None)
+    spec = prepare(read_config(None, data=cfg), env, environ={})
+    trainer = Observed(spec, predicted_memory=None, open_run_dir=opened)
     trainer.fit()
     trained = {k: v.detach().clone() for k, v in trainer.strategy.unwrapped.named_parameters()}
     evals = [m["eval_loss"] for m in metrics(out) if "eval_loss" in m]

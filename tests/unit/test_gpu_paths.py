@@ -180,21 +180,24 @@ def test_fp16_loss_scaling_unscales_before_clipping(tiny_model_dir, tmp_path):
 
 
 def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_dir, tmp_path):
+    from scaletune.run.rundir import opened
     from scaletune.trainer import DivergenceError, StepResult, Trainer
-    from scaletune.trainer.metrics import RunLogger
+    from scaletune.trainer.metrics import RunLogger, ThroughputWindow
 
     result, moved, strategy = fp16_run(tiny_model_dir, tmp_path, scaler=True, init_scale=2.0**80)
     assert result.skipped and moved == 0.0  # no weight changed
     assert not math.isfinite(float(result.grad_norm)) and math.isfinite(float(result.loss))
     assert strategy.scaler.get_scale() == 2.0**79  # backed off
 
-    trainer = Trainer(strategy.spec)
+    trainer = Trainer(strategy.spec, open_run_dir=opened)
     (tmp_path / "log").mkdir()
     trainer.logger = RunLogger(tmp_path / "log", CPU, strategy.spec.config)
     plan = SimpleNamespace(stage=SimpleNamespace(name="main"), steps_per_epoch=4)
-    trainer.log_step(plan, 1, 0, 0, 1e-3, result, [0.0, 0.0])  # skipped: logged, not raised
+    trainer.position.advance(0, 0)
+    trainer.log_step(plan, 1e-3, result, ThroughputWindow())  # skipped: logged, not raised
+    trainer.position.advance(0, 1)
     with pytest.raises(DivergenceError):
-        trainer.log_step(plan, 2, 0, 1, 1e-3, StepResult(result.loss, result.grad_norm, result.tokens), [0.0, 0.0])
+        trainer.log_step(plan, 1e-3, StepResult(result.loss, result.grad_norm, result.tokens), ThroughputWindow())
     trainer.logger.close()
     assert '"skipped": true' in (tmp_path / "log" / "metrics.jsonl").read_text()
 

@@ -166,6 +166,12 @@ def incompatible_changes(saved: dict, cfg: Config) -> list[str]:
     return out
 
 
+def read_scheduler_state(path: Path) -> dict:
+    """The learning-rate schedule's state a checkpoint saved (`scheduler.json`, checked by
+    :func:`checkpoint_problems` before the run started)."""
+    return json.loads((path / "scheduler.json").read_text())
+
+
 def check_shapes(path: Path, expected: dict[str, tuple[int, ...]]) -> None:
     """Compare a DCP checkpoint's tensor shapes with the model's before loading.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaletune.config import read_config
-from scaletune.env import DistributedEnv, print0, set_rank, tune_host_allocator
+from scaletune.env import DistributedEnv, configure_logging, print0, tune_host_allocator
 from scaletune.resolve import RunSpec
 from scaletune.run.preflight import check_data, predicted_memory, prepare
 from scaletune.run.reexec import reexec_under_torchrun
@@ -20,7 +20,7 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
 
     enforce()  # every torch.load of this process and its ranks through the restricted unpickler
     env = DistributedEnv.from_environ()
-    set_rank(env.rank)
+    configure_logging(env.rank)  # an entry point: `scaletune train` as a rank, or called in-process
     if env.device.type == "cpu":
         tune_host_allocator()  # before the model and data are allocated
     spec = prepare(read_config(config_path, overrides), env)
@@ -36,10 +36,11 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
 
 def train(spec: RunSpec) -> Path:
     """Train a prepared run as this rank; returns the run directory."""
+    from scaletune.run.rundir import opened
     from scaletune.trainer import Trainer
 
     if spec.env.restart_count > 0 and spec.config.training.resume == "auto":
         attempt = spec.env.restart_count + 1
         print0(f"[scaletune] restarted by torchrun: resuming from the latest checkpoint (attempt {attempt})")
     predicted = predicted_memory(spec) if spec.env.is_main else None
-    return Trainer(spec, predicted_memory=predicted).fit()
+    return Trainer(spec, predicted_memory=predicted, open_run_dir=opened).fit()

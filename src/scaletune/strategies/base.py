@@ -5,15 +5,17 @@ The training loop calls, per optimizer step::
     with strategy.micro_step(is_last):      # e.g. DDP's no_sync on accumulation micro-steps
         loss = strategy.model(**inputs)      # already divided by the global batch's target tokens
         strategy.backward(loss)
-    grad_norm = strategy.step()              # clip, optimizer step, scheduler step, zero grads
+    grad_norm = strategy.step()              # clip, optimizer step, zero grads
+    schedule.step()                          # the loop's learning-rate schedule (trainer/schedule.py)
 
-and never branches on which engine runs. Strategies never parse YAML: they read the resolved
-:class:`~scaletune.resolve.RunSpec`.
+and never branches on which engine runs; `protocol.LoopStrategy` lists everything it calls.
+Strategies never parse YAML: they read the resolved :class:`~scaletune.resolve.RunSpec`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.env import get_logger
 from scaletune.strategies import memory
 from scaletune.strategies.devices import check_devices
-from scaletune.strategies.optim import build_optimizer
+from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
 
 __all__ = ["DTYPES", "Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
@@ -61,7 +62,6 @@ class Strategy(ABC):
         self.module: nn.Module | None = None  # the loss module handed to `wrap`
         self.model: nn.Module | None = None  # what forward is called on (possibly wrapped)
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: Any = None
         self._owns_group = False
         self._wait_group: WaitGroup | None = None
         self._grad_bytes: int | None = None
@@ -69,10 +69,10 @@ class Strategy(ABC):
         self.scaler: Any = None
         #: True when the last `step` skipped the optimizer update (fp16 gradients overflowed).
         self.skipped_step = False
-        #: Frozen weights a checkpoint holds anyway: they trained in an earlier stage (the loop sets
-        #: it, `freezing.checkpointed_frozen`). Empty: checkpoints hold the trainable weights only.
+        #: Frozen weights a checkpoint holds anyway: they trained in an earlier stage
+        #: (:meth:`keep_frozen`). Empty: checkpoints hold the trainable weights only.
         self.checkpointed_frozen: frozenset[str] = frozenset()
-        self.log = get_logger()
+        self.log = logging.getLogger(__name__)
 
     # -- process group ---------------------------------------------------------------------
     #: True if the engine runs collectives on CPU tensors under NCCL (FSDP2 CPU offload).
@@ -148,7 +148,7 @@ class Strategy(ABC):
     def wrap(self, module: nn.Module) -> None:
         """Wrap `module` (a `loss.CausalLMLoss`: forward returns the summed token loss) for the
         engine, set `self.module`, `self.model` and build the optimizer (then call
-        :meth:`_finish_wrap`). The loop sets `scheduler` (per stage)."""
+        :meth:`_finish_wrap`). The loop's schedule drives the optimizer's learning rate."""
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(model, self.training)
@@ -157,14 +157,17 @@ class Strategy(ABC):
         """Train exactly the parameters named in `trainable` (as `self.module` names them) from now
         on: `requires_grad` set, the optimizer rebuilt over them (fresh AdamW state) and whatever the
         engine derived from the trainable set rebuilt with it. Every rank calls it at once (a stage
-        boundary). The loop builds the stage's scheduler on the new optimizer afterwards."""
-        from scaletune.trainer.freezing import apply_trainable
-
+        boundary). The loop's schedule moves to the new optimizer afterwards."""
         assert self.module is not None
         apply_trainable(self.module, trainable)
         self.optimizer = self.build_optimizer(self.module)
         self._grad_bytes = None  # measured again at the new optimizer's first step
         self._track_gradients()
+
+    def keep_frozen(self, names: frozenset[str]) -> None:
+        """From now on checkpoints also hold the frozen weights in `names` (full names of the loss
+        module's parameters that trained in an earlier stage; `trainer.freezing` decides them)."""
+        self.checkpointed_frozen = names
 
     def move_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Put a micro-batch's tensors on this rank's device (other values pass through)."""
@@ -209,8 +212,9 @@ class Strategy(ABC):
         return torch.amp.GradScaler(self.env.device_type)
 
     def step(self) -> torch.Tensor:
-        """Clip (if `max_grad_norm`), step optimizer and scheduler, zero grads. With a loss scaler the
+        """Clip (if `max_grad_norm`), step the optimizer, zero grads. With a loss scaler the
         gradients are unscaled first, and an overflowing step skips the update (`skipped_step`).
+        The learning-rate schedule is the loop's (it steps it right after, skipped step or not).
 
         Returns:
             The total gradient norm before clipping, a 0-dim tensor (no host sync here without a
@@ -230,8 +234,6 @@ class Strategy(ABC):
             self.skipped_step = self.scaler.get_scale() < scale
         else:
             self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from scaletune.strategies.base import Strategy
 from scaletune.strategies.deepspeed_config import engine_config
+from scaletune.strategies.optim import apply_trainable
 
 
 def unshare_step_counters(optimizer: torch.optim.Optimizer) -> int:
@@ -116,7 +117,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         self.module = model
         self.model = self.engine
-        # The scheduler drives the client optimizer: ZeRO's wrapper shares its param_groups (and
+        # The loop's schedule drives the client optimizer: ZeRO's wrapper shares its param_groups (and
         # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
         self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
         self._finish_wrap()
@@ -135,8 +136,6 @@ class DeepSpeedStrategy(Strategy):
         # ZeRO's optimizer flattens and partitions the parameters it was built with, and hooks their
         # gradients: a new trainable set needs a new engine. destroy() removes the old one's hooks;
         # under ZeRO-3 the module stays partitioned and the new engine takes the partitions over.
-        from scaletune.trainer.freezing import apply_trainable
-
         self.engine.destroy()
         self.engine = None
         self._grad_bytes = None
@@ -190,8 +189,6 @@ class DeepSpeedStrategy(Strategy):
         skipped = int(getattr(self.engine, "skipped_steps", 0))
         self.skipped_step = skipped > self._skipped_steps
         self._skipped_steps = skipped
-        if self.scheduler is not None:
-            self.scheduler.step()
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # zero_optimization.compute_grad_norm false in a user's JSON
             raise RuntimeError("DeepSpeed computed no gradient norm; remove zero_optimization.compute_grad_norm: false")

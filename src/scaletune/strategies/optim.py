@@ -1,5 +1,6 @@
-"""The optimizer and learning-rate schedule every engine uses: AdamW with decay only on matrices,
-fused where the parameters allow, and warmup then cosine / linear / constant."""
+"""What trains and how it is optimized, for every engine: `requires_grad` set from a set of names,
+AdamW with decay only on matrices, fused where the parameters allow, and the learning-rate schedule
+(warmup then cosine / linear / constant) that `trainer.schedule.Schedule` owns."""
 
 from __future__ import annotations
 
@@ -9,6 +10,20 @@ import torch
 from torch import nn
 
 from scaletune.config import TrainingConfig
+
+
+def apply_trainable(module: nn.Module, names: frozenset[str]) -> tuple[int, int]:
+    """Set `requires_grad` of `module`'s parameters: True exactly for those named in `names` (a
+    shared tensor: if any of its names is). Returns (trainable, total) element counts."""
+    wanted: dict[int, bool] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        wanted[id(p)] = wanted.get(id(p), False) or name in names
+        params[id(p)] = p
+    for key, p in params.items():
+        p.requires_grad_(wanted[key])
+    sizes = {k: getattr(p, "ds_numel", p.numel()) for k, p in params.items()}  # ZeRO-3: the full size
+    return sum(n for k, n in sizes.items() if wanted[k]), sum(sizes.values())
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

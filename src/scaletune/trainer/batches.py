@@ -1,6 +1,6 @@
 """What the loop feeds the model from a micro-batch and how it counts it: text rows for
 `loss.CausalLMLoss` (a Hugging Face causal LM), or any batch for a factory's model
-(`models.custom.CustomModelLoss`), whatever the data's source."""
+(`models.custom.CustomModelLoss`), whatever the data's source (`model_source.ModelSource.kind`)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,3 @@ class BatchKind:
 
 TEXT = BatchKind(model_inputs, lambda b: count_target_tokens(b["labels"]), count_input_tokens)
 CUSTOM = BatchKind(custom_inputs, count_units, count_batch_tokens, checks_units=True)
-
-
-def batch_kind(custom_model: bool) -> BatchKind:
-    """CUSTOM for a factory's model (`RunSpec.custom_model`), else TEXT."""
-    return CUSTOM if custom_model else TEXT

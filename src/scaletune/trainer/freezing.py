@@ -5,7 +5,8 @@ Patterns are `fnmatch` globs over the names `model.named_parameters()` gives (yo
 names; peft's under LoRA): `*` also crosses dots, so `projector.*` is every parameter of
 `projector`. A stage without patterns trains what trains by default (everything; the adapters
 under LoRA). A tensor shared under several names (tied embeddings) trains if any of its names does.
-The engines re-target the optimizer when the set changes (`Strategy.retarget`).
+The engines re-target the optimizer when the set changes (`Strategy.retarget`, which applies the
+set with `strategies.optim.apply_trainable`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from torch import nn
 
 from scaletune.errors import UserError
 from scaletune.resolve import Stage
+from scaletune.strategies.optim import apply_trainable
+
+__all__ = ["apply_trainable", "checkpointed_frozen", "peak_stage", "stage_trainable", "trainable_sets"]
 
 
 def _matching(names: Sequence[str], pattern: str) -> set[str]:
@@ -77,20 +81,6 @@ def trainable_sets(model: nn.Module, stages: Sequence[Stage], *, prefix: str = "
         sample = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
         raise UserError([*problems, f"(the model's parameters are named like: {sample})"], title="invalid stages")
     return out
-
-
-def apply_trainable(module: nn.Module, names: frozenset[str]) -> tuple[int, int]:
-    """Set `requires_grad` of `module`'s parameters: True exactly for those named in `names` (a
-    shared tensor: if any of its names is). Returns (trainable, total) element counts."""
-    wanted: dict[int, bool] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        wanted[id(p)] = wanted.get(id(p), False) or name in names
-        params[id(p)] = p
-    for key, p in params.items():
-        p.requires_grad_(wanted[key])
-    sizes = {k: getattr(p, "ds_numel", p.numel()) for k, p in params.items()}  # ZeRO-3: the full size
-    return sum(n for k, n in sizes.items() if wanted[k]), sum(sizes.values())
 
 
 def checkpointed_frozen(sets: Sequence[frozenset[str]], index: int) -> frozenset[str]:

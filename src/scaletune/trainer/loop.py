@@ -1,54 +1,86 @@
-"""The training loop as one object (torchtitan's `Trainer`, torchtune's recipes): it owns the
-strategy, the logger and the run's state, and runs in small named steps: load, build the stages'
-data, wrap and resume, then per stage optimizer steps with evaluation, checkpoints and metrics,
-then export.
+"""The training loop as one object (torchtitan's `Trainer`, torchtune's recipes): load, build the
+stages' data, wrap and resume, then per stage optimizer steps with evaluation, checkpoints and
+metrics, then export. Each piece of state has one owner: the learning-rate schedule
+(`schedule.Schedule`), the position (`position.Position`), the throughput of logged steps
+(`metrics.ThroughputWindow`), what trains per stage (`model_setup.StageFreezing`), where the model
+comes from (`model_source.ModelSource`), and a resumed run's hand-off (`Resumed`, taken once).
 
-The loop is the same for every strategy: it never branches on the engine (strategies/base.py).
-One optimizer step consumes one global batch of `global_batch_size` sequences; its loss is the
-mean token loss over every target token of that global batch on all ranks, so a step is the same
-computation on 1 or 64 ranks and with any micro-batch split (Hugging Face's `num_items_in_batch`
-normalisation, transformers#34191, done across ranks).
+The loop never branches on the engine (it calls `strategies.protocol.LoopStrategy`). One optimizer
+step consumes one global batch of `global_batch_size` sequences; its loss is the mean token loss
+over every target token of that global batch on all ranks, so a step is the same computation on 1
+or 64 ranks and with any micro-batch split (Hugging Face's `num_items_in_batch` normalisation,
+transformers#34191, done across ranks).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
+from scaletune.checkpoint.resume import read_scheduler_state
 from scaletune.checkpoint.save import single_process_dcp
-from scaletune.env import get_logger, print0, set_rank
+from scaletune.env import print0, set_rank
 from scaletune.errors import UserError
 from scaletune.inference import samples
 from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
-from scaletune.run.rundir import opened as opened_run_dir
 from scaletune.strategies import make_strategy
 from scaletune.strategies.base import torn_down
-from scaletune.strategies.optim import make_scheduler
-from scaletune.trainer.batches import batch_kind
-from scaletune.trainer.metrics import RunLogger, plot_losses, read_metrics, report_memory, truncate_metrics
-from scaletune.trainer.model_setup import StageFreezing, loss_module
+from scaletune.trainer.metrics import (
+    RunLogger,
+    ThroughputWindow,
+    plot_losses,
+    read_metrics,
+    report_memory,
+    truncate_metrics,
+)
+from scaletune.trainer.model_setup import StageFreezing
+from scaletune.trainer.model_source import model_source
+from scaletune.trainer.position import Position
+from scaletune.trainer.schedule import Schedule
 from scaletune.trainer.stages import StagePlan, plan_stages, stage_loaders
 from scaletune.trainer.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
 
-__all__ = ["Trainer"]
+__all__ = ["Prepared", "Resumed", "RunDirectory", "Trainer"]
 
 
-@dataclass
-class RunState:
-    step: int = 0  # optimizer steps since the run began
-    start_time: float = field(default_factory=time.perf_counter)
-    resume: Progress | None = None  # where a resumed run continues
-    resume_scheduler: dict | None = None
-    memory_reported: bool = False
-    units_checked: bool = False
+class RunDirectory(Protocol):
+    """The run directory as the loop uses it (`run.rundir.RunDirectory`)."""
+
+    def checking(self) -> contextlib.AbstractContextManager[None]:
+        """Around the last checks (model wrapped, checkpoint resumed): a replaced run is rolled back on failure."""
+        ...
+
+
+#: Opens (locks, prepares) a run's directory for the run's lifetime (`run.rundir.opened`).
+OpenRunDirectory = Callable[[RunSpec], contextlib.AbstractContextManager[RunDirectory]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What `fit` prepares before the engine wraps the model, all of it there for every stage."""
+
+    tokenizer: Any  # the tokenizer or a factory's processor; None: a factory's model without one
+    plans: list[StagePlan]
+    freezing: StageFreezing
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A resumed run's hand-off to the stage it continues in (taken once, by that stage's entry)."""
+
+    path: Path  # the checkpoint
+    progress: Progress
+    scheduler: dict  # the schedule's saved state
 
 
 class Trainer:
@@ -57,21 +89,30 @@ class Trainer:
     Args:
         spec: the resolved run (:func:`scaletune.run.prepare`).
         predicted_memory: the planner's entry for this run's strategy (`plan.json`), or None.
+        open_run_dir: opens the run directory (`scaletune.run.rundir.opened`; `run.entry.train` passes it).
     """
 
-    def __init__(self, spec: RunSpec, *, predicted_memory: dict | None = None) -> None:
+    #: What `fit` prepared (set before the model is wrapped) and the metrics logger (set once the
+    #: run directory is open): every stage runs with both.
+    prepared: Prepared
+    logger: RunLogger
+
+    def __init__(self, spec: RunSpec, *, predicted_memory: dict | None = None, open_run_dir: OpenRunDirectory) -> None:
         self.spec = spec
         self.env = spec.env
         self.cfg = spec.config
         self.strategy = make_strategy(spec)
         self.predicted_memory = predicted_memory
-        self.state = RunState()
-        self.kind = batch_kind(spec.custom_model)
-        self.freezing: StageFreezing | None = None
-        self.tokenizer: Any = None
-        self.plans: list[StagePlan] = []
-        self.logger: RunLogger | None = None
-        self.log = get_logger()
+        self.open_run_dir = open_run_dir
+        self.source = model_source(spec)
+        self.kind = self.source.kind
+        self.schedule = Schedule()
+        self.position = Position()
+        self.start_time = time.perf_counter()
+        self.resumed: Resumed | None = None  # until the stage it resumes in takes it
+        self.units_checked = False  # a factory module's own count compared once, at the first step
+        self.memory_reported = False  # memory.json once, after the first step of the planned stage
+        self.log = logging.getLogger(__name__)
 
     # -- the run ---------------------------------------------------------------------------
     def fit(self) -> Path:
@@ -88,45 +129,49 @@ class Trainer:
             print0(f"[scaletune] {self.spec.batch.describe()}")
             progress = self.read_resume()
             base_answers = self.sample_base()
-            model = self.load_model_and_data()
-            with opened_run_dir(self.spec) as run_dir:
+            model, self.prepared = self.load_model_and_data()
+            with self.open_run_dir(self.spec) as run_dir:
                 samples.record_base(self.spec, base_answers)
                 self.strategy.barrier()
                 with run_dir.checking():  # a replaced run is deleted only once this passes
                     self.wrap(model, progress)
                 self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)
                 try:
-                    for plan in self.plans:
+                    for plan in self.prepared.plans:
                         self.report("phase", phase="training", stage=plan.stage.name)
                         self.run_stage(plan)
                     self.report("phase", phase="exporting")
                     self.export()
                     self.sample_trained(base_answers)
                 except RunStopped:  # checkpoint saved, no export: resumable, not finished
-                    self.report("stopped on request", step=self.state.step)
+                    self.report("stopped on request", step=self.position.step)
                 finally:
                     self.logger.close()
                 self.strategy.barrier()
         return self.spec.run_dir
 
-    # -- steps -----------------------------------------------------------------------------
-    def load_model_and_data(self) -> torch.nn.Module:
+    # -- before the stages -----------------------------------------------------------------
+    def load_model_and_data(self) -> tuple[torch.nn.Module, Prepared]:
         """A Hugging Face model: tokenizer, every stage's data (bad data fails before the model
         loads), then the model, seeded. A factory's model first: its data factory is handed the
-        tokenizer or processor the model factory returns."""
-        if self.spec.custom_model:
+        tokenizer or processor the model factory returns. Then what trains in each stage."""
+        source, strategy = self.source, self.strategy
+        if source.model_first:
             seed_everything(self.cfg.seed)
             self.report("phase", phase="loading model")
-            model = self.load_model()
+            model, processor = source.load(strategy)
+            tokenizer = source.tokenizer()
+            tokenizer = processor if processor is not None else tokenizer
             self.report("phase", phase="loading data")
-            self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
-            return model
-        self.report("phase", phase="loading data")
-        self.load_tokenizer()
-        self.plans = plan_stages(self.spec, self.tokenizer, self.strategy)
-        seed_everything(self.cfg.seed)
-        self.report("phase", phase="loading model")
-        return self.load_model()
+            plans = plan_stages(self.spec, tokenizer, strategy)
+        else:
+            self.report("phase", phase="loading data")
+            tokenizer = source.tokenizer()
+            plans = plan_stages(self.spec, tokenizer, strategy)
+            seed_everything(self.cfg.seed)
+            self.report("phase", phase="loading model")
+            model, _ = source.load(strategy)
+        return model, Prepared(tokenizer, plans, StageFreezing(self.spec, model, source.prefix))
 
     def report(self, kind: str, **data: Any) -> None:
         """A phase, checkpoint or stop (`kind`: a `report.EventKind` or its words, "saved checkpoint"):
@@ -138,40 +183,19 @@ class Trainer:
         if self.env.is_main:
             reporter().add(event, data, flush=True)
 
-    def load_tokenizer(self) -> None:
-        from scaletune.models import load_tokenizer
-
-        m = self.cfg.model
-        self.tokenizer = load_tokenizer(m) if (m.tokenizer or not self.spec.custom_model) else None
-
     def read_resume(self) -> Progress | None:
         path = self.spec.resume_from
-        if path is None:
-            if self.cfg.training.resume == "auto":
-                print0(
-                    f"[scaletune] training.resume auto: no checkpoint in {self.spec.run_dir / 'checkpoints'}, starting fresh"
-                )
-            return None
-        return read_progress(path)
-
-    def load_model(self) -> torch.nn.Module:
-        """The model (and a factory's tokenizer or processor), and what trains in each stage."""
-        from scaletune.trainer.model_setup import load_model
-
-        model, processor = load_model(self.spec, self.strategy)
-        if self.spec.custom_model:
-            self.load_tokenizer()
-            self.tokenizer = processor if processor is not None else self.tokenizer
-        self.freezing = StageFreezing(self.spec, model)
-        return model
+        if path is None and self.cfg.training.resume == "auto":
+            where = self.spec.run_dir / "checkpoints"
+            print0(f"[scaletune] training.resume auto: no checkpoint in {where}, starting fresh")
+        return read_progress(path) if path is not None else None
 
     def wrap(self, model: torch.nn.Module, progress: Progress | None) -> None:
         """Hand the model and its loss to the engine; resume model, optimizer and position."""
         if progress is not None:
             self.strategy.prepare_resume(self.spec.resume_from, progress.world_size)
-        loss = loss_module(self.spec, model, self.strategy)
-        assert self.freezing is not None
-        self.freezing.before_wrap(loss, self.strategy, progress.stage_index if progress is not None else 0)
+        loss = self.source.loss(model, self.strategy)
+        self.prepared.freezing.before_wrap(loss, self.strategy, progress.stage_index if progress is not None else 0)
         self.strategy.wrap(loss)
         if progress is not None:
             self.resume(progress)
@@ -190,17 +214,13 @@ class Trainer:
             check_shapes(path, strategy.state_shapes())
         with single_process_dcp():
             strategy.load_state(path)
-        self.state.step = progress.step
-        self.state.resume = progress
-        self.state.resume_scheduler = json.loads((path / "scheduler.json").read_text())
+        self.position.step = progress.step
+        self.resumed = Resumed(path, progress, read_scheduler_state(path))
         if self.env.is_main:
-            truncate_metrics(self.spec.run_dir / "metrics.jsonl", self.state.step)
+            truncate_metrics(self.spec.run_dir / "metrics.jsonl", progress.step)
         if progress.world_size != self.env.world_size:
-            how = (
-                "torch.distributed.checkpoint"
-                if progress.checkpoint_format == "dcp"
-                else "DeepSpeed's universal checkpoint"
-            )
+            dcp = progress.checkpoint_format == "dcp"
+            how = "torch.distributed.checkpoint" if dcp else "DeepSpeed's universal checkpoint"
             print0(
                 f"[scaletune] resharded {path.name}: written by {progress.world_size} rank(s) ({progress.strategy}), "
                 f"now {self.env.world_size}; model and optimizer state re-split by {how}, "
@@ -209,140 +229,137 @@ class Trainer:
         else:
             print0(f"[scaletune] resumed from {path} at step {progress.step} (stage {progress.stage_name})")
 
+    # -- a stage ---------------------------------------------------------------------------
     def run_stage(self, plan: StagePlan) -> None:
         """The optimizer steps of one stage, from the resumed position when the run resumes in it."""
-        stage, strategy, state = plan.stage, self.strategy, self.state
-        start = state.resume
-        if start is not None and (
-            start.stage_index > stage.index or (start.stage_index == stage.index and start.stage_step >= plan.total)
-        ):
-            if start.stage_index == stage.index and stage.index == self.plans[-1].stage.index:
-                print0(
-                    f"[scaletune] the checkpoint finished stage {stage.name} ({start.stage_step} of {plan.total} steps): nothing to train"
-                )
-            return  # finished before the checkpoint
-        resuming_here = start is not None and start.stage_index == stage.index
-        if resuming_here and start.stage_complete:
+        if self.finished_before_checkpoint(plan):
+            return
+        batches, eval_loader = self.enter_stage(plan)
+        window = ThroughputWindow()
+        for epoch, i, micro in batches:
+            if self.position.stage_step >= plan.total:
+                break
+            lr = self.strategy.lr()
+            result = train_step(self.strategy, micro, self.kind, check_units=not self.units_checked)
+            self.schedule.step()  # after the optimizer's step, as LambdaLR expects
+            self.units_checked = True
+            self.position.advance(epoch, i)
+            self.after_step(plan, lr, result, eval_loader, window)
+
+    def finished_before_checkpoint(self, plan: StagePlan) -> bool:
+        """True for a stage a resumed run's checkpoint is past (or finished, if it is the last)."""
+        if self.resumed is None:
+            return False
+        start, index = self.resumed.progress, plan.stage.index
+        if start.stage_index < index or (start.stage_index == index and start.stage_step < plan.total):
+            return False
+        if start.stage_index == index and index == self.prepared.plans[-1].stage.index:
+            print0(
+                f"[scaletune] the checkpoint finished stage {plan.stage.name} ({start.stage_step} of {plan.total} steps): nothing to train"
+            )
+        return True
+
+    def take_resumed(self, stage_index: int) -> Resumed | None:
+        """The resume hand-off if the run resumes in this stage; gone after the first stage entered."""
+        resumed, self.resumed = self.resumed, None
+        return resumed if resumed is not None and resumed.progress.stage_index == stage_index else None
+
+    def enter_stage(self, plan: StagePlan) -> tuple[Iterator, Any]:
+        """Loaders (from the resumed position), what trains, the schedule, the position, the
+        evaluation before training. Returns (global batches, the eval loader or None)."""
+        stage, prepared = plan.stage, self.prepared
+        resumed = self.take_resumed(stage.index)
+        start = resumed.progress if resumed is not None else None
+        if start is not None and start.stage_complete:
             print0(
                 f"[scaletune] stage {stage.name} ended at step {start.stage_step} in the checkpoint; its steps are now "
                 f"{plan.total}: continuing, the learning-rate schedule stretched over {plan.schedule_steps} steps"
             )
-        batches, eval_loader = stage_loaders(plan, self.spec, self.tokenizer, start if resuming_here else None)
-        assert self.freezing is not None
-        if self.freezing.enter(strategy, stage.index):
-            self.rebuild_schedule(plan)
-        if strategy.scheduler is None or plan.schedule_origin == stage.index:
-            # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
-            # schedule and the saved scheduler state restores the position.
-            origin = self.plans[plan.schedule_origin].stage.training
-            strategy.scheduler = make_scheduler(strategy.optimizer, origin, plan.schedule_steps)
-        if resuming_here:
-            assert start is not None and state.resume_scheduler is not None
-            sched = strategy.scheduler
-            sched.load_state_dict(state.resume_scheduler)
-            # The position comes from the checkpoint, the horizon from this run's schedule (longer
-            # when max_steps was raised): the next step's rate, from the schedule's own lambdas.
-            for group, base, rate in zip(strategy.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-                group["lr"] = base * rate(sched.last_epoch)
-            load_rng(self.spec.resume_from, self.env.rank)  # after data building, right before the next step
-        done = start.stage_step if resuming_here else 0
-        state.resume = None
-        if eval_loader is not None and stage.training.eval_on_start and state.step == 0:
+        batches, eval_loader = stage_loaders(plan, self.spec, prepared.tokenizer, start)
+        retargeted = prepared.freezing.enter(self.strategy, stage.index)
+        # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
+        # schedule and the saved state restores the position.
+        origin = prepared.plans[plan.schedule_origin].stage.training
+        continues = plan.schedule_origin != stage.index
+        self.schedule.enter(
+            self.strategy.optimizer, origin, plan.schedule_steps, continues=continues, retargeted=retargeted
+        )
+        self.position.enter_stage(start)
+        if resumed is not None:
+            self.schedule.restore(resumed.scheduler)
+            load_rng(resumed.path, self.env.rank)  # after data building, right before the next step
+        if eval_loader is not None and stage.training.eval_on_start and self.position.step == 0:
             self.log_eval(plan, eval_loader)
-        strategy.train_mode(True)
-        assert self.logger is not None
-        self.logger.start_progress(plan.total, stage.name, completed=done)
-        window = [time.perf_counter(), 0.0]
-        for stage_step, (epoch, i, micro) in enumerate(batches, done + 1):
-            if stage_step > plan.total:
-                break
-            lr = strategy.lr()
-            result = train_step(strategy, micro, self.kind, check_units=not state.units_checked)
-            state.units_checked = True
-            state.step += 1
-            if not state.memory_reported and stage.index >= (self.freezing.peak or 0):
-                self.report_memory()  # in the stage the plan is for
-            window[1] += float(result.tokens)
-            last = stage_step == plan.total
-            t = stage.training
-            stop = not last and stop_agreed(strategy.all_reduce_sum)  # `scaletune serve` asked to stop
-            will_save = last or stop or bool(t.save_every and state.step % t.save_every == 0)
-            if stage_step % t.log_every == 0 or last or will_save:
-                self.log_step(plan, stage_step, epoch, i, lr, result, window)
-            if eval_loader is not None and ((t.eval_every and stage_step % t.eval_every == 0) or last):
-                self.log_eval(plan, eval_loader)
-            if will_save:
-                self.save(plan, stage_step, epoch, i, last)
-            if stop:
-                raise RunStopped()
+        self.strategy.train_mode(True)
+        self.logger.start_progress(plan.total, stage.name, completed=self.position.stage_step)
+        return batches, eval_loader
 
+    def after_step(
+        self, plan: StagePlan, lr: float, result: StepResult, eval_loader: Any, window: ThroughputWindow
+    ) -> None:
+        """Memory report, metrics, evaluation, checkpoint and a requested stop, as the stage's
+        settings say."""
+        stage, position = plan.stage, self.position
+        if not self.memory_reported and stage.index >= (self.prepared.freezing.peak or 0):
+            self.report_memory()  # in the stage the plan is for
+        window.add(float(result.tokens))
+        last = position.stage_step == plan.total
+        t = stage.training
+        stop = not last and stop_agreed(self.strategy.all_reduce_sum)  # `scaletune serve` asked to stop
+        will_save = last or stop or bool(t.save_every and position.step % t.save_every == 0)
+        if position.stage_step % t.log_every == 0 or last or will_save:
+            self.log_step(plan, lr, result, window)
+        if eval_loader is not None and ((t.eval_every and position.stage_step % t.eval_every == 0) or last):
+            self.log_eval(plan, eval_loader)
+        if will_save:
+            self.save(plan, last)
+        if stop:
+            raise RunStopped()
+
+    # -- what a step leaves ----------------------------------------------------------------
     def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
         """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
-        assert self.logger is not None
-        loss, elapsed = (
-            evaluate(self.strategy, eval_loader, self.kind),
-            round(time.perf_counter() - self.state.start_time, 3),
-        )
-        self.logger.log({"step": self.state.step, "stage": plan.stage.name, "eval_loss": loss, "elapsed_s": elapsed})
+        loss, elapsed = evaluate(self.strategy, eval_loader, self.kind), round(time.perf_counter() - self.start_time, 3)
+        self.logger.log({"step": self.position.step, "stage": plan.stage.name, "eval_loss": loss, "elapsed_s": elapsed})
 
-    def rebuild_schedule(self, plan: StagePlan) -> None:
-        """After a re-target (a new optimizer): a stage that continues the running schedule gets it
-        again on the new optimizer, at the same position; other stages build their own next."""
-        old, strategy = self.strategy.scheduler, self.strategy
-        strategy.scheduler = None
-        if old is None or plan.schedule_origin == plan.stage.index:
-            return
-        origin = self.plans[plan.schedule_origin].stage.training
-        strategy.scheduler = make_scheduler(strategy.optimizer, origin, plan.schedule_steps)
-        strategy.scheduler.load_state_dict(old.state_dict())
-        for group, lr in zip(strategy.optimizer.param_groups, strategy.scheduler.get_last_lr()):
-            group["lr"] = lr
-
-    def log_step(
-        self, plan: StagePlan, stage_step: int, epoch: int, i: int, lr: float, result: StepResult, window: list
-    ) -> None:
+    def log_step(self, plan: StagePlan, lr: float, result: StepResult, window: ThroughputWindow) -> None:
         """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
-        assert self.logger is not None
         # One device-to-host read for both (at log_every 1 this is the step's only sync).
         both = torch.stack([result.loss.float(), result.grad_norm.float().to(result.loss.device)]).tolist()
         loss, grad_norm = both[0], both[1]
-        now = time.perf_counter()
+        now, position = time.perf_counter(), self.position
         self.logger.log(
             {
-                "step": self.state.step,
+                "step": position.step,
                 "stage": plan.stage.name,
-                "stage_step": stage_step,
-                "epoch": round(epoch + (i + 1) / plan.steps_per_epoch, 4),
+                "stage_step": position.stage_step,
+                "epoch": position.epochs(plan.steps_per_epoch),
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens": int(result.tokens),
-                "tokens_per_s": window[1] / max(now - window[0], 1e-9),
-                "elapsed_s": round(now - self.state.start_time, 3),
+                "tokens_per_s": window.close(now),
+                "elapsed_s": round(now - self.start_time, 3),
                 **({"skipped": True} if result.skipped else {}),
             }
         )
-        window[0], window[1] = now, 0.0
         # An fp16 step the loss scaler skipped has an infinite gradient norm by design, not divergence.
         if not (math.isfinite(loss) and (math.isfinite(grad_norm) or result.skipped)):
             good = latest_checkpoint(self.spec.run_dir)
             raise DivergenceError(
-                f"training diverged at step {self.state.step}: loss {loss}, grad_norm {grad_norm}; "
+                f"training diverged at step {position.step}: loss {loss}, grad_norm {grad_norm}; "
                 f"no checkpoint was written for it. Last good checkpoint: {good or 'none'} "
                 "(lower training.learning_rate or raise warmup_steps, then resume from it)"
             )
 
-    def save(self, plan: StagePlan, stage_step: int, epoch: int, i: int, last: bool) -> None:
-        self.report("phase", phase="checkpointing", step=self.state.step)
-        next_epoch, next_step = (epoch, i + 1) if i + 1 < plan.steps_per_epoch else (epoch + 1, 0)
-        progress = Progress(
-            step=self.state.step,
+    def save(self, plan: StagePlan, last: bool) -> None:
+        """`checkpoints/step-N`: engine state, the schedule, and the position of the next step."""
+        self.report("phase", phase="checkpointing", step=self.position.step)
+        progress = self.position.progress(
             stage_index=plan.stage.index,
             stage_name=plan.stage.name,
-            stage_step=stage_step,
-            epoch=next_epoch,
-            step_in_epoch=next_step,
-            sample_offset=next_step * plan.batch.global_batch_size,
+            steps_per_epoch=plan.steps_per_epoch,
+            global_batch_size=plan.batch.global_batch_size,
             world_size=self.env.world_size,
             strategy=self.strategy.name,
             checkpoint_format=self.strategy.checkpoint_format,
@@ -350,15 +367,16 @@ class Trainer:
         )
         keep = plan.stage.training.keep_last
         path = save_checkpoint(
-            self.strategy, self.spec.run_dir, progress, self.cfg, self.strategy.scheduler.state_dict(), keep_last=keep
+            self.strategy, self.spec.run_dir, progress, self.cfg, self.schedule.state_dict(), keep_last=keep
         )
-        self.report("saved checkpoint", step=self.state.step, path=str(path))
+        self.report("saved checkpoint", step=self.position.step, path=str(path))
 
     def report_memory(self) -> None:
         """After the first optimizer step: `memory.json` and `plan.json` (see `metrics.report_memory`)."""
-        self.state.memory_reported = True
+        self.memory_reported = True
         report_memory(self.strategy, self.spec, self.predicted_memory)
 
+    # -- around training -------------------------------------------------------------------
     def sample_base(self) -> list[str] | None:
         """Rank 0: the untrained model answers `training.sample_prompts` (before the training copy loads)."""
         return samples.before_training(self.spec)
@@ -372,8 +390,8 @@ class Trainer:
         final = self.spec.run_dir / "final"
         self.strategy.export(final)
         if self.env.is_main:
-            if hasattr(self.tokenizer, "save_pretrained"):
-                self.tokenizer.save_pretrained(str(final))
+            if hasattr(self.prepared.tokenizer, "save_pretrained"):
+                self.prepared.tokenizer.save_pretrained(str(final))
             # From the file, not this process's records: a resumed run plots the whole curve.
             plot_losses(read_metrics(self.spec.run_dir / "metrics.jsonl"), self.spec.run_dir / "loss.png")
             self.log.info(f"saved {final}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,29 @@ WANDB_ID = "scaletune-run-id"
 def _sink_key(key: str) -> str:
     """`eval_loss` -> `eval/loss`, `loss` -> `train/loss`: the same names in TensorBoard and W&B."""
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+class ThroughputWindow:
+    """Tokens counted since the last logged step, and when that was (metrics.jsonl `tokens_per_s`).
+
+    Args:
+        clock: seconds, monotonic (`time.perf_counter`).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.since = clock()
+        self.tokens = 0.0
+
+    def add(self, tokens: float) -> None:
+        """One step's non-padding tokens, all ranks."""
+        self.tokens += tokens
+
+    def close(self, now: float) -> float:
+        """Tokens per second over the window ending at `now`; a new window starts there."""
+        rate = self.tokens / max(now - self.since, 1e-9)
+        self.since, self.tokens = now, 0.0
+        return rate
 
 
 class RunLogger:

@@ -15,7 +15,7 @@ from scaletune.resolve import BatchArithmetic, RunSpec, Stage, steps_for
 
 if TYPE_CHECKING:
     from scaletune.checkpoint import Progress
-    from scaletune.strategies.base import Strategy
+    from scaletune.strategies.protocol import LoopStrategy
 
 
 @dataclass
@@ -31,7 +31,7 @@ class StagePlan:
     schedule_origin: int  # index of the stage whose schedule this one runs on (itself unless continuing)
 
 
-def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: Strategy) -> Any:
+def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy) -> Any:
     """Rank 0 builds first (tokenizing into the datasets cache, or a data factory downloading or
     caching what it reads); the other ranks then read what it left."""
     from scaletune.data import build_custom_data, build_datasets
@@ -73,7 +73,7 @@ def data_problems(spec: RunSpec, tokenizer: Any) -> list[str]:
     return problems
 
 
-def plan_stages(spec: RunSpec, tokenizer: Any, strategy: Strategy) -> list[StagePlan]:
+def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[StagePlan]:
     """Build every stage's data before the model loads (bad data fails early) and count its steps.
 
     Raises:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from scaletune.strategies.base import Strategy
+from scaletune.strategies.protocol import LoopStrategy
 from scaletune.trainer.batches import TEXT, BatchKind, model_inputs
 
 __all__ = ["DivergenceError", "StepResult", "evaluate", "model_inputs", "seed_everything", "train_step"]
@@ -43,7 +43,7 @@ class StepResult:
 
 
 def train_step(
-    strategy: Strategy, micro_batches: list[dict[str, torch.Tensor]], kind: BatchKind = TEXT, check_units: bool = False
+    strategy: LoopStrategy, micro_batches: list[dict[str, torch.Tensor]], kind: BatchKind = TEXT, check_units: bool = False
 ) -> StepResult:
     """Forward/backward every micro-batch of this rank's share of the global batch, then step.
 
@@ -75,7 +75,7 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(strategy: Strategy, loader: Any, kind: BatchKind = TEXT) -> float:
+def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> float:
     """Mean token loss (loss per target unit) over the whole eval set (all ranks)."""
     strategy.train_mode(False)
     total = torch.zeros(2, dtype=torch.float64)
