@@ -89,6 +89,22 @@ def test_unknown_target_and_resources_are_422(svc, tiny_model_dir, tmp_path):
         assert c.get("/api/jobs").json() == []
 
 
+def test_missing_job_is_404_and_a_real_key_error_is_not(svc, monkeypatch):
+    """`JobNotFound` means no such job (404); a KeyError from a bug is a server error, not a 404."""
+    with TestClient(create_app(svc, start=False), raise_server_exceptions=False) as c:
+        for verb in ("stop", "cancel", "resume", "clone"):
+            r = c.post(f"/api/jobs/nope/{verb}", json={})
+            assert (r.status_code, r.json()["detail"]) == (404, "no job nope"), (verb, r.text)
+        with pytest.raises(LookupError):
+            svc.stop("nope")
+
+        def bug(job_id):
+            raise KeyError("a missing dict key")
+
+        monkeypatch.setattr(svc, "stop", bug)
+        assert c.post("/api/jobs/nope/stop").status_code == 500
+
+
 def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):
     """No Modal account is reachable here: the app is generated and handed to the SDK, and Modal's
     refusal (no credentials) ends the job `failed` with reason `submit failed`."""

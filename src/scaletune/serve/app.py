@@ -13,7 +13,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from scaletune.errors import UserError
 from scaletune.serve import auth
-from scaletune.serve.jobs import JobService
+from scaletune.serve.jobs import JobNotFound, JobService
 
 HEARTBEAT_S = 10.0
 ARTIFACTS = ("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints")
@@ -57,6 +57,10 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     app.state.svc = svc
     app.state.csrf = auth.Csrf()
 
+    @app.exception_handler(JobNotFound)
+    async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
     def caller(request: Request) -> auth.Caller:
         header = request.headers.get("authorization", "")
         if header.lower().startswith("bearer "):
@@ -92,7 +96,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     def job_or_404(job_id: str):
         job = svc.get(job_id)
         if job is None:
-            raise HTTPException(404, f"no job {job_id}")
+            raise JobNotFound(job_id)
         return job
 
     def bad(exc: UserError) -> JSONResponse:
@@ -151,8 +155,6 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     def control(fn, *args):
         try:
             return fn(*args).summary()
-        except KeyError:
-            raise HTTPException(404, f"no job {args[0]}") from None
         except UserError as exc:
             return JSONResponse({"detail": exc.title, "problems": exc.problems}, status_code=409)
 

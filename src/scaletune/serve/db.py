@@ -47,6 +47,8 @@ class Job(Base):
     token_hash: Mapped[str] = mapped_column(String(64))
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     stop_requested: Mapped[int] = mapped_column(Integer, default=0)
+    # {file name: bytes the watcher has read}, so a restarted service reads on where it stopped.
+    offsets: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
     updated: Mapped[dt.datetime] = mapped_column(DateTime, default=now, onupdate=now)
 

@@ -1,31 +1,35 @@
-"""The job service: records, the queue, the watcher thread that polls dispatchers and reads what
-runs write, and the events the API streams. One instance per `scaletune serve`."""
+"""The job service: the job records and what the API does with them (submit, stop, cancel,
+resume, clone, the run's reports, metrics and events). The watcher (`watch.Watcher`) runs the
+jobs; record updates are `records`'. One instance per `scaletune serve`."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
 from scaletune.errors import UserError
+from scaletune.report import TOKEN_ENV, URL_ENV
 from scaletune.serve import states as S
+from scaletune.serve.auth import digest
 from scaletune.serve.db import Event, Job, Metric, open_db
 from scaletune.serve.dispatch import Dispatcher, JobFiles, make_dispatchers
-from scaletune.serve.dispatch.base import LOG_FILE
+from scaletune.serve.records import apply_report, set_state
+from scaletune.serve.watch import Watcher
 
 TARGETS = ("local", "slurm", "modal")
 
 
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+class JobNotFound(LookupError):
+    """No job has this id (the API answers 404)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id}")
+        self.job_id = job_id
 
 
 class JobService:
@@ -43,20 +47,17 @@ class JobService:
         self.base_url = base_url.rstrip("/")
         self.workdir = Path.cwd()
         self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
-        self.poll_s = poll_s
         self.lock = threading.RLock()  # one writer at a time (SQLite)
-        self._tails: dict[tuple[str, str], int] = {}  # (job, file) -> bytes read
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
         self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
+        self.watcher = Watcher(self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s)
 
     # -- records ---------------------------------------------------------------------------
     def files(self, job: Job) -> JobFiles:
         env = {}
         token = self._tokens.get(job.id)
         if token:
-            env = {"SCALETUNE_REPORT_URL": f"{self.base_url}/api/jobs/{job.id}/report", "SCALETUNE_REPORT_TOKEN": token}
+            env = {URL_ENV: f"{self.base_url}/api/jobs/{job.id}/report", TOKEN_ENV: token}
         return JobFiles(
             job_id=job.id,
             job_dir=Path(job.job_dir),
@@ -74,16 +75,6 @@ class JobService:
     def list(self) -> list[Job]:
         with self.Session() as s:
             return list(s.scalars(select(Job).order_by(Job.created.desc())))
-
-    def event(self, s: Any, job: Job, kind: str, data: dict) -> None:
-        s.add(Event(job_id=job.id, kind=kind, data=data))
-
-    def set_state(self, s: Any, job: Job, state: str, **fields: Any) -> None:
-        job.state = state
-        for k, v in fields.items():
-            setattr(job, k, v)
-        data = {"state": state, **{k: v for k, v in fields.items() if k in ("reason", "message", "phase", "stage")}}
-        self.event(s, job, "state", data)
 
     # -- submit ----------------------------------------------------------------------------
     def prepare_job(
@@ -147,7 +138,7 @@ class JobService:
         with self.lock, self.Session() as s:
             s.add(job)
             s.flush()
-            self.set_state(s, job, S.QUEUED)
+            set_state(s, job, S.QUEUED)
             s.commit()
         self.kick()
         return {"id": job.id, "state": job.state}
@@ -157,11 +148,11 @@ class JobService:
         with self.lock, self.Session() as s:
             job = self._need(s, job_id)
             if job.state == S.QUEUED:
-                self.set_state(s, job, S.STOPPED)
+                set_state(s, job, S.STOPPED)
             elif job.state in (S.STARTING, S.RUNNING):
                 job.stop_requested = 1
                 self.dispatchers[job.target].stop(job.target_id or "", self.files(job))
-                self.set_state(s, job, S.STOPPING)
+                set_state(s, job, S.STOPPING)
             else:
                 raise UserError(f"job {job_id} is {job.state}: only a queued or running job can be stopped")
             s.commit()
@@ -174,7 +165,7 @@ class JobService:
                 raise UserError(f"job {job_id} is already {job.state}")
             if job.state in S.ACTIVE and job.target_id:
                 self.dispatchers[job.target].cancel(job.target_id, self.files(job))
-            self.set_state(s, job, S.CANCELLED)
+            set_state(s, job, S.CANCELLED)
             s.commit()
             return job
 
@@ -206,7 +197,7 @@ class JobService:
             job.overrides, job.target = overrides, target or job.target
             job.resources = resources if resources is not None else job.resources
             job.stop_requested, job.target_id, job.exit_code = 0, None, None
-            self.set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
+            set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
             s.commit()
         self.kick()
         return job
@@ -214,14 +205,14 @@ class JobService:
     def clone(self, job_id: str, overrides: list[str]) -> dict:
         job = self.get(job_id)
         if job is None:
-            raise KeyError(job_id)
+            raise JobNotFound(job_id)
         base = [o for o in job.overrides if not o.startswith("training.resume=")]
         return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources))
 
     def _need(self, s: Any, job_id: str) -> Job:
         job = s.get(Job, job_id)
         if job is None:
-            raise KeyError(job_id)
+            raise JobNotFound(job_id)
         return job
 
     # -- reports from the run --------------------------------------------------------------
@@ -230,38 +221,17 @@ class JobService:
         return job is not None and bool(job.token_hash) and secrets.compare_digest(job.token_hash, digest(token))
 
     def ingest(self, job_id: str, events: list[dict]) -> int:
-        """Store what a run reported (metric lines, phases, checkpoints); returns how many were new."""
-        from scaletune.serve.watch import apply_report
+        """Store what a run reported (metric lines, phases, checkpoints); returns how many were new.
 
+        Raises:
+            JobNotFound: no such job.
+        """
         with self.lock, self.Session() as s:
             job = self._need(s, job_id)
-            n = sum(apply_report(self, s, job, e.get("kind", ""), e.get("data") or {}) for e in events)
+            n = sum(apply_report(s, job, e.get("kind", ""), e.get("data") or {}) for e in events)
             s.commit()
             self.posted[job_id] = self.posted.get(job_id, 0) + len(events)
             return n
-
-    def add_metric(self, s: Any, job: Job, record: dict) -> bool:
-        if not isinstance(record.get("step"), int):
-            return False
-        kind = "eval" if "eval_loss" in record else "train"
-        exists = s.scalar(
-            select(Metric.id).where(Metric.job_id == job.id, Metric.step == record["step"], Metric.kind == kind)
-        )
-        if exists:
-            return False
-        try:
-            with s.begin_nested():
-                s.add(Metric(job_id=job.id, step=record["step"], kind=kind, loss=record.get("loss"), data=record))
-        except IntegrityError:
-            return False
-        job.step = max(job.step or 0, record["step"])
-        if kind == "train":
-            job.last_metrics = record
-            job.stage = record.get("stage", job.stage)
-            if job.state == S.STARTING:
-                self.set_state(s, job, S.RUNNING, phase="training")
-        self.event(s, job, "metric", record)
-        return True
 
     def metrics(self, job_id: str, since_step: int = 0) -> list[dict]:
         with self.Session() as s:
@@ -277,62 +247,19 @@ class JobService:
 
     # -- the watcher -----------------------------------------------------------------------
     def start(self) -> None:
-        from scaletune.serve.watch import reattach_all
-
-        reattach_all(self)
-        self._thread = threading.Thread(target=self._loop, name="scaletune-serve-watch", daemon=True)
-        self._thread.start()
+        """Start the watcher (after re-attaching to the jobs a previous service left running)."""
+        self.watcher.start()
 
     def shutdown(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.watcher.shutdown()
         self.engine.dispose()
 
     def kick(self) -> None:
-        from scaletune.serve.watch import tick
-
-        tick(self)
-
-    def _loop(self) -> None:
-        from scaletune.serve.watch import tick
-
-        while not self._stop.wait(self.poll_s):
-            try:
-                tick(self)
-            except Exception as exc:  # noqa: BLE001 - the watcher outlives one bad poll
-                print(f"[scaletune serve] watcher: {type(exc).__name__}: {exc}", flush=True)
+        """One watcher tick now (a job was queued: start it without waiting for the next poll)."""
+        self.watcher.tick()
 
     def new_token(self, job: Job) -> str:
         token = "stj_" + secrets.token_urlsafe(24)
         self._tokens[job.id] = token
         job.token_hash = digest(token)
         return token
-
-    def read_new(self, job: Job, name: str) -> str:
-        """What was appended to a file of the job since the last read (whole lines only)."""
-        path = (Path(job.run_dir) if name == "metrics.jsonl" else Path(job.job_dir)) / name
-        key = (job.id, name)
-        pos = self._tails.get(key, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-        except OSError:
-            return ""
-        end = chunk.rfind(b"\n") + 1
-        self._tails[key] = pos + end
-        return chunk[:end].decode(errors="replace")
-
-
-def json_lines(text: str) -> list[dict]:
-    out = []
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
-__all__ = ["JobService", "LOG_FILE", "digest", "json_lines", "time"]

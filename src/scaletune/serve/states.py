@@ -10,9 +10,6 @@ ACTIVE = frozenset({STARTING, RUNNING, STOPPING})  # a process / SLURM job / Mod
 TERMINAL = frozenset({STOPPED, SUCCEEDED, FAILED, CANCELLED})
 RESUMABLE = frozenset({STOPPED, FAILED, CANCELLED})
 
-# Phases of a running job, read from what the run prints and writes (see jobs.phase_of).
-PHASES = ("loading model", "loading data", "training", "evaluating", "checkpointing", "exporting")
-
 # Reasons of a failed job.
 BAD_INPUT = "bad input"  # the run refused its config or data (exit 2)
 OUT_OF_MEMORY = "out of memory"
@@ -20,6 +17,9 @@ DIVERGED = "diverged"
 LOST = "lost"  # the process / SLURM job vanished without an exit status
 ERROR = "error"  # anything else (exit 1 with a traceback)
 SUBMIT = "submit failed"  # the target refused the job (sbatch error, no Modal credentials)
+
+
+# A running job's phases: `scaletune.report.PHASES` (the run reports them).
 
 
 def failure_reason(exit_code: int | None, log_tail: str) -> str:

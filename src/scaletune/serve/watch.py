@@ -1,161 +1,203 @@
-"""The watcher's work, one tick at a time: start queued jobs within the concurrency limit, poll
-the active ones, read the lines their runs append (`metrics.jsonl`, the log's phase and
-checkpoint lines) and settle how each ended. Also the re-attach after a service restart."""
+"""The watcher: a thread that, every `poll_s`, starts queued jobs within each target's limit, polls
+the active ones at their target, reads what their runs append to their files (`metrics.jsonl`,
+the log's event lines) and settles how each ended; and, when the service starts, the re-attach to
+the jobs a previous service left running. How far each file was read is kept on the job record
+(`Job.offsets`), so a restarted service reads on where the last one stopped."""
 
 from __future__ import annotations
 
-import re
+import json
+import logging
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from scaletune.errors import UserError
+from scaletune.report import PREFIX, parse_event_line
 from scaletune.serve import states as S
-from scaletune.serve.db import Event, Job
+from scaletune.serve.db import Job
+from scaletune.serve.dispatch import Dispatcher, JobFiles
+from scaletune.serve.dispatch.base import LOG_FILE
+from scaletune.serve.records import add_metric, apply_report, event, set_state
 
-if TYPE_CHECKING:
-    from scaletune.serve.jobs import JobService
+log = logging.getLogger(__name__)
 
-_REPORT = re.compile(r"^\[scaletune\] (phase|saved checkpoint|stopped on request): (.*)$")
-
-
-def apply_report(svc: JobService, s: Any, job: Job, kind: str, data: dict) -> int:
-    """One reported event (from the run's post or its log) applied to the record; 1 when new."""
-    if kind == "metric":
-        return int(svc.add_metric(s, job, data))
-    if kind == "phase":
-        if job.phase == data.get("phase") and job.stage == data.get("stage", job.stage):
-            return 0
-        job.phase = data.get("phase")
-        job.stage = data.get("stage", job.stage)
-        if job.state == S.STARTING:
-            job.state = S.RUNNING
-        svc.event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
-        return 1
-    if kind == "checkpoint":
-        s.flush()
-        known = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint"))
-        if any(d.get("path") == data.get("path") for d in known):
-            return 0  # posted by the run and read from its log: once
-        svc.event(s, job, "checkpoint", data)
-        return 1
-    return 0
+METRICS_FILE = "metrics.jsonl"  # in the run directory; the other files are in the job folder
+# Lines of a run's log that are scaletune's own (shown as log events; the rest via /logs).
+_OWN_LINES = (PREFIX, "error:", "Traceback", "scaletune:")
 
 
-_FIELD = re.compile(r"(\w+)=(.*?)(?= \w+=|$)")
-
-
-def _log_fields(rest: str) -> dict:
-    """`phase=loading data stage=main` (Trainer.report's line) as a mapping."""
-    return dict(_FIELD.findall(rest))
-
-
-def read_outputs(svc: JobService, s: Any, job: Job) -> None:
-    """The fallback path: what the run wrote to its files (shared file system: local, SLURM)."""
-    from scaletune.serve.jobs import json_lines
-
-    for record in json_lines(svc.read_new(job, "metrics.jsonl")):
-        svc.add_metric(s, job, record)
-    for name in ("train.log", *(p.name for p in Path(job.job_dir).glob("slurm-*.out"))):
-        for line in svc.read_new(job, name).splitlines():
-            text = line.split("]: ", 1)[-1] if line.startswith("[rank") else line
-            if text.startswith(("[scaletune]", "error:", "Traceback", "scaletune:")):
-                svc.event(s, job, "log", {"line": line})  # scaletune's own lines; the rest via /logs
-            m = _REPORT.match(text)
-            if not m:
-                continue
-            fields = _log_fields(m.group(2))
-            if m.group(1) == "phase":
-                apply_report(svc, s, job, "phase", fields)
-            elif m.group(1) == "saved checkpoint":
-                apply_report(
-                    svc, s, job, "checkpoint", {"step": int(fields.get("step", 0)), "path": fields.get("path")}
-                )
-
-
-def settle(svc: JobService, s: Any, job: Job, code: int | None) -> None:
-    """The final state of a job whose process / SLURM job / Modal call ended."""
-    job.exit_code = code
-    if job.state == S.CANCELLED:
-        return
-    final = (Path(job.run_dir) / "final").is_dir()
-    if code == 0 and final:
-        svc.set_state(s, job, S.SUCCEEDED, phase=None)
-    elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
-        svc.set_state(s, job, S.STOPPED, phase=None)
-    else:
-        tail = svc.dispatchers[job.target].logs(svc.files(job))[-4000:]
-        reason = S.failure_reason(code, tail)
-        lines = [ln for ln in tail.splitlines() if ln.strip()]
-        svc.set_state(s, job, S.FAILED, reason=reason, message=lines[-1][:500] if lines else None, phase=None)
-
-
-def start_queued(svc: JobService, s: Any) -> None:
-    running: dict[str, int] = {}
-    for job in s.scalars(select(Job).where(Job.state.in_(list(S.ACTIVE)))):
-        running[job.target] = running.get(job.target, 0) + 1
-    for job in s.scalars(select(Job).where(Job.state == S.QUEUED).order_by(Job.created)):
-        if job.target_id:  # submitted, waiting in the target's own queue
-            continue
-        d = svc.dispatchers[job.target]
-        if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
-            continue
-        svc.new_token(job)
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects of `text`, one a line; other lines skipped."""
+    out = []
+    for line in text.splitlines():
         try:
-            job.target_id = d.submit(svc.files(job))
-        except (UserError, OSError, ImportError) as exc:
-            svc.set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(exc)[:2000])
+            record = json.loads(line)
+        except ValueError:
             continue
-        for name in ("metrics.jsonl", "train.log"):
-            svc._tails.pop((job.id, name), None)
-        running[job.target] = running.get(job.target, 0) + 1
-        svc.set_state(s, job, S.STARTING if job.target == "local" else S.QUEUED, phase=None)
-        s.commit()
+        if isinstance(record, dict):
+            out.append(record)
+    return out
 
 
-def poll_active(svc: JobService, s: Any) -> None:
-    jobs = s.scalars(
-        select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED, S.CANCELLED]), Job.target_id.is_not(None))
-    ).all()
-    for job in jobs:
-        if job.state == S.CANCELLED and job.exit_code is not None:
-            continue
-        status = svc.dispatchers[job.target].poll(job.target_id, svc.files(job))
-        read_outputs(svc, s, job)
+class Watcher:
+    """Args:
+    Session: the job database's session factory.
+    lock: held while the watcher writes (SQLite takes one writer at a time); the service's too.
+    dispatchers: target name -> dispatcher.
+    files: a job as its dispatcher sees it (with the report URL and token in its environment).
+    issue_token: a new report token for a job about to start (its hash goes on the record).
+    poll_s: seconds between ticks.
+    """
+
+    def __init__(
+        self,
+        Session: sessionmaker,  # noqa: N803 - the factory, named as SQLAlchemy names it
+        lock: threading.RLock,
+        dispatchers: dict[str, Dispatcher],
+        files: Callable[[Job], JobFiles],
+        issue_token: Callable[[Job], str],
+        poll_s: float = 0.5,
+    ) -> None:
+        self.Session, self.lock, self.dispatchers = Session, lock, dispatchers
+        self.files, self.issue_token, self.poll_s = files, issue_token, poll_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the thread ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Re-attach to what a previous service left running, then tick every `poll_s`."""
+        self.reattach_all()
+        self._thread = threading.Thread(target=self._loop, name="scaletune-serve-watch", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.tick()
+            except Exception as exc:  # noqa: BLE001 - the watcher outlives one bad poll
+                log.warning("watcher: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    def tick(self) -> None:
+        """Start what may start, then poll and read every active job; one transaction."""
+        with self.lock, self.Session() as s:
+            self.start_queued(s)
+            self.poll_active(s)
+            s.commit()
+
+    # -- one tick --------------------------------------------------------------------------
+    def start_queued(self, s: Session) -> None:
+        running: dict[str, int] = {}
+        for job in s.scalars(select(Job).where(Job.state.in_(list(S.ACTIVE)))):
+            running[job.target] = running.get(job.target, 0) + 1
+        for job in s.scalars(select(Job).where(Job.state == S.QUEUED).order_by(Job.created)):
+            if job.target_id:  # submitted, waiting in the target's own queue
+                continue
+            d = self.dispatchers[job.target]
+            if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
+                continue
+            self.issue_token(job)
+            try:
+                job.target_id = d.submit(self.files(job))
+            except (UserError, OSError, ImportError) as exc:
+                set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(exc)[:2000])
+                continue
+            job.offsets = {}  # a resumed job's files are read from their start again
+            running[job.target] = running.get(job.target, 0) + 1
+            set_state(s, job, S.STARTING if job.target == "local" else S.QUEUED, phase=None)
+            s.commit()
+
+    def poll_active(self, s: Session) -> None:
+        jobs = s.scalars(
+            select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED, S.CANCELLED]), Job.target_id.is_not(None))
+        ).all()
+        for job in jobs:
+            if job.state == S.CANCELLED and job.exit_code is not None:
+                continue
+            status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
+            self.read_outputs(s, job)
+            if job.state == S.CANCELLED:
+                if status.state in ("exited", "lost"):
+                    job.exit_code = status.exit_code if status.exit_code is not None else -1
+                continue
+            if status.state == "queued":
+                continue
+            if status.state == "running":
+                if job.state == S.QUEUED:
+                    set_state(s, job, S.RUNNING, phase=job.phase)
+                continue
+            self.settle(s, job, status.exit_code)
+
+    def read_outputs(self, s: Session, job: Job) -> None:
+        """What the run wrote to its files (the fallback of its posts; shared file system: local,
+        SLURM): metrics lines, and the log's event lines (`report.parse_event_line`)."""
+        for record in json_lines(self.read_new(job, METRICS_FILE)):
+            add_metric(s, job, record)
+        for name in (LOG_FILE, *(p.name for p in sorted(Path(job.job_dir).glob("slurm-*.out")))):
+            for line in self.read_new(job, name).splitlines():
+                text = line.split("]: ", 1)[-1] if line.startswith("[rank") else line
+                if text.startswith(_OWN_LINES):
+                    event(s, job, "log", {"line": line})
+                parsed = parse_event_line(line)
+                if parsed is not None:
+                    apply_report(s, job, *parsed)
+
+    def read_new(self, job: Job, name: str) -> str:
+        """What was appended to a file of the job since the last read (whole lines only); the new
+        offset goes on the record, committed with what the lines were turned into."""
+        path = (Path(job.run_dir) if name == METRICS_FILE else Path(job.job_dir)) / name
+        offsets = dict(job.offsets or {})
+        pos = offsets.get(name, 0)
+        try:
+            with open(path, "rb") as f:
+                if f.seek(0, 2) < pos:  # replaced by a shorter file: read it from the start
+                    pos = 0
+                f.seek(pos)
+                chunk = f.read()
+        except OSError:
+            return ""
+        end = chunk.rfind(b"\n") + 1
+        if pos + end != offsets.get(name, 0):
+            offsets[name] = pos + end
+            job.offsets = offsets  # a new dict: a JSON column is saved on assignment only
+        return chunk[:end].decode(errors="replace")
+
+    def settle(self, s: Session, job: Job, code: int | None) -> None:
+        """The final state of a job whose process / SLURM job / Modal call ended with `code`."""
+        job.exit_code = code
         if job.state == S.CANCELLED:
-            if status.state in ("exited", "lost"):
-                job.exit_code = status.exit_code if status.exit_code is not None else -1
-            continue
-        if status.state == "queued":
-            continue
-        if status.state == "running":
-            if job.state == S.QUEUED:
-                svc.set_state(s, job, S.RUNNING, phase=job.phase)
-            continue
-        settle(svc, s, job, status.exit_code)
+            return
+        final = (Path(job.run_dir) / "final").is_dir()
+        if code == 0 and final:
+            set_state(s, job, S.SUCCEEDED, phase=None)
+        elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
+            set_state(s, job, S.STOPPED, phase=None)
+        else:
+            tail = self.dispatchers[job.target].logs(self.files(job))[-4000:]
+            reason = S.failure_reason(code, tail)
+            lines = [ln for ln in tail.splitlines() if ln.strip()]
+            set_state(s, job, S.FAILED, reason=reason, message=lines[-1][:500] if lines else None, phase=None)
 
-
-def tick(svc: JobService) -> None:
-    with svc.lock, svc.Session() as s:
-        start_queued(svc, s)
-        poll_active(svc, s)
-        s.commit()
-
-
-def reattach_all(svc: JobService) -> None:
-    """After a restart: every job the previous service left active is looked up at its target;
-    one no longer known there is settled from what it left (exit code file, `final/`) or `lost`."""
-    with svc.lock, svc.Session() as s:
-        for job in s.scalars(select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED]), Job.target_id.is_not(None))):
-            files = svc.files(job)
-            status = svc.dispatchers[job.target].poll(job.target_id, files)
-            svc.event(
-                s, job, "log", {"line": f"[scaletune serve] re-attached: {job.target} {job.target_id} {status.state}"}
-            )
-            if status.state == "exited":
-                read_outputs(svc, s, job)
-                settle(svc, s, job, status.exit_code)
-            elif status.state == "lost":
-                svc.set_state(s, job, S.FAILED, reason=S.LOST, message=f"{job.target} {job.target_id} is gone")
-        s.commit()
+    def reattach_all(self) -> None:
+        """After a restart: every job the previous service left active is looked up at its target;
+        one no longer known there is settled from what it left (exit code file, `final/`) or `lost`."""
+        with self.lock, self.Session() as s:
+            active = select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED]), Job.target_id.is_not(None))
+            for job in s.scalars(active):
+                status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
+                line = f"[scaletune serve] re-attached: {job.target} {job.target_id} {status.state}"
+                event(s, job, "log", {"line": line})
+                if status.state == "exited":
+                    self.read_outputs(s, job)
+                    self.settle(s, job, status.exit_code)
+                elif status.state == "lost":
+                    set_state(s, job, S.FAILED, reason=S.LOST, message=f"{job.target} {job.target_id} is gone")
+            s.commit()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+import psutil
 
 STOP_FILE = "stop-request"  # in the job folder; the trainer checks it at each step boundary
 EXIT_FILE = "exit-code"  # written by the wrapper when the run's process ends
@@ -89,7 +90,6 @@ def exit_code(job: JobFiles) -> int | None:
 def pid_alive(pid: int, marker: str) -> bool:
     """Whether `pid` runs and is ours (its command line names `marker`, against PID reuse)."""
     try:
-        os.kill(pid, 0)
-        return marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, ValueError):
+        return any(marker in arg for arg in psutil.Process(pid).cmdline())
+    except psutil.Error:
         return False

@@ -13,6 +13,9 @@ import subprocess
 import sys
 import time
 
+import psutil
+
+from scaletune.report import STOP_ENV
 from scaletune.serve.dispatch.base import EXIT_FILE, LOG_FILE, Dispatcher, JobFiles, Status, exit_code, pid_alive
 
 # "$@" is the train command; $0 the exit file: values reach sh as arguments, never as code.
@@ -20,23 +23,12 @@ _WRAPPER = '"$@"; code=$?; echo "$code" > "$0.tmp" && mv "$0.tmp" "$0"'
 
 
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (torchrun puts its workers in sessions of their own)."""
-    from pathlib import Path
-
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
+    """Every process below `pid` (torchrun puts its workers in sessions of their own); [] when
+    `pid` is gone."""
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 class LocalDispatcher(Dispatcher):
@@ -55,7 +47,7 @@ class LocalDispatcher(Dispatcher):
         for stale in (job.job_dir / EXIT_FILE, job.stop_file):
             stale.unlink(missing_ok=True)
         log = open(job.job_dir / LOG_FILE, "a")
-        env = {**os.environ, **job.env, "SCALETUNE_STOP_FILE": str(job.stop_file), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **job.env, STOP_ENV: str(job.stop_file), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             self.argv(job),
             cwd=job.workdir,
@@ -105,8 +97,8 @@ class LocalDispatcher(Dispatcher):
 
 
 def _exists(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False

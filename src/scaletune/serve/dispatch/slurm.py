@@ -14,6 +14,7 @@ import sys
 from scaletune.errors import UserError
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
 from scaletune.launch.slurm import submit as sbatch_submit
+from scaletune.report import STOP_ENV
 from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status
 
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"}
@@ -68,7 +69,7 @@ class SlurmDispatcher(Dispatcher):
         job.stop_file.unlink(missing_ok=True)
         path = job.job_dir / "job.sbatch"
         path.write_text(self.script(job))
-        return sbatch_submit(str(path), env={**job.env, "SCALETUNE_STOP_FILE": str(job.stop_file)})
+        return sbatch_submit(str(path), env={**job.env, STOP_ENV: str(job.stop_file)})
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
         state = _run(["squeue", "-h", "-j", target_id, "-o", "%T"]).strip()
