@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,11 +71,10 @@ def import_callable(ref: str, key: str) -> Callable[..., Any]:
             raise UserError(
                 f"{key} {ref!r}: module {module_name!r} does not import: {_first_line(exc)}", title="invalid factory"
             ) from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UserError(f"{key} {ref!r}: {module_name} has no attribute {attr!r}", title="invalid factory")
-        obj = getattr(obj, part)
+    try:  # the dotted attribute path, as the standard library walks it
+        obj = pkgutil.resolve_name(f"{module.__name__}:{attr}")
+    except AttributeError:
+        raise UserError(f"{key} {ref!r}: {module_name} has no attribute {attr!r}", title="invalid factory") from None
     if not callable(obj):
         raise UserError(f"{key} {ref!r}: {attr} is a {type(obj).__name__}, not a callable", title="invalid factory")
     return obj
