@@ -37,6 +37,7 @@ from scaletune.models import (
     parameter_counts,
     resolve_device_map,
 )
+from scaletune.resolve import quantization_problem
 
 get_logger()
 log = logging.getLogger("scaletune.hf")
@@ -120,11 +121,9 @@ def load_model_for_training(
 
     if isinstance(quantization, Mapping):
         quantization = _validate(QuantizationConfig, quantization, "quantization")
-    if quantization is not None and lora is None:
-        raise UserError(
-            "quantization freezes the base weights in 4/8 bits, which cannot be trained: pass lora too (QLoRA)",
-            title="invalid arguments",
-        )
+    unlora = quantization_problem(quantization is not None, lora is not None, prefix="")
+    if unlora is not None:
+        raise UserError(unlora.text(), title="invalid arguments")
     if isinstance(lora, Mapping):
         lora = _validate(LoraConfig, lora, "lora")
     cfg = _validate(

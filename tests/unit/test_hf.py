@@ -123,7 +123,7 @@ def test_load_model_for_training_errors(tiny_model_dir, tmp_path, no_launcher):
         load_model_for_training(tiny_model_dir, lora={"r": 0})
     with pytest.raises(UserError, match="model.device_map"):
         load_model_for_training(tiny_model_dir, device_map="everywhere")
-    with pytest.raises(UserError, match="pass lora too"):
+    with pytest.raises(UserError, match="it needs lora"):
         load_model_for_training(tiny_model_dir, quantization={"bits": 4})
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         load_model_for_training(tiny_model_dir, quantization={"bits": 4}, lora={"r": 4})

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from scaletune.config import load_config
+from scaletune.config import load_config, read_config
 from scaletune.env import DistributedEnv
-from scaletune.errors import UserError
+from scaletune.errors import ConfigError, UserError
 from scaletune.plan import GiB, choose_auto, plan
 from scaletune.resolve import decide, resolve, resolve_stages
 from scaletune.strategies import make_strategy
@@ -186,3 +186,38 @@ def test_a_stage_source_replaces_the_top_level_source_of_either_kind():
     )
     (stage,) = resolve_stages(cfg)
     assert stage.data.dummy is None and stage.data.train.path == "a.json" and stage.data.max_seq_length == 64
+
+
+def _config_problem(tmp_path, overrides: list[str]) -> str:
+    """The one problem `resolve` finds in a small config with `overrides`, without its file:line."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {name_or_path: some/model}\ndata: {dummy: {}}\n")
+    with pytest.raises(ConfigError) as info:
+        resolve(read_config(path, overrides), DistributedEnv("none"))
+    [problem] = info.value.problems
+    return problem.split(": ", 1)[1]
+
+
+def test_quantization_needs_lora_is_one_rule(tmp_path, monkeypatch):
+    """`scaletune.hf` refuses quantization without LoRA with the config rule's own words (its
+    arguments are named without the `model.` prefix)."""
+    from scaletune import hf
+
+    monkeypatch.setattr(hf.DistributedEnv, "from_environ", staticmethod(lambda *a, **k: DistributedEnv("none")))
+    config = _config_problem(tmp_path, ["model.quantization={bits: 4}"])
+    with pytest.raises(UserError) as info:
+        hf.load_model_for_training(tmp_path, quantization={"bits": 4})
+    assert info.value.problems == [config.replace("model.", "")]
+
+
+def test_liger_under_zero3_is_one_rule(tmp_path):
+    """The loss refuses Liger on a ZeRO-3-partitioned head with the config rule's own words."""
+    from scaletune.models.loss import liger_head_cross_entropy
+
+    config = _config_problem(
+        tmp_path, ["model.liger=true", "distributed.strategy=deepspeed", "distributed.zero_stage=3"]
+    )
+    head = torch.nn.Linear(4, 8)
+    with pytest.raises(RuntimeError) as info:
+        liger_head_cross_entropy(torch.zeros(1, 4), head, torch.zeros(1, dtype=torch.long), partitioned=True)
+    assert str(info.value) == config

@@ -246,11 +246,11 @@ def liger_head_cross_entropy(
     """
     weight, bias = head.weight, getattr(head, "bias", None)
     if partitioned:
-        raise RuntimeError(
-            "model.liger cannot run under DeepSpeed ZeRO-3: Liger's fused linear cross-entropy reads "
-            "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps it partitioned; use zero_stage "
-            "1 or 2, strategy fsdp, or model.liger: false"
-        )
+        from scaletune.resolve.rules import liger_problem  # the rule resolve refuses the config by
+
+        problem = liger_problem(True, True)
+        assert problem is not None
+        raise RuntimeError(problem.text())
     if hidden.size(0) == 0:
         return _head_ce_sum(hidden, head, targets)  # as the chunked path: hooks fire, zero gradient
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

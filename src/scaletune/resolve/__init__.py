@@ -26,8 +26,10 @@ from scaletune.resolve.rules import (
     PACKING_SAFE_ATTENTION,
     batch_arithmetic,
     batch_problem,
+    liger_problem,
     packing_problems,
     positions_problem,
+    quantization_problem,
     rule_problems,
 )
 from scaletune.resolve.spec import AutoChoice, BatchArithmetic, Precision, Problem, RunSpec, Stage, StrategyName
@@ -45,9 +47,11 @@ __all__ = [
     "batch_arithmetic",
     "batch_problem",
     "decide",
+    "liger_problem",
     "packing_problems",
     "positions_problem",
     "precision_for",
+    "quantization_problem",
     "resolve",
     "resolve_stages",
     "rule_problems",
@@ -157,7 +161,6 @@ def decide(
     )
     resolved = cfg.model_copy(update={"distributed": dist, "training": training})
     stages = tuple(resolve_stages(resolved))
-    t = training
     batch = batch_arithmetic(training, w, stages[0].data.max_seq_length)
     return RunSpec(
         config=resolved,

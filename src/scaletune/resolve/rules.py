@@ -35,6 +35,33 @@ def batch_arithmetic(training: TrainingConfig, world_size: int, max_seq_length: 
     return BatchArithmetic(training.global_batch_size, training.micro_batch_size, world_size, gas, max_seq_length)
 
 
+def quantization_problem(quantized: bool, lora: bool, prefix: str = "model.") -> Problem | None:
+    """Quantized base weights are frozen: they train only through LoRA adapters (QLoRA). `prefix`:
+    how the keys are named (`model.` in a config, empty for `scaletune.hf`'s arguments)."""
+    if not quantized or lora:
+        return None
+    return Problem(
+        "quantization",
+        f"{prefix}quantization",
+        f"{prefix}quantization freezes the base weights in 4/8 bits, which cannot be trained: it needs {prefix}lora (QLoRA)",
+        f"add {prefix}lora or drop {prefix}quantization",
+    )
+
+
+def liger_problem(liger: bool, zero3: bool, chosen: str = "") -> Problem | None:
+    """Liger's fused linear cross-entropy takes lm_head.weight as a tensor and multiplies it outside
+    lm_head's forward; ZeRO-3 gathers a partitioned weight only inside its owner's forward."""
+    if not (liger and zero3):
+        return None
+    return Problem(
+        "liger",
+        "model.liger",
+        f"model.liger cannot run under deepspeed zero_stage 3{chosen}: Liger's fused linear cross-entropy reads "
+        "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned (an empty placeholder)",
+        "use zero_stage 1 or 2, strategy fsdp, or model.liger: false",
+    )
+
+
 def _strategy_rules(s: RunSpec) -> list[Problem]:
     out = []
     if s.strategy == "single" and s.world_size > 1:
@@ -79,15 +106,7 @@ def _strategy_rules(s: RunSpec) -> list[Problem]:
 def _model_rules(s: RunSpec) -> list[Problem]:
     m, out = s.config.model, []
     q = m.quantization
-    if q is not None and m.lora is None:
-        out.append(
-            Problem(
-                "quantization",
-                "model.quantization",
-                "model.quantization freezes the base weights: it needs model.lora (QLoRA)",
-                "add model.lora or drop model.quantization",
-            )
-        )
+    out += [p for p in [quantization_problem(q is not None, m.lora is not None)] if p]
     if q is not None and s.strategy == "fsdp":
         # Rank 0 would load bitsandbytes' 4-bit weights while the other ranks build unquantized meta
         # weights, and moving the model to meta (before sharding) drops the quantization state.
@@ -126,18 +145,7 @@ def _model_rules(s: RunSpec) -> list[Problem]:
             )
     zero3 = s.strategy == "deepspeed" and s.zero_stage == 3
     chosen = " (chosen by distributed.strategy auto)" if s.requested == "auto" else ""
-    if m.liger and zero3:
-        # Liger's fused linear cross-entropy takes lm_head.weight as a tensor and multiplies it outside
-        # lm_head's forward; ZeRO-3 gathers a partitioned weight only inside its owner's forward.
-        out.append(
-            Problem(
-                "liger",
-                "model.liger",
-                f"model.liger cannot run under deepspeed zero_stage 3{chosen}: Liger's fused linear cross-entropy reads "
-                "lm_head.weight outside lm_head's forward, where ZeRO-3 keeps that weight partitioned (an empty placeholder)",
-                "use zero_stage 1 or 2, strategy fsdp, or model.liger: false",
-            )
-        )
+    out += [p for p in [liger_problem(m.liger, zero3, chosen)] if p]
     if m.compile and zero3:
         # ZeRO-3 gathers and releases each parameter from module hooks, which torch.compile cannot trace.
         out.append(
