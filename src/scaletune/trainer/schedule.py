@@ -44,12 +44,18 @@ class Schedule:
         self._lr = make_scheduler(optimizer, origin, steps)
 
     def _move_to(self, optimizer: torch.optim.Optimizer, origin: TrainingConfig, steps: int) -> None:
-        """The same schedule on a new optimizer, at the position the old one reached."""
-        old = self._lr
+        """The same schedule on a new optimizer, at the position the old one reached. The position
+        (steps taken) is all that carries over: the new optimizer may have another number of
+        parameter groups (a stage that freezes every bias has no no-decay group), so the old
+        scheduler's per-group state does not fit it."""
+        steps_taken = self._lr.last_epoch
         self._lr = make_scheduler(optimizer, origin, steps)
-        self._lr.load_state_dict(old.state_dict())
-        for group, lr in zip(optimizer.param_groups, self._lr.get_last_lr(), strict=False):
+        sched = self._lr
+        sched.last_epoch = steps_taken
+        rates = [base * rate(steps_taken) for base, rate in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
             group["lr"] = lr
+        sched._last_lr = rates
 
     def restore(self, state: dict) -> None:
         """Continue from a checkpoint's `state_dict()` (call after :meth:`enter` of the stage it was
