@@ -43,7 +43,10 @@ class StepResult:
 
 
 def train_step(
-    strategy: LoopStrategy, micro_batches: list[dict[str, torch.Tensor]], kind: BatchKind = TEXT, check_units: bool = False
+    strategy: LoopStrategy,
+    micro_batches: list[dict[str, torch.Tensor]],
+    kind: BatchKind = TEXT,
+    check_units: bool = False,
 ) -> StepResult:
     """Forward/backward every micro-batch of this rank's share of the global batch, then step.
 
