@@ -24,7 +24,7 @@ from scaletune.doctor.checks import (
 )
 from scaletune.doctor.comm import comm_test, render_comm
 from scaletune.doctor.report import render, report
-from scaletune.doctor.system import DEFAULT_PORT, check_disk, check_nccl_env, check_port, estimate_parameters, port_free
+from scaletune.doctor.system import DEFAULT_PORT, check_disk, check_nccl_env, check_port, port_free
 from scaletune.env import DISTRIBUTED_VARS, DistributedEnv
 from scaletune.errors import UserError
 
@@ -50,7 +50,6 @@ __all__ = [
     "checks",
     "comm_test",
     "environment_problems",
-    "estimate_parameters",
     "port_free",
     "preflight",
     "render",

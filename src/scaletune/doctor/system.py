@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 from collections.abc import Mapping
@@ -90,40 +89,16 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
     return out
 
 
-def _config_json(spec: RunSpec) -> dict | None:
-    from scaletune.models import PRESETS, PRETRAINED, models_cache
+def _parameters(spec: RunSpec) -> tuple[int, int] | None:
+    """(total, trainable) parameters of the run's model as the planner counts them (its config
+    built on the meta device, LoRA adapters included), or None where it cannot be built here."""
+    from scaletune.plan.shapes import model_shape
 
-    name = spec.config.model.name_or_path
-    if name is None or spec.config.model.factory is not None:
-        return None  # a factory's module: no config.json to size it from
-    p = Path(name).expanduser()
-    if name in PRETRAINED and not p.exists():
-        p = models_cache() / name  # a pretrained preset, once prepared
-    if (p / "config.json").is_file():
-        try:
-            return json.loads((p / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-    if name in PRESETS:
-        return dict(PRESETS[name].kwargs)
-    return None
-
-
-def estimate_parameters(c: dict) -> int | None:
-    """Parameters of a decoder-only transformer from its config.json (no model code)."""
-    c = c.get("text_config", c)
     try:
-        h, L, V = int(c["hidden_size"]), int(c["num_hidden_layers"]), int(c["vocab_size"])
-    except (KeyError, TypeError, ValueError):
+        shape = model_shape(spec)
+    except Exception:  # no config.json reachable (an unknown hub id offline, a broken folder)
         return None
-    heads = int(c.get("num_attention_heads", 1))
-    hd = int(c.get("head_dim") or h // heads)
-    kv = int(c.get("num_key_value_heads") or heads)
-    i = int(c.get("intermediate_size") or 4 * h)
-    attn = h * hd * heads * 2 + 2 * h * hd * kv
-    mlp = 3 * h * i
-    emb = V * h * (1 if c.get("tie_word_embeddings") else 2)
-    return emb + L * (attn + mlp + 2 * h) + h
+    return shape.total, shape.trainable
 
 
 def _existing_parent(path: Path) -> Path:
@@ -141,19 +116,17 @@ def check_disk(spec: RunSpec | None) -> Check:
     cfg = spec.config
     if cfg.model.factory is not None:
         return _ok(name, "not checked: model.factory builds a module of unknown size")
-    c = _config_json(spec)
-    n = estimate_parameters(c) if c else None
-    if n is None:
+    counts = _parameters(spec)
+    if counts is None:
         return Check(
             name,
             "WARN",
-            f"cannot size the model of {cfg.model.factory or cfg.model.name_or_path} from a config.json; disk not checked",
+            f"cannot size the model of {cfg.model.name_or_path} from its config on the meta device; disk not checked",
         )
+    n, trainable = counts
     if cfg.model.lora is not None:
-        trainable = max(1, n // 200)  # adapters: well under 1% of the model at usual ranks
-        final = 4 * trainable
+        final = 4 * trainable  # the adapters, float32
     else:
-        trainable = n
         final = 4 * n if cfg.model.dtype == "float32" else 2 * n
     ckpt = 4 * trainable * 3  # fp32 weights + Adam's two moments
     keep = cfg.training.keep_last if cfg.training.save_every else 0
