@@ -1,4 +1,4 @@
-"""How this process was launched, read once from the environment, and rank-0 printing.
+"""How this process was launched, read once from the environment; rank-0 printing and logging.
 
 `DistributedEnv.from_environ()` recognises:
 
@@ -167,13 +167,38 @@ class DistributedEnv:
 # Rank-0 printing (nanochat's print0): rank 0 speaks, other ranks stay quiet unless it is an error.
 
 _RANK = 0
+_LOGGER = "scaletune"  # the parent of every module's `logging.getLogger(__name__)`
+
+
+def _rank_level() -> int:
+    return logging.INFO if _RANK == 0 else logging.WARNING
 
 
 def set_rank(rank: int) -> None:
-    """Record this process's rank for :func:`print0` and :func:`get_logger`."""
+    """Record this process's rank for :func:`print0` and the level of scaletune's loggers (INFO on
+    rank 0, WARNING elsewhere)."""
     global _RANK
     _RANK = rank
-    logging.getLogger("scaletune").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logging.getLogger(_LOGGER).setLevel(_rank_level())
+
+
+def configure_logging(rank: int | None = None) -> None:
+    """Configure scaletune's logging, once per process, at an entry point (the command line, the
+    trainer's entry, :func:`scaletune.hf.load_model_for_training`); modules only call
+    `logging.getLogger(__name__)`, whose messages reach the `scaletune` logger configured here.
+
+    One stderr handler writing `[scaletune] message` (stdout stays for machine output), not
+    propagated to the root logger; level INFO on rank 0 and WARNING on the other ranks
+    (`rank`, else the one :func:`set_rank` recorded). Calling it again only sets the rank.
+    """
+    logger = logging.getLogger(_LOGGER)
+    if not any(h.get_name() == _LOGGER for h in logger.handlers):  # ours, not a test's or a user's
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[scaletune] %(message)s"))
+        handler.set_name(_LOGGER)
+        logger.addHandler(handler)
+        logger.propagate = False
+    set_rank(_RANK if rank is None else rank)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
@@ -182,18 +207,6 @@ def print0(*args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("file", sys.stderr)
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
-
-
-def get_logger(name: str = "scaletune") -> logging.Logger:
-    """A logger that prints INFO on rank 0 and only WARNING and above on other ranks."""
-    logger = logging.getLogger(name)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[scaletune] %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO if _RANK == 0 else logging.WARNING)
-    return logger
 
 
 # mallopt(3) parameters from glibc's malloc.h.

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig
-from scaletune.env import DistributedEnv, get_logger, set_rank
+from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig, error_messages
+from scaletune.env import DistributedEnv, configure_logging
 from scaletune.errors import UserError
 from scaletune.models import (
     apply_lora,
@@ -39,8 +39,7 @@ from scaletune.models import (
 )
 from scaletune.resolve import quantization_problem
 
-get_logger()
-log = logging.getLogger("scaletune.hf")
+log = logging.getLogger(__name__)
 
 __all__ = ["load_model_for_training", "training_arguments"]
 
@@ -61,13 +60,7 @@ def _validate(model_cls: type, data: Mapping[str, Any], what: str) -> Any:
     try:
         return model_cls.model_validate(dict(data))
     except ValidationError as exc:
-        raise UserError(
-            [
-                f"{what}.{'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors()
-            ],
-            title=f"invalid {what}",
-        ) from None
+        raise UserError(error_messages(exc, what), title=f"invalid {what}") from None
 
 
 def load_model_for_training(
@@ -117,7 +110,8 @@ def load_model_for_training(
             not visible.
     """
     env = DistributedEnv.from_environ()
-    set_rank(env.rank)  # rank 0 logs, other ranks only warn
+    # This function is the entry point of a user's own script: rank 0 logs, other ranks only warn.
+    configure_logging(env.rank)
 
     if isinstance(quantization, Mapping):
         quantization = _validate(QuantizationConfig, quantization, "quantization")

@@ -557,6 +557,7 @@ def test_prepare_model_full_and_lora(tiny_model_dir, caplog):
 
     import peft
 
+    caplog.set_level(logging.INFO, logger="scaletune")  # what an entry point sets (env.configure_logging)
     logging.getLogger("scaletune").addHandler(caplog.handler)
     try:
         cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", lora=LoraConfig(r=4, alpha=8))

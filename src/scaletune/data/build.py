@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
 
 # Bump when tokenization or packing changes, so that stale cache files are not reused.
 _CACHE_VERSION = "1"
+#: From this many records on, tokenizing takes long enough to watch: `datasets` draws its progress
+#: bars. Below, it takes seconds and the bars are noise; the stage line ("N sequences") sums it up.
+BAR_MIN_RECORDS = 10_000
 
 
 @dataclass
@@ -46,6 +51,22 @@ class DataBundle:
     eval: datasets.Dataset | None
     stats: dict = field(default_factory=dict)
     collator: Any = None  # a data factory's own; None: `batching.Collator` over the text rows
+
+
+@contextlib.contextmanager
+def progress_bars(records: int) -> Iterator[None]:
+    """`datasets`' progress bars (map, filter) on for `records` >= :data:`BAR_MIN_RECORDS`, off
+    below (as they were after)."""
+    import datasets
+
+    if records >= BAR_MIN_RECORDS or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:
@@ -205,9 +226,10 @@ def build_datasets(
         for name, part in parts.items():
             ds = datasets.Dataset.from_list(part)
             if data_cfg.packing:
-                ds = ds.map(
-                    pack_rows, batched=True, batch_size=_PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
-                )
+                with progress_bars(len(part)):
+                    ds = ds.map(
+                        pack_rows, batched=True, batch_size=_PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
+                    )
             built[name] = ds
             stats.update(_prefixed(name, records=len(part), examples=len(part), dropped_empty=0, truncated=0))
         train, evl = built["train"], built.get("eval")
@@ -216,12 +238,14 @@ def build_datasets(
         if data_cfg.eval_fraction is not None:
             records, eval_records = split_records(records, data_cfg.eval_fraction, seed)
             eval_source = data_cfg.train
-        train, s = _tokenize(records, data_cfg.train, data_cfg, tokenizer, tok_hash, cache, "train")
+        with progress_bars(len(records)):
+            train, s = _tokenize(records, data_cfg.train, data_cfg, tokenizer, tok_hash, cache, "train")
         stats.update(s)
     if data_cfg.eval is not None:
         eval_records = load_records(data_cfg.eval)
     if eval_records is not None:
-        evl, s = _tokenize(eval_records, eval_source, data_cfg, tokenizer, tok_hash, cache, "eval")
+        with progress_bars(len(eval_records)):
+            evl, s = _tokenize(eval_records, eval_source, data_cfg, tokenizer, tok_hash, cache, "eval")
         stats.update(s)
     stats.update(_row_stats(train, "train"))
     if evl is not None:

@@ -15,8 +15,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from scaletune.config import LoraConfig, ModelConfig
-from scaletune.env import get_logger
+from scaletune.config import LoraConfig, ModelConfig, error_messages
 from scaletune.errors import UserError
 from scaletune.models.introspection import decoder_layer_classes, parameter_counts, unwrap
 from scaletune.models.loading import load_model
@@ -28,8 +27,7 @@ if TYPE_CHECKING:  # torch and peft are imported lazily: `scaletune --help` stay
     from scaletune.models.placement import DevicePlacement
 
 # A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 # The attention and MLP projections of each known architecture (`config.model_type`), as the
 # QLoRA paper recommends (all linear layers of the blocks, not only q/v).
@@ -110,10 +108,7 @@ def _to_peft_config(model: Any, lora: LoraConfig | Mapping | Any) -> Any:
         try:
             lora = LoraConfig.model_validate(dict(lora))
         except ValidationError as exc:
-            raise UserError(
-                [f"lora.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()],
-                title="invalid LoRA config",
-            ) from None
+            raise UserError(error_messages(exc, "lora"), title="invalid LoRA config") from None
     if not isinstance(lora, LoraConfig):
         raise TypeError(
             f"lora must be a scaletune LoraConfig, a peft LoraConfig or a mapping, not {type(lora).__name__}"

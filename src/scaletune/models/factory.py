@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from scaletune.config import ModelConfig
 from scaletune.config.references import call_checked, import_callable
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 from scaletune.models.introspection import decoder_layer_classes
 
@@ -24,8 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 #: What `final/` of a factory run holds besides the tokenizer / processor.
 WEIGHTS_FILE = "model.safetensors"

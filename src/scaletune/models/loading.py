@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletune.config import ModelConfig, QuantizationConfig
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 from scaletune.models.presets import PRESETS
 from scaletune.models.pretrained import PRETRAINED, no_load_bars, pretrained_path
@@ -29,8 +28,7 @@ if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --he
     from scaletune.models.placement import DevicePlacement
 
 # A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 # A Hugging Face hub id: `name` or `owner/name`, letters, digits, `-`, `_`, `.`.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")

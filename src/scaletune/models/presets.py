@@ -17,15 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 
 if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --help` stays fast
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OLMO2_TOKENIZER = ASSETS / "olmo2-dolma2.json"

@@ -31,11 +31,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 _MARKER = "scaletune_model.json"
 # Bump when the conversion changes, so cached folders of an older conversion are rebuilt.
@@ -241,13 +239,22 @@ def no_load_bars() -> Iterator[None]:
     """Hide transformers' per-tensor progress bars ("Loading weights", "Converting and de-quantizing
     GGUF tensors") while loading local files: they finish in seconds and tell the user nothing.
     Hub download bars (huggingface_hub's own) are left alone."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    # The GGUF reader draws its bar with plain `tqdm`, which that switch does not reach.
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         if was:
             hf_logging.enable_progress_bar()
 
@@ -263,6 +270,7 @@ def convert_gguf(gguf: Path, out: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
+    log.info(f"converting {name} ({gguf.stat().st_size / 2**20:.0f} MiB) to float32 safetensors")
     with no_load_bars():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)

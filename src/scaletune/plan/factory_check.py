@@ -12,7 +12,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 
 if TYPE_CHECKING:
@@ -20,8 +19,7 @@ if TYPE_CHECKING:
 
     from scaletune.resolve import RunSpec, Stage
 
-get_logger()
-log = logging.getLogger("scaletune")
+log = logging.getLogger(__name__)
 
 
 @dataclass
