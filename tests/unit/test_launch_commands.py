@@ -10,7 +10,7 @@ import pytest
 
 from scaletune.errors import UserError
 from scaletune.launch.commands import LaunchOptions, build_launch, endpoint, single_node_torchrun_argv
-from scaletune.launch.shell import render_script, shell_join
+from scaletune.launch.shell import shell_join
 
 PY = "/venv/bin/python"
 
@@ -335,7 +335,7 @@ def test_values_stay_inert_in_the_shell(value, tmp_path):
             config_env={"MY_VAR": value},
         )
     )
-    script = render_script(cmd, workdir=str(tmp_path / value.replace("/", "_")))
+    script = cmd.script(workdir=str(tmp_path / value.replace("/", "_")))
     (tmp_path / value.replace("/", "_")).mkdir()
     # Replace the launcher by printf so the script prints its argv (one per line) and MY_VAR.
     line = shell_join(["printf", "%s\\n", *cmd.argv[1:]])
@@ -378,7 +378,7 @@ def test_script_never_contains_secret_values(tmp_path):
             config_env={"WANDB_API_KEY": "k-123", "X": "1"},
         )
     )
-    script = render_script(cmd, workdir="/work dir")
+    script = cmd.script(workdir="/work dir")
     assert "k-123" not in script
     assert "WANDB_API_KEY" in script and "passed through from the\n# environment" in script
     assert script.startswith("#!/usr/bin/env bash\n") and "cd '/work dir'\n" in script
@@ -400,7 +400,7 @@ def test_deepspeed_script_writes_its_hostfile(tmp_path):
             python="echo",
         )
     )
-    script = render_script(cmd, workdir=str(tmp_path))
+    script = cmd.script(workdir=str(tmp_path))
     out = subprocess.run(["bash", "-c", script + 'cat "$SCALETUNE_FILE_0"\n'], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.endswith("node-0 slots=3\nnode-1 slots=3\n")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import ConfigArg, OverridesArg, config_app, emit, resolved
+from scaletune.cli.app import ConfigArg, OverridesArg, config_app, emit, resolved
 from scaletune.errors import UserError
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import EnvPresetOpt, app, emit, output_file, resolved
+from scaletune.cli.app import EnvPresetOpt, app, emit, output_file, resolved
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
@@ -46,7 +46,6 @@ def launch(
     import tempfile
 
     from scaletune.launch.commands import LaunchOptions, build_launch
-    from scaletune.launch.shell import render_script
 
     output_file(script, "--script")
     per_node = procs_per_node or gpus_per_node
@@ -73,7 +72,7 @@ def launch(
     if dry_run or script is not None:
         cmd = build_launch(opts)
         if script is not None:
-            script.write_text(render_script(cmd, workdir=os.getcwd()))
+            script.write_text(cmd.script(workdir=os.getcwd()))
             script.chmod(0o755)
             typer.echo(str(script))
         else:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import app
+from scaletune.cli.app import app
 
 TargetArg = Annotated[
     str,
@@ -38,10 +38,8 @@ TrustOpt = Annotated[
 
 
 def _load(target: str, dtype: str, template: str, trust_remote_code: bool):
-    from scaletune.env import get_logger
     from scaletune.inference import load_for_inference
 
-    get_logger()  # scaletune's messages (model loaded, fetches) go to stderr
     return load_for_inference(target, dtype=dtype, template=template, trust_remote_code=trust_remote_code)
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import OverridesArg, app, resolved
+from scaletune.cli.app import OverridesArg, app, resolved
 from scaletune.errors import UserError
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from scaletune.cli import app
+from scaletune.cli.app import app
 from scaletune.errors import UserError
 
 serve_app = typer.Typer(

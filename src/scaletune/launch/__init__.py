@@ -6,7 +6,8 @@ and tests compare its output.
 * :mod:`.commands`: torchrun / deepspeed-launcher commands for one node
   (:func:`~.commands.build_launch`; :func:`~.commands.torchrun_argv`, the one torchrun command
   line, also used by the trainer's re-exec and the sbatch script).
-* :mod:`.shell`: quoting and the per-node launch script.
+* :mod:`.shell`: quoting and secret pass-through lines (:meth:`~.commands.LaunchCommand.script`
+  renders the per-node launch script).
 * :mod:`.slurm`: sbatch scripts (:func:`~.slurm.render_sbatch`, :func:`~.slurm.submit`).
 * :mod:`.modal_app`: Modal apps (:func:`~.modal_app.render_modal_app`).
 * :mod:`.presets`: NCCL / torch.distributed environment presets.
@@ -21,7 +22,6 @@ from scaletune.launch.commands import (
     torchrun_argv,
 )
 from scaletune.launch.presets import PRESETS, merged_env
-from scaletune.launch.shell import render_script
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "build_launch",
     "merged_env",
     "render_sbatch",
-    "render_script",
     "single_node_torchrun_argv",
     "torchrun_argv",
 ]

@@ -25,7 +25,7 @@ from typing import Literal
 from scaletune.config.secrets import public_overrides
 from scaletune.errors import UserError
 from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
-from scaletune.launch.shell import Raw, shell_join
+from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join
 
 LauncherName = Literal["torchrun", "deepspeed"]
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -204,6 +204,33 @@ class LaunchCommand:
             lines.append(f"# writes {path}:")
             lines += [f"#   {line}" for line in text.splitlines()]
         lines.append(self.shell_command())
+        return "\n".join(lines) + "\n"
+
+    def script(self, workdir: str | None) -> str:
+        """A runnable, commented shell script for this node (`scaletune launch --script FILE`),
+        `cd`-ing into `workdir` first when given. Comments carry no user text (a newline in it would
+        start a command); every value is quoted; secrets are passed through, never written."""
+        lines = ["#!/usr/bin/env bash", "# Written by `scaletune launch`."]
+        lines += [
+            f"# {self.summary}.",
+            "# Run the script of each node on that node (node 0, the master, hosts the rendezvous;",
+            "# workers wait for it up to the rendezvous timeout).",
+            "set -euo pipefail",
+        ]
+        if workdir:
+            lines += ["# Relative paths in the config are relative to this directory.", f"cd {shlex.quote(workdir)}"]
+        if self.public_env:
+            lines.append("# Environment: distributed.env from the config, then --env-preset (later wins).")
+            lines += [f"export {k}={shlex.quote(v)}" for k, v in self.public_env.items()]
+        lines += secret_passthrough_lines(self.secret_names)
+        replace: dict[str, Raw] = {}
+        for i, (path, text) in enumerate(self.files.items()):
+            var = f"SCALETUNE_FILE_{i}"
+            lines.append(f'{var}="$(mktemp)"')
+            lines.append(f"cat >\"${var}\" <<'SCALETUNE_EOF'\n{text.rstrip()}\nSCALETUNE_EOF")
+            replace[path] = Raw(f'"${var}"')
+        argv = [replace.get(t, t) if not isinstance(t, Raw) else t for t in self.argv]
+        lines.append(shell_join(argv))
         return "\n".join(lines) + "\n"
 
 
