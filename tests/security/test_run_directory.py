@@ -132,7 +132,36 @@ def test_a_stale_lock_is_taken_over(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (run / ".scaletune.lock").write_text(json.dumps({"pid": int(dead.stdout), "host": "gone", "started": "then"}))
+    # What a run killed before it released its lock leaves: the lock file and its holder's record.
+    (run / ".scaletune.lock").touch()
+    (run / ".scaletune.lock.holder").write_text(
+        json.dumps({"pid": int(dead.stdout), "host": "gone", "started": "then"})
+    )
     cfg = base_config(tiny_model_dir, run, training={"max_steps": 1})
     proc = train(cfg, tmp_path)
-    assert "took over a stale lock" in proc.stderr and len(losses(run)) == 1
+    assert "took over a stale lock" in proc.stderr and f"PID {int(dead.stdout)} on gone" in proc.stderr
+    assert len(losses(run)) == 1 and not (run / ".scaletune.lock.holder").exists()  # released cleanly
+
+
+def test_the_lock_names_its_holder_and_leaves_no_holder_when_released(tmp_path):
+    """In one process (a second open of the lock file contends like another process's): the
+    holder is named while the lock is held, the lock is free and unnamed after release."""
+    from types import SimpleNamespace
+
+    from scaletune.errors import UserError
+    from scaletune.run.rundir import RunDirectory, lock_holder
+
+    run = tmp_path / "run"
+    first = RunDirectory(SimpleNamespace(run_dir=run))
+    first.acquire()
+    try:
+        holder = lock_holder(run)
+        assert holder is not None and holder["pid"] == os.getpid() and holder["host"]
+        with pytest.raises(UserError, match=f"in use by another run: PID {os.getpid()} on "):
+            RunDirectory(SimpleNamespace(run_dir=run)).acquire()
+    finally:
+        first.release()
+    assert lock_holder(run) is None and sorted(p.name for p in run.iterdir()) == [".scaletune.lock"]
+    second = RunDirectory(SimpleNamespace(run_dir=run))
+    second.acquire()  # free again
+    second.release()

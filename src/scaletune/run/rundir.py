@@ -3,10 +3,11 @@ out, and its preparation, in which nothing of a previous run is lost.
 
 * Only a folder that scaletune made a run directory (its marker file, or a readable scaletune
   `config.yaml` from before the marker existed) is ever cleared by `overwrite: true`.
-* One run at a time: rank 0 holds an exclusive `flock` on `.scaletune.lock` for the whole run; a
-  second run exits 2 naming the holder's PID, host and start time. The kernel releases the lock
-  when its holder dies, so a lock file left by a crash is detected as stale and taken over.
-  (`flock` is reliable on local disks; on NFS it depends on the server: docs/security.md.)
+* One run at a time: rank 0 holds a `filelock.FileLock` on `.scaletune.lock` for the whole run
+  and writes who it is (PID, host, start time) beside it, in `.scaletune.lock.holder`; a second
+  run exits 2 naming that holder. The kernel releases the lock (an `flock`) when its holder dies,
+  so a holder file left by a crash names a stale holder, taken over. (`flock` is reliable on local
+  disks; on NFS it depends on the server: docs/security.md.)
 * `overwrite: true` moves the previous run's outputs into `.replaced/` and deletes them only once
   the new run has passed every check (data built, model loaded, checkpoint resumed:
   :meth:`RunDirectory.commit`); a failure before that puts them back (:meth:`RunDirectory.rollback`).
@@ -22,6 +23,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from scaletune.config import dump_config, read_config
 from scaletune.env import print0
@@ -30,6 +32,8 @@ from scaletune.resolve import Problem, RunSpec
 
 MARKER = ".scaletune-run"
 LOCK = ".scaletune.lock"
+#: Beside the lock: who holds it, as JSON `{"pid", "host", "started"}`; removed at a clean release.
+HOLDER = ".scaletune.lock.holder"
 REPLACED = ".replaced"
 #: Files whose presence makes a folder hold a run.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "final")
@@ -56,23 +60,34 @@ def is_scaletune_run(run_dir: Path) -> bool:
     return saved.is_file() and not read_config(saved).problems
 
 
+def _read_holder(run_dir: Path) -> dict:
+    """The holder file's record ({} when absent or unreadable)."""
+    try:
+        data = json.loads((run_dir / HOLDER).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def describe_holder(holder: dict) -> str:
+    """`PID 123 on host (since 2024-05-01T12:00:00)`, `?` for what the record lacks."""
+    return f"PID {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('started', '?')})"
+
+
 def lock_holder(run_dir: Path) -> dict | None:
-    """Who holds the run directory's lock now (pid, host, started), or None when nobody does."""
+    """Who holds the run directory's lock now (pid, host, started; {} when the holder has not
+    written itself down yet), or None when nobody does."""
+    from filelock import FileLock, Timeout
+
     path = run_dir / LOCK
     if not path.is_file():
         return None
-    import fcntl
-
-    with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            try:
-                return json.loads(f.read() or "{}")
-            except ValueError:
-                return {}
-        fcntl.flock(f, fcntl.LOCK_UN)
+    probe = FileLock(str(path))
+    try:
+        probe.acquire(timeout=0)
+    except Timeout:
+        return _read_holder(run_dir)
+    probe.release()
     return None
 
 
@@ -99,7 +114,7 @@ def run_dir_problems(spec: RunSpec) -> list[Problem]:
         return [Problem("run directory", key, f"output_dir {run_dir} is not writable")]
     holder = lock_holder(run_dir)
     if holder is not None:
-        who = f"PID {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('started', '?')})"
+        who = describe_holder(holder)
         return [
             Problem(
                 "run directory",
@@ -131,7 +146,7 @@ class RunDirectory:
     def __init__(self, spec: RunSpec) -> None:
         self.spec = spec
         self.path = spec.run_dir
-        self._lock_file = None
+        self._lock: Any = None  # a filelock.FileLock while held
         self._replaced: Path | None = None
 
     def acquire(self) -> None:
@@ -140,30 +155,29 @@ class RunDirectory:
         Raises:
             UserError: another live process holds the lock (its PID, host and start time named).
         """
-        import fcntl
+        from filelock import FileLock, Timeout
 
         self.path.mkdir(parents=True, exist_ok=True)
-        f = open(self.path / LOCK, "a+")  # noqa: SIM115 - held open for the whole run
+        lock = FileLock(str(self.path / LOCK))
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read()
-            f.close()
+            lock.acquire(timeout=0)
+        except Timeout:
+            holder = _read_holder(self.path)
+            who = describe_holder(holder) if holder else "unknown holder"
             raise UserError(
-                f"output_dir {self.path} is in use by another run: {holder.strip() or 'unknown holder'}",
-                title="cannot start training",
+                f"output_dir {self.path} is in use by another run: {who}", title="cannot start training"
             ) from None
-        f.seek(0)
-        stale = f.read().strip()
-        if stale:
-            print0(f"[scaletune] took over a stale lock of {self.path} ({stale}: that process is gone)")
-        f.seek(0)
-        f.truncate()
+        stale = _read_holder(self.path)
+        if stale:  # a holder that never released: the lock was free, so that process is gone
+            print0(
+                f"[scaletune] took over a stale lock of {self.path} ({describe_holder(stale)}: that process is gone)"
+            )
         started = datetime.datetime.now().isoformat(timespec="seconds")
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}))
-        f.flush()
-        self._lock_file = f
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+        tmp = self.path / f"{HOLDER}.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path / HOLDER)  # whole or absent for a reader, never half written
+        self._lock = lock
 
     def prepare(self) -> None:
         """Move a replaced run's outputs aside (`overwrite`), keep an earlier curve as
@@ -207,11 +221,11 @@ class RunDirectory:
         self._replaced = None
 
     def release(self) -> None:
-        if self._lock_file is not None:
+        if self._lock is not None:
             with contextlib.suppress(OSError):
-                self._lock_file.truncate(0)  # an empty lock file: released cleanly, not stale
-                self._lock_file.close()  # closing releases the flock
-            self._lock_file = None
+                (self.path / HOLDER).unlink(missing_ok=True)  # no holder: released cleanly, not stale
+            self._lock.release()
+            self._lock = None
 
     @contextlib.contextmanager
     def checking(self) -> Iterator[None]:
