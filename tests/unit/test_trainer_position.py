@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from scaletune.checkpoint import Progress
-from scaletune.env import DistributedEnv
 from scaletune.resolve import BatchArithmetic
 from scaletune.trainer.metrics import ThroughputWindow
 from scaletune.trainer.position import Position
+from tests.helpers import make_env
 
 ROWS, GLOBAL, MICRO = 20, 4, 2  # 5 steps per epoch, 2 micro-batches per step on one rank
 BATCH = BatchArithmetic(GLOBAL, MICRO, 1, GLOBAL // MICRO, 8)
@@ -22,9 +22,7 @@ def batches(first_epoch: int = 0, first_step: int = 0):
     from scaletune.data import global_batches, make_loader
 
     data = [{"i": i} for i in range(ROWS)]
-    loader, sampler = make_loader(
-        data, lambda rows: torch.tensor([r["i"] for r in rows]), BATCH, DistributedEnv("none"), 7, 0
-    )
+    loader, sampler = make_loader(data, lambda rows: torch.tensor([r["i"] for r in rows]), BATCH, make_env(), 7, 0)
     return global_batches(loader, sampler, BATCH, ROWS // GLOBAL, first_epoch, first_step)
 
 

@@ -144,18 +144,16 @@ def test_restore_into_a_continuing_stage_rebuilds_its_origins_schedule():
 def test_the_loop_steps_the_schedule_after_the_optimizer(tiny_model_dir, tmp_path):
     """Real steps of the tiny model under the single strategy: the strategy's step leaves the rate
     alone, and the rate each step used (`strategy.lr()` before it) is the control's."""
-    from scaletune.config import load_config
     from scaletune.data import Collator
-    from scaletune.env import DistributedEnv
     from scaletune.models import load_tokenizer, prepare_model
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve
     from scaletune.strategies import make_strategy
     from scaletune.strategies.base import torn_down
     from scaletune.trainer import train_step
-    from tests.helpers import base_config
+    from tests.helpers import make_config, make_env
 
-    spec = resolve(load_config(None, data=base_config(tiny_model_dir, tmp_path / "run")), DistributedEnv("none"))
+    spec = resolve(make_config(tiny_model_dir, tmp_path / "run", as_config=True), make_env())
     strategy = make_strategy(spec)
     tok = load_tokenizer(spec.config.model)
     batch = Collator(tok.pad_token_id)([{"input_ids": list(range(5, 30)), "labels": list(range(5, 30))}] * 2)

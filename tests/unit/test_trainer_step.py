@@ -11,16 +11,14 @@ import inspect
 import pytest
 import torch
 
-from scaletune.config import load_config
-from scaletune.env import DistributedEnv
 from scaletune.resolve import resolve
-from tests.helpers import base_config
+from tests.helpers import make_config, make_env
 
-CPU = DistributedEnv("none")
+CPU = make_env()
 
 
 def spec_for(model_dir, tmp_path, **sections):
-    return resolve(load_config(None, data=base_config(model_dir, tmp_path / "run", **sections)), CPU)
+    return resolve(make_config(model_dir, tmp_path / "run", as_config=True, **sections), CPU)
 
 
 def rows(n: int) -> list[dict]:
@@ -124,16 +122,7 @@ def test_the_prefix_names_the_parameters_as_the_engine_sees_them(tiny_model_dir,
     """StageFreezing's names (`ModelSource.prefix` + the model's) are the loss module's own."""
     from scaletune.trainer.model_setup import StageFreezing
 
-    spec = resolve(
-        load_config(
-            None,
-            data={
-                **base_config(tiny_model_dir, tmp_path / "run"),
-                "stages": [{"name": "a", "frozen": ["*embed*"]}, {"name": "b"}],
-            },
-        ),
-        CPU,
-    )
+    spec = spec_for(tiny_model_dir, tmp_path, stages=[{"name": "a", "frozen": ["*embed*"]}, {"name": "b"}])
     source, model, strategy = wrapped(spec)
     try:
         sets = StageFreezing(spec, model, source.prefix).sets
