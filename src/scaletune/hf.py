@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig, error_messages
-from scaletune.env import DistributedEnv, configure_logging
+from scaletune.env import DistributedEnv, get_logger, set_rank
 from scaletune.errors import UserError
 from scaletune.models import (
     apply_lora,
@@ -39,7 +39,8 @@ from scaletune.models import (
 )
 from scaletune.resolve import quantization_problem
 
-log = logging.getLogger(__name__)
+get_logger()
+log = logging.getLogger("scaletune.hf")
 
 __all__ = ["load_model_for_training", "training_arguments"]
 
@@ -110,8 +111,7 @@ def load_model_for_training(
             not visible.
     """
     env = DistributedEnv.from_environ()
-    # This function is the entry point of a user's own script: rank 0 logs, other ranks only warn.
-    configure_logging(env.rank)
+    set_rank(env.rank)  # rank 0 logs, other ranks only warn
 
     if isinstance(quantization, Mapping):
         quantization = _validate(QuantizationConfig, quantization, "quantization")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import textwrap
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
 
+import scaletune
 from scaletune.config import (
     Config,
     DataConfig,
@@ -301,3 +303,24 @@ def test_a_stage_key_is_refused_as_the_top_level_key_is(tmp_path):
     assert "stages.0.data.max_seq_length: Input should be greater than or equal to 8" in probs
     assert "stages.0.training.epochs: Input should be greater than 0" in probs
     assert "stages.1" not in probs
+
+
+def test_one_pydantic_error_formatter():
+    """pydantic's errors are turned into text in config/loader.py only (`error_messages` for the
+    library's arguments, LoRA mappings and progress.json; located lines for config files)."""
+    src = Path(scaletune.__file__).parent
+    readers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if ".errors()" in p.read_text())
+    assert readers == ["config/loader.py"]
+
+
+def test_error_messages_name_the_key_without_pydantics_prefix(tmp_path):
+    """The same problem reads the same in a config file and in `scaletune.hf`'s arguments."""
+    from pydantic import ValidationError
+
+    from scaletune.config import ModelConfig, error_messages
+
+    [located] = problems_of(tmp_path, BASE, ["model.device_map=everywhere"])
+    with pytest.raises(ValidationError) as info:
+        ModelConfig(name_or_path="x", device_map="everywhere")
+    [text] = error_messages(info.value, "model")
+    assert located.endswith(f": {text}") and "Value error" not in text

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from scaletune.checkpoint.save import FORMAT_VERSION, LATEST, Progress, latest_checkpoint, set_rng_state
-from scaletune.config import Config, read_config
+from scaletune.config import Config, error_messages, read_config
 from scaletune.errors import UserError
 from scaletune.safe_load import (
     UnsafeCheckpointError,
@@ -49,7 +49,7 @@ def read_progress(path: Path) -> Progress:
         try:
             progress = TypeAdapter(Progress).validate_python(data)
         except ValidationError as exc:
-            problems += [f"{path / 'progress.json'}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            problems += [f"{path / 'progress.json'}: {m}" for m in error_messages(exc)]
     if progress is not None and progress.version != FORMAT_VERSION:
         problems.append(
             f"{path / 'progress.json'}: format version {progress.version}; this scaletune reads {FORMAT_VERSION}"

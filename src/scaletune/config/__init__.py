@@ -1,6 +1,14 @@
 """Config: the typed schema (a docstring per field), YAML loading with overrides, error formatting."""
 
-from scaletune.config.loader import LoadedConfig, dump_config, load_config, parse_override, read_config, redacted
+from scaletune.config.loader import (
+    LoadedConfig,
+    dump_config,
+    error_messages,
+    load_config,
+    parse_override,
+    read_config,
+    redacted,
+)
 from scaletune.config.schema import (
     Config,
     DataConfig,
@@ -38,6 +46,7 @@ __all__ = [
     "TrainingConfig",
     "WandbConfig",
     "dump_config",
+    "error_messages",
     "is_secret_name",
     "load_config",
     "parse_override",

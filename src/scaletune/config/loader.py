@@ -87,22 +87,35 @@ def _inner_model(annotation: Any) -> Any:
     return annotation if isinstance(annotation, type) else None
 
 
-def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int], override_keys: set[tuple]) -> list[str]:
+def _errors(err: ValidationError) -> list[tuple[tuple, str, str]]:
+    """(location, pydantic's error type, message) of each error, the location without the
+    tagged-union / model_validator markers pydantic puts in it."""
     out = []
     for e in err.errors():
-        # Drop the tagged-union / model_validator markers pydantic puts in `loc`.
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+        out.append((loc, e["type"], e["msg"].removeprefix("Value error, ")))
+    return out
+
+
+def error_messages(err: ValidationError, prefix: str = "") -> list[str]:
+    """THE text of a pydantic error outside a config file: `prefix.key: message` per error
+    (`prefix` names what was validated: `lora`, `quantization`, a file)."""
+    head = f"{prefix}." if prefix else ""
+    return [f"{head}{'.'.join(str(p) for p in loc) or '(top level)'}: {msg}" for loc, _, msg in _errors(err)]
+
+
+def _format_errors(err: ValidationError, source: str, lines: dict[tuple, int], override_keys: set[tuple]) -> list[str]:
+    out = []
+    for loc, kind, msg in _errors(err):
         key = ".".join(str(p) for p in loc) or "(top level)"
         where = _where(source, lines, loc, override_keys)
-        if e["type"] == "extra_forbidden":
+        if kind == "extra_forbidden":
             allowed = _allowed_keys(Config, loc)
             near = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             msg = f"unknown key{hint}; allowed here: {', '.join(allowed)}"
-        elif e["type"] == "missing":
+        elif kind == "missing":
             msg = "required key is missing"
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
         out.append(f"{where}: {key}: {msg}")
     return out
 
