@@ -608,3 +608,27 @@ def test_compiled_decoder_layers_give_the_eager_loss_and_gradients(tiny_model_di
     for name, grad in g0.items():  # relative to the tensor's largest gradient: fused kernels reorder sums
         err = float((g1[name] - grad).abs().max() / grad.abs().max().clamp_min(1e-30))
         assert err <= 1e-5, (name, err)
+
+
+def test_dtype_names_map_to_torch_with_their_sizes():
+    """`torch_dtype` gives torch's dtype of each name, whose element size is the planner's bytes."""
+    from scaletune.models.loading import torch_dtype
+    from scaletune.resolve import FLOAT_DTYPES
+
+    for name, (size, _) in FLOAT_DTYPES.items():
+        assert torch_dtype(name) is getattr(torch, name) and torch_dtype(name).itemsize == size
+    assert torch_dtype("uint8") is torch.uint8
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        torch_dtype("Tensor")
+
+
+def test_one_dtype_name_map():
+    """Dtype names are mapped (to torch, to bytes, to `bf16`-style names or back) in one table."""
+    import re
+
+    src = Path(models.__file__).parent.parent
+    pattern = re.compile(
+        r'"(?:float32|bfloat16|float16)"\s*:|"\s*:\s*torch\.(?:float32|bfloat16|float16)\b|"(?:bf16|fp16|fp32)"\s*:\s*"'
+    )
+    found = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if pattern.search(p.read_text()))
+    assert found == ["resolve/spec.py"]

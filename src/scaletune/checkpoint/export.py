@@ -79,6 +79,7 @@ def export_checkpoint(
             empty folder; an unreadable shard size.
     """
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
+    from scaletune.models.loading import torch_dtype
     from scaletune.models.loss import CausalLMLoss
 
     enforce()
@@ -112,7 +113,7 @@ def export_checkpoint(
     if lora and merge_lora:
         model = model.merge_and_unload()
     if dtype:
-        model = model.to({"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype])
+        model = model.to(torch_dtype(dtype))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.export-{uuid.uuid4().hex[:8]}"
     try:

@@ -83,10 +83,11 @@ def export(
 ) -> None:
     """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
     from scaletune.checkpoint import export_checkpoint
+    from scaletune.resolve import FLOAT_DTYPES
 
-    if dtype is not None and dtype not in ("bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
-        raise UserError(f"--dtype {dtype}: use bfloat16, float16 or float32", title="invalid arguments")
-    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype or "", dtype)
+    dtype = {short: name for name, (_, short) in FLOAT_DTYPES.items()}.get(dtype or "", dtype)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise UserError(f"--dtype {dtype}: use {', '.join(FLOAT_DTYPES)}", title="invalid arguments")
     out = export_checkpoint(checkpoint, output, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size)
     typer.echo(str(out))
 

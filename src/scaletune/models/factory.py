@@ -18,6 +18,7 @@ from scaletune.config import ModelConfig
 from scaletune.config.references import call_checked, import_callable
 from scaletune.errors import UserError
 from scaletune.models.introspection import decoder_layer_classes
+from scaletune.models.loading import torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +89,7 @@ def build_model(cfg: ModelConfig, *, meta: bool = False, dtype: str | None = Non
     if cfg.name_or_path is not None and not meta:
         load_initial_weights(module, cfg.name_or_path)
     if dtype is not None:
-        target = getattr(torch, dtype)
-        module.to(target)  # floating-point tensors only: integer buffers keep their dtype
+        module.to(torch_dtype(dtype))  # floating-point tensors only: integer buffers keep their dtype
     if not meta:
         module.to(device)
     return module, processor

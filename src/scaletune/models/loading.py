@@ -140,10 +140,18 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _torch_dtype(name: str) -> Any:
+def torch_dtype(name: str) -> torch.dtype:
+    """THE map from a dtype name (`bfloat16`, `uint8`: torch's own names) to the torch dtype.
+
+    Raises:
+        ValueError: torch has no dtype of that name.
+    """
     import torch
 
-    return "auto" if name == "auto" else getattr(torch, name)
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def bnb_config(q: QuantizationConfig) -> Any:
@@ -180,8 +188,8 @@ def bnb_config(q: QuantizationConfig) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=getattr(torch, q.compute_dtype),
-        bnb_4bit_quant_storage=getattr(torch, q.storage_dtype),
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
+        bnb_4bit_quant_storage=torch_dtype(q.storage_dtype),
     )
 
 
@@ -240,7 +248,7 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     name = cfg.name_or_path
     source = _resolve_source(name, "model.name_or_path", need_config=True)
     kwargs: dict[str, Any] = {
-        "dtype": _torch_dtype(cfg.dtype),
+        "dtype": "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype),
         "trust_remote_code": bool(cfg.trust_remote_code),
         "revision": cfg.revision,
     }
@@ -302,7 +310,7 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
     config = load_config(cfg)
     kwargs: dict[str, Any] = {"trust_remote_code": bool(cfg.trust_remote_code)}
     if cfg.dtype != "auto":
-        kwargs["dtype"] = getattr(torch, cfg.dtype)
+        kwargs["dtype"] = torch_dtype(cfg.dtype)
     elif getattr(config, "dtype", None) is None:
         kwargs["dtype"] = torch.float32
     if cfg.attn_implementation:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
-from scaletune.resolve import AutoChoice
+from scaletune.resolve import FLOAT_DTYPES, AutoChoice
 from scaletune.strategies.deepspeed_config import PERSISTENCE_THRESHOLD as DS_PERSISTENCE_THRESHOLD
 from scaletune.strategies.deepspeed_config import REDUCE_BUCKET as DS_REDUCE_BUCKET
 
@@ -73,8 +73,6 @@ ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero2-offload", "fsdp-offloa
 
 #: Target rows of one head+loss chunk on a GPU (`loss.CUDA_CHUNK`).
 LOSS_CHUNK = 1024
-
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -205,7 +203,7 @@ def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool) -
     cfg = spec.config
     s, b = spec.batch.max_seq_length, spec.batch.micro_batch_size
     h, i, L = shape.hidden, shape.intermediate, shape.layers
-    p = _BYTES[spec.precision.compute]
+    p = FLOAT_DTYPES[spec.precision.compute][0]
     h_kv = shape.kv_heads * shape.head_dim
     q_width = shape.heads * shape.head_dim
     per_layer = s * b * p * (4 * h + 2 * q_width + 2 * h_kv + 4 * i)  # 2 norm inputs + 2 norm outputs
@@ -227,7 +225,7 @@ def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool) -
 
 
 def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> StrategyPlan:
-    b_c = _BYTES[spec.precision.compute]
+    b_c = FLOAT_DTYPES[spec.precision.compute][0]
     ds_bytes = b_c  # DeepSpeed casts the whole module to the compute dtype
     trainable = [p for p in shape.params if p.trainable]
     n_t = sum(p.numel for p in trainable)

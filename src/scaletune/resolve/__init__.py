@@ -32,9 +32,19 @@ from scaletune.resolve.rules import (
     quantization_problem,
     rule_problems,
 )
-from scaletune.resolve.spec import AutoChoice, BatchArithmetic, Precision, Problem, RunSpec, Stage, StrategyName
+from scaletune.resolve.spec import (
+    FLOAT_DTYPES,
+    AutoChoice,
+    BatchArithmetic,
+    Precision,
+    Problem,
+    RunSpec,
+    Stage,
+    StrategyName,
+)
 
 __all__ = [
+    "FLOAT_DTYPES",
     "PACKING_SAFE_ATTENTION",
     "AutoChoice",
     "BatchArithmetic",

@@ -13,6 +13,11 @@ from scaletune.env import DistributedEnv
 
 StrategyName = Literal["single", "ddp", "fsdp", "deepspeed"]
 
+#: THE floating-point dtypes a run names (torch's names: `torch.bfloat16`) -> (bytes per element,
+#: the short name of DeepSpeed's JSON and of `scaletune export --dtype`). torch's side of the map is
+#: :func:`scaletune.models.loading.torch_dtype`.
+FLOAT_DTYPES: dict[str, tuple[int, str]] = {"float32": (4, "fp32"), "bfloat16": (2, "bf16"), "float16": (2, "fp16")}
+
 
 @dataclass(frozen=True)
 class Problem:

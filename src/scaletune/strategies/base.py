@@ -25,17 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletune.models.loading import torch_dtype
 from scaletune.strategies import memory
 from scaletune.strategies.devices import check_devices
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
 
-__all__ = ["DTYPES", "Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
+__all__ = ["Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Strategy(ABC):
@@ -57,8 +56,8 @@ class Strategy(ABC):
         self.spec = spec
         self.env = spec.env
         self.training = spec.config.training
-        self.compute_dtype = DTYPES[spec.precision.compute]
-        self.storage_dtype = DTYPES[spec.precision.storage]
+        self.compute_dtype = torch_dtype(spec.precision.compute)
+        self.storage_dtype = torch_dtype(spec.precision.storage)
         self.module: nn.Module | None = None  # the loss module handed to `wrap`
         self.model: nn.Module | None = None  # what forward is called on (possibly wrapped)
         self.optimizer: torch.optim.Optimizer | None = None

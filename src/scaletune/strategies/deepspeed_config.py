@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from scaletune.errors import ConfigError
+from scaletune.resolve.spec import FLOAT_DTYPES
 
 PrecisionName = Literal["auto", "bf16", "fp16", "fp32"]
 REDUCE_BUCKET = int(5e8)
@@ -29,7 +30,7 @@ _DERIVED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 
 def precision_name(compute_dtype: str) -> PrecisionName:
     """`bfloat16` -> `bf16`, `float16` -> `fp16`, `float32` -> `fp32`."""
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[compute_dtype]  # type: ignore[return-value]
+    return FLOAT_DTYPES[compute_dtype][1]  # type: ignore[return-value]
 
 
 def deepspeed_json(
@@ -156,10 +157,7 @@ def merge_user_config(generated: dict[str, Any], user: dict[str, Any] | None, so
         block = cfg.get(name) if isinstance(cfg.get(name), dict) else {}
         theirs, want = block.get("enabled", "auto"), generated[name]["enabled"]
         if theirs != "auto" and want != "auto" and bool(theirs) != want:
-            dtype = {"bf16": "bfloat16", "fp16": "float16"}[name] if want else "another dtype"
-            problems.append(
-                f"{source}: {name}.enabled is {theirs} but model.dtype is {dtype if want else _other(generated)}"
-            )
+            problems.append(f"{source}: {name}.enabled is {theirs} but model.dtype is {_other(generated)}")
         cfg[name] = {**generated[name], **{k: v for k, v in block.items() if k != "enabled"}, "enabled": want}
     zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
     stage = zero.get("stage", "auto")
@@ -180,11 +178,9 @@ def merge_user_config(generated: dict[str, Any], user: dict[str, Any] | None, so
 
 
 def _other(generated: dict[str, Any]) -> str:
-    if generated["bf16"]["enabled"] is True:
-        return "bfloat16"
-    if generated["fp16"]["enabled"] is True:
-        return "float16"
-    return "float32"
+    """The dtype name the generated JSON enables (float32 where neither bf16 nor fp16 is)."""
+    enabled = [name for name, (_, short) in FLOAT_DTYPES.items() if generated.get(short, {}).get("enabled") is True]
+    return enabled[0] if enabled else "float32"
 
 
 def read_user_config(path: str | None) -> dict | None:
