@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig, error_messages
-from scaletune.env import DistributedEnv, get_logger, set_rank
+from scaletune.env import DistributedEnv, configure_logging
 from scaletune.errors import UserError
 from scaletune.models import (
     apply_lora,
@@ -39,8 +39,7 @@ from scaletune.models import (
 )
 from scaletune.resolve import quantization_problem
 
-get_logger()
-log = logging.getLogger("scaletune.hf")
+log = logging.getLogger(__name__)
 
 __all__ = ["load_model_for_training", "training_arguments"]
 
@@ -111,7 +110,8 @@ def load_model_for_training(
             not visible.
     """
     env = DistributedEnv.from_environ()
-    set_rank(env.rank)  # rank 0 logs, other ranks only warn
+    # This function is the entry point of a user's own script: rank 0 logs, other ranks only warn.
+    configure_logging(env.rank)
 
     if isinstance(quantization, Mapping):
         quantization = _validate(QuantizationConfig, quantization, "quantization")

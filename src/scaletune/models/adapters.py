@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from scaletune.config import LoraConfig, ModelConfig, error_messages
-from scaletune.env import get_logger
 from scaletune.errors import UserError
 from scaletune.models.introspection import decoder_layer_classes, parameter_counts, unwrap
 from scaletune.models.loading import load_model
@@ -28,8 +27,7 @@ if TYPE_CHECKING:  # torch and peft are imported lazily: `scaletune --help` stay
     from scaletune.models.placement import DevicePlacement
 
 # A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
-get_logger()
-log = logging.getLogger("scaletune.models")
+log = logging.getLogger(__name__)
 
 # The attention and MLP projections of each known architecture (`config.model_type`), as the
 # QLoRA paper recommends (all linear layers of the blocks, not only q/v).
