@@ -42,7 +42,9 @@ def rows_of(tiny_model_dir: Path, tmp_path: Path, packing: bool) -> tuple[int, i
     return len(bundle.train), bundle.stats["train_examples"]
 
 
-def packing_config(model_dir: Path, out: Path, packing: bool, global_batch: int, world: int = 1) -> dict:
+def packing_config(
+    model_dir: Path, out: Path, packing: bool, global_batch: int, world: int = 1, attn: str | None = None
+) -> dict:
     cfg = base_config(
         model_dir,
         out,
@@ -58,6 +60,11 @@ def packing_config(model_dir: Path, out: Path, packing: bool, global_batch: int,
     )
     cfg["data"].update(DATA, packing=packing)
     cfg["data"]["train"]["max_samples"] = RECORDS
+    # Unwritten (the base config writes sdpa), so scaletune chooses the attention for packed rows as
+    # it does for a user; written, it is kept.
+    cfg["model"].pop("attn_implementation")
+    if attn is not None:
+        cfg["model"]["attn_implementation"] = attn
     return cfg
 
 
@@ -71,20 +78,24 @@ def packing_runs(tiny_model_dir, module_tmp_path):
     assert packed_rows % (MICRO * 2) == 0 and unpacked_rows % MICRO == 0, (
         f"{packed_rows} packed / {unpacked_rows} unpacked rows: choose DATA so both fill whole micro-batches"
     )
-    cache: dict[tuple[bool, int], Path] = {}
+    cache: dict[tuple[bool, int, str | None], Path] = {}
 
-    def run(packing: bool, world: int = 1) -> Path:
-        if (packing, world) not in cache:
-            name = f"{'packed' if packing else 'unpacked'}-w{world}"
+    def run(packing: bool, world: int = 1, attn: str | None = None) -> Path:
+        """The run directory; its `scaletune train` stderr is in `said[run directory]`."""
+        if (packing, world, attn) not in cache:
+            name = f"{'packed' if packing else 'unpacked'}-w{world}{f'-{attn}' if attn else ''}"
             rows = packed_rows if packing else unpacked_rows
-            cfg = packing_config(tiny_model_dir, tmp / name, packing, global_batch=rows, world=world)
+            cfg = packing_config(tiny_model_dir, tmp / name, packing, global_batch=rows, world=world, attn=attn)
             proc = train(cfg, tmp, name=f"{name}.yaml")
             # One step per epoch: every step is the whole training set, in `rows` rows.
             assert re.search(rf"stage main: {rows} sequences, 1 steps per epoch", proc.stderr), proc.stderr[-3000:]
             assert f'"train_examples": {examples}' in proc.stderr and f'"train_rows": {rows}' in proc.stderr
-            cache[packing, world] = tmp / name
-        return cache[packing, world]
+            cache[packing, world, attn] = tmp / name
+            said[tmp / name] = proc.stderr
+        return cache[packing, world, attn]
 
+    said: dict[Path, str] = {}
+    run.said = said
     return run
 
 
@@ -107,3 +118,30 @@ def test_packed_training_equals_unpacked(packing_runs, world):
     # Every step sees the same data (the whole set), so here the loss moves by training alone:
     # the runs are compared after real updates, not on four copies of the initial loss.
     assert steps(unpacked)[-1]["loss"] < steps(unpacked)[0]["loss"] - 0.05
+
+
+def test_packed_attention_is_chosen_printed_and_equals_dense_sdpa(packing_runs):
+    """`scaletune train` with data.packing and the attention left at its default prints, once, the
+    attention it chose for packed rows and why (flex_attention with a block mask on CUDA; sdpa on
+    the CPU, where torch has no flex_attention backward); its steps and eval loss equal, within
+    1e-5, those of the dense-mask SDPA path asked for by writing model.attn_implementation: sdpa."""
+    import torch
+
+    chosen, dense = packing_runs(True), packing_runs(True, attn="sdpa")
+    said = packing_runs.said[chosen]
+    lines = [line for line in said.splitlines() if "attention for packed rows:" in line]
+    if torch.cuda.is_available():
+        assert lines == [
+            "[scaletune] attention for packed rows: flex_attention, a block mask built once per micro-batch "
+            "(default on CUDA; model.attn_implementation: sdpa keeps the dense mask)"
+        ], said[-3000:]
+    else:
+        assert len(lines) == 1 and re.fullmatch(
+            r"\[scaletune\] attention for packed rows: sdpa with a dense block-diagonal mask "
+            r"\(torch \S+ has no flex_attention backward on the CPU\)",
+            lines[0],
+        ), said[-3000:]
+    assert "attention for packed rows: sdpa (model.attn_implementation)" in packing_runs.said[dense]
+    assert_same_steps(chosen, dense, REL, "packed: chosen attention vs dense-mask sdpa")
+    got, want = eval_loss(chosen), eval_loss(dense)
+    assert abs(got - want) <= REL * want, f"eval loss {got} vs {want}"

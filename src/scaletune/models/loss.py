@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from scaletune.models.attention import packed_mask
+
 IGNORE_INDEX = -100
 CUDA_CHUNK = 1024  # target rows per head+loss chunk on a GPU: [1024, vocab] logits at a time
 CPU_CHUNK_BYTES = 24 * 2**20  # one fp32 logits chunk on the CPU stays under this
@@ -354,6 +356,10 @@ class CausalLMLoss(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if attention_mask is None and position_ids is not None:
+            # Packed rows (the collator gives them no 2D mask): their mask once per micro-batch,
+            # handed to transformers as 4D so it skips its own per-forward mask work and host sync.
+            attention_mask = packed_mask(self.causal_lm.config, position_ids)
         if self.plain:
             with self._saved_tensors_context():
                 logits = self.causal_lm(

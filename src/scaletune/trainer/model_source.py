@@ -70,10 +70,16 @@ class PretrainedSource(ModelSource):
     model_first = False
 
     def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
-        from scaletune.models import prepare_model
+        from scaletune.models import load_config, prepare_model
+        from scaletune.models.attention import packed_attention
 
         spec = self.spec
-        model_cfg = spec.config.model.model_copy(update={"dtype": spec.precision.storage})
+        m = spec.config.model
+        packing = any(stage.data.packing for stage in spec.stages)
+        attn = packed_attention(
+            m, load_config(m) if packing else None, packing=packing, device=strategy.placement.device
+        )
+        model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "attn_implementation": attn})
         return prepare_model(model_cfg, strategy.placement, meta=strategy.load_meta()), None
 
     def loss(self, model: nn.Module, strategy: LoopStrategy) -> nn.Module:

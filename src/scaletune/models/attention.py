@@ -1,0 +1,149 @@
+"""Attention for packed rows: which kernel a run uses, and the mask each micro-batch gets.
+
+A packed row holds several examples; each must attend only to itself. transformers masks packed
+rows on its own when it gets no ``attention_mask`` and ``position_ids`` that restart per example
+(``masking_utils.find_packed_sequence_indices``), but in every forward it rebuilds the mask and
+tests the rows on the host (``(...).all()``: a device-to-host sync per step on a GPU).
+
+* :func:`packed_attention`: the `attn_implementation` a run loads with, chosen once at start and
+  logged. With packing and `model.attn_implementation` left at its default, a CUDA run gets
+  ``flex_attention`` (block-sparse: masked-out 128 x 128 blocks are skipped, no dense
+  ``[B, 1, T, T]`` mask) where torch and the model class support it; the CPU keeps ``sdpa``,
+  because torch refuses flex_attention's backward there ("FlexAttention does not support backward
+  on CPU", torch 2.5 to 2.13 at least).
+* :func:`packed_mask`: the mask of one packed micro-batch, built once per forward from
+  position_ids on their device (no host sync) and passed to the model as a 4D mask, which
+  transformers uses as-is for every layer: a `BlockMask` for ``flex_attention``, the same boolean
+  ``[B, 1, T, T]`` mask transformers would build for ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from scaletune.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+FLEX = "flex_attention"
+SDPA = "sdpa"
+
+# The masks packed_mask builds; any other implementation keeps transformers' own mask work.
+PREBUILT = (FLEX, SDPA)
+
+
+def flex_unavailable(hf_config: Any, device: str) -> str | None:
+    """Why flex_attention cannot train this model on `device` (None: it can).
+
+    Args:
+        hf_config: the model's `transformers` config (its class and attention dropout matter).
+        device: where the model computes, ``"cpu"`` or ``"cuda:N"``.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_torch_flex_attn_available
+
+    if not device.startswith("cuda"):
+        return f"torch {torch.__version__} has no flex_attention backward on the CPU"
+    if not is_torch_flex_attn_available():
+        return f"this torch ({torch.__version__}) has no flex_attention"
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_config), None)
+    if model_class is None or not getattr(model_class, "_supports_flex_attn", False):
+        return f"transformers' {getattr(model_class, '__name__', type(hf_config).__name__)} does not support flex_attention"
+    if float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
+        return "the model has attention dropout, which transformers' flex_attention refuses"
+    return None
+
+
+def packed_attention(model: ModelConfig, hf_config: Any, *, packing: bool, device: str) -> str | None:
+    """The `attn_implementation` a run loads its model with, logged once when rows are packed.
+
+    The configured value, except with packed rows and `model.attn_implementation` not written in
+    the config (its default, sdpa): then ``flex_attention`` where :func:`flex_unavailable` finds
+    nothing against it, else ``sdpa``. A written value is kept as it is, so ``sdpa`` can always be
+    asked for.
+
+    Args:
+        model: `model:` of the config (`model_fields_set` tells written from default).
+        hf_config: the model's `transformers` config.
+        packing: some stage packs its rows (`data.packing`).
+        device: where the model computes, ``"cpu"`` or ``"cuda:N"``.
+    """
+    configured = model.attn_implementation
+    if not packing:
+        return configured
+    if "attn_implementation" in model.model_fields_set:
+        log.info(f"attention for packed rows: {configured} (model.attn_implementation)")
+        return configured
+    why_not = flex_unavailable(hf_config, device)
+    if why_not is None:
+        log.info(
+            f"attention for packed rows: {FLEX}, a block mask built once per micro-batch "
+            f"(default on CUDA; model.attn_implementation: sdpa keeps the dense mask)"
+        )
+        return FLEX
+    log.info(f"attention for packed rows: {SDPA} with a dense block-diagonal mask ({why_not})")
+    return SDPA
+
+
+def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Which example of its row each token belongs to: ``[B, T]`` int64, counting from 0 in each row.
+
+    A new example starts wherever the position does not follow the previous one by 1, the rule of
+    transformers' ``find_packed_sequence_indices`` (so every padding token, at position 0, is an
+    example of its own and no softmax row is fully masked).
+    """
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def _full_causal_only(hf_config: Any) -> bool:
+    """Every layer is plain causal attention over the whole row: the one mask fits all layers.
+    Sliding-window, chunked or bidirectional layers keep transformers' own masks."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        windowed = any(t != "full_attention" for t in layer_types)
+    else:
+        windowed = getattr(hf_config, "sliding_window", None) is not None
+    return (
+        not windowed
+        and getattr(hf_config, "attention_chunk_size", None) is None
+        and getattr(hf_config, "is_causal", True)
+    )
+
+
+def packed_mask(hf_config: Any, position_ids: torch.Tensor) -> Any:
+    """The 4D attention mask of a packed micro-batch, or None to leave it to transformers.
+
+    Built on `position_ids`' device with no host sync. Token q attends to k iff k <= q and both
+    are in the same example (:func:`sequence_ids`), which is transformers' packed mask.
+
+    Args:
+        hf_config: the model's config; its ``_attn_implementation`` picks the mask's form.
+        position_ids: ``[B, T]`` int64, restarting at 0 at each packed example.
+
+    Returns:
+        ``flex_attention``: a `torch.nn.attention.flex_attention.BlockMask` of shape ``[B, 1, T, T]``
+        (128 x 128 blocks). ``sdpa``: a bool ``[B, 1, T, T]`` tensor (True: attend). None for other
+        implementations or models with other than full causal layers (:func:`_full_causal_only`).
+    """
+    impl = getattr(hf_config, "_attn_implementation", None)
+    if impl not in PREBUILT or not _full_causal_only(hf_config):
+        return None
+    seq = sequence_ids(position_ids)
+    batch, length = seq.shape
+    if impl == SDPA:
+        causal = torch.ones(length, length, dtype=torch.bool, device=seq.device).tril()
+        return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_example_causal(b, h, q, k):
+        return (k <= q) & (seq[b, q] == seq[b, k])
+
+    # Not compiled: the dense [B, 1, T, T] boolean is made once per micro-batch and freed at once
+    # (the sdpa path keeps one for the whole forward and backward); compiling would recompile for
+    # every new row length.
+    return create_block_mask(same_example_causal, batch, None, length, length, device=seq.device)

@@ -1,0 +1,230 @@
+"""scaletune.models.attention: the attention a run with packed rows uses, and the mask each packed
+micro-batch gets (built once, handed to transformers as 4D).
+
+The controls are transformers' own packed-row masking (`attention_mask=None` with restarting
+position_ids: `masking_utils.find_packed_sequence_indices` and its dense SDPA mask), never the code
+under test. Models: tiny Llama and OLMo-2 from their `transformers` configs, random fp32 weights.
+
+flex_attention on the CPU: torch refuses its backward there ("FlexAttention does not support
+backward on CPU"), so the gradient parity runs flex_attention's eager reference (the higher-order
+op's math implementation and autograd, which torch tests its compiled kernels against) with that
+device guard lifted; the compiled CPU kernel, which skips masked blocks by the BlockMask, is checked
+on the forward. The Triton kernels of a GPU are checked by the CUDA test at the end (skipped here).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scaletune.config import ModelConfig
+from scaletune.models import PRESETS
+from scaletune.models.attention import packed_attention, packed_mask, sequence_ids
+from scaletune.models.loss import CausalLMLoss
+
+IGN = -100
+# Examples per row: row 0 has one 300-token example (a full 128 x 128 block below the diagonal),
+# row 1 single-token examples; both end in padding (position 0 at every pad token, as the
+# collator writes it). 360 tokens: three 128-blocks, the last one partial.
+LENGTHS = [[300, 40, 7], [90, 150, 2, 1, 110]]
+T = 360
+TOL = 1e-5
+
+
+def packed_batch(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """input_ids, labels (-100 on padding and on each example's first token) and position_ids, [2, T]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (len(LENGTHS), T), generator=g)
+    pos = torch.zeros(len(LENGTHS), T, dtype=torch.long)
+    labels = torch.full((len(LENGTHS), T), IGN)
+    for b, lengths in enumerate(LENGTHS):
+        start = 0
+        for n in lengths:
+            pos[b, start : start + n] = torch.arange(n)
+            labels[b, start + 1 : start + n] = ids[b, start + 1 : start + n]
+            start += n
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def tiny(preset: str, attn: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    # initializer_range 0.1 (not 0.02): attention far enough from uniform that a leak between
+    # examples moves the loss by ~1e-2, a thousand times the tolerance.
+    cfg = PRESETS[preset].config(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
+
+
+def transformers_mean_loss(model, batch) -> torch.Tensor:
+    """The control: transformers masks the packed rows itself (no attention_mask), mean token loss."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), batch["labels"][:, 1:].reshape(-1))
+
+
+def scaletune_mean_loss(model, batch) -> torch.Tensor:
+    """The trainer's path: CausalLMLoss with no attention_mask builds the packed mask itself."""
+    from scaletune.trainer import model_inputs
+
+    inputs = model_inputs(batch)
+    assert "attention_mask" not in inputs
+    n = int((batch["labels"][:, 1:] != IGN).sum())
+    return CausalLMLoss(model)(**inputs) / n
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def flex_backward_on_cpu(monkeypatch):
+    """flex_attention's eager reference with its autograd on the CPU (module docstring): torch's
+    CPU-backward guard lifted, transformers' torch.compile wrapper replaced by the eager call."""
+    import torch.nn.attention.flex_attention as fa
+    import transformers.integrations.flex_attention as tfa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda q, k, v: None)
+    monkeypatch.setattr(
+        tfa, "compile_friendly_flex_attention", lambda q, k, v, training=False, **kw: fa.flex_attention(q, k, v, **kw)
+    )
+
+
+def test_sequence_ids_follow_transformers():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    pos = packed_batch(512)["position_ids"]
+    assert torch.equal(sequence_ids(pos), find_packed_sequence_indices(pos))
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "olmo2-tiny"])
+def test_sdpa_mask_is_transformers_mask(preset):
+    """The prebuilt SDPA mask is exactly the one transformers builds for packed rows, so the SDPA
+    path's losses do not move by a bit."""
+    from transformers.masking_utils import create_causal_mask
+
+    model = tiny(preset, "sdpa")
+    pos = packed_batch(512)["position_ids"]
+    embeds = torch.zeros(*pos.shape, model.config.hidden_size)
+    theirs = create_causal_mask(model.config, embeds, None, None, position_ids=pos)
+    ours = packed_mask(model.config, pos)
+    assert ours.dtype == theirs.dtype == torch.bool and torch.equal(ours, theirs)
+    # Not the plain causal mask: examples are kept apart.
+    assert not torch.equal(ours, torch.ones(T, T, dtype=torch.bool).tril().expand_as(ours))
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "olmo2-tiny"])
+def test_flex_loss_and_gradients_equal_dense_sdpa(preset, flex_backward_on_cpu):
+    """fp32, CPU: the trainer's loss module over flex_attention with its block mask gives the loss and
+    every parameter gradient of transformers' dense-mask SDPA path within 1e-5."""
+    batch = packed_batch(512)
+    control = tiny(preset, "sdpa")
+    transformers_mean_loss(control, batch).backward()
+    flex = tiny(preset, "flex_attention")
+    assert flex.config._attn_implementation == "flex_attention"
+    loss = scaletune_mean_loss(flex, batch)
+    loss.backward()
+    want, got = transformers_mean_loss(control, batch).detach(), loss.detach()
+    assert abs(float(got - want)) <= TOL, f"loss {float(got)} vs {float(want)}"
+    g_want, g_got = grads(control), grads(flex)
+    worst = max((g_got[k] - g_want[k]).abs().max().item() for k in g_want)
+    assert worst <= TOL, f"largest gradient difference {worst}"
+    assert all(g.abs().sum() > 0 for g in g_got.values()), "every parameter gets a gradient"
+
+    # The comparison can fail: the same rows without position resets (one example per row, so the
+    # block mask lets the examples see each other) move the loss far beyond the tolerance.
+    leaky = dict(batch, position_ids=torch.arange(T).expand(len(LENGTHS), T))
+    with torch.no_grad():
+        assert abs(float(scaletune_mean_loss(flex, leaky) - want)) > 100 * TOL
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler")
+def test_compiled_flex_forward_equals_dense_sdpa():
+    """transformers' own flex call (torch.compile'd flex_attention, the CPU kernel that skips the
+    blocks the BlockMask marks empty and skips mask_mod on full ones), forward only: the loss of
+    the SDPA control within 1e-5. Covers the block structure, which the eager reference ignores."""
+    batch = packed_batch(512, seed=1)
+    control = tiny("llama-tiny", "sdpa")
+    flex = tiny("llama-tiny", "flex_attention")
+    with torch.no_grad():
+        want = transformers_mean_loss(control, batch)
+        got = scaletune_mean_loss(flex, batch)
+    assert abs(float(got - want)) <= TOL, f"loss {float(got)} vs {float(want)}"
+    mask = packed_mask(flex.config, batch["position_ids"])
+    assert mask.full_kv_num_blocks is not None and int(mask.full_kv_num_blocks.sum()) > 0, "a full block is tested"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_transformers_skips_its_packed_mask_work(attn, monkeypatch, flex_backward_on_cpu):
+    """With the prebuilt mask, transformers never looks for packed rows (the per-forward `.all()`
+    host sync of `find_packed_sequence_indices`); without it, it does (the check can fail)."""
+    import transformers.masking_utils as mu
+
+    calls = []
+    real = mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda pos: calls.append(1) or real(pos))
+    model, batch = tiny("llama-tiny", attn), packed_batch(512)
+    scaletune_mean_loss(model, batch).backward()
+    assert calls == []
+    transformers_mean_loss(model, batch)
+    assert calls == [1]
+
+
+def test_models_with_windowed_layers_keep_transformers_masks():
+    model = tiny("llama-tiny", "sdpa")
+    pos = packed_batch(512)["position_ids"]
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert packed_mask(model.config, pos) is None
+    model.config._attn_implementation = "eager"
+    model.config.layer_types = ["full_attention", "full_attention"]
+    assert packed_mask(model.config, pos) is None
+
+
+def choice(caplog, *, packing=True, device="cuda:0", preset="olmo2-tiny", **model) -> tuple[str | None, str]:
+    caplog.clear()
+    with caplog.at_level("INFO", logger="scaletune"):
+        got = packed_attention(
+            ModelConfig(name_or_path="x", **model), PRESETS[preset].config(), packing=packing, device=device
+        )
+    return got, caplog.text
+
+
+def test_the_choice_rule(caplog):
+    # Packed rows, attention left at its default: flex_attention on CUDA, sdpa on the CPU; said once.
+    got, said = choice(caplog)
+    assert got == "flex_attention" and "attention for packed rows: flex_attention" in said
+    got, said = choice(caplog, device="cpu")
+    assert got == "sdpa" and "no flex_attention backward on the CPU" in said
+    # A written value is kept, whatever the device.
+    got, said = choice(caplog, attn_implementation="sdpa")
+    assert got == "sdpa" and "(model.attn_implementation)" in said
+    assert choice(caplog, attn_implementation="eager")[0] == "eager"
+    # No packing: nothing chosen, nothing said.
+    assert choice(caplog, packing=False) == ("sdpa", "")
+    # Where transformers' flex path would refuse to train the model, sdpa.
+    import transformers
+
+    from scaletune.models import attention
+
+    assert "attention dropout" in attention.flex_unavailable(
+        PRESETS["olmo2-tiny"].config(attention_dropout=0.1), "cuda:0"
+    )
+    assert "does not support flex_attention" in attention.flex_unavailable(transformers.CLIPConfig(), "cuda:0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("preset", ["llama-tiny", "olmo2-tiny"])
+def test_flex_on_cuda_equals_dense_sdpa(preset):
+    """On a GPU, transformers' compiled flex_attention (Triton kernels, forward and backward) with
+    the block mask against the dense-mask SDPA path: fp32 loss and gradients within 1e-5."""
+    batch = {k: v.cuda() for k, v in packed_batch(512).items()}
+    control, flex = tiny(preset, "sdpa").cuda(), tiny(preset, "flex_attention").cuda()
+    transformers_mean_loss(control, batch).backward()
+    loss = scaletune_mean_loss(flex, batch)
+    loss.backward()
+    assert abs(float(loss - transformers_mean_loss(control, batch))) <= TOL
+    g_want, g_got = grads(control), grads(flex)
+    assert max((g_got[k] - g_want[k]).abs().max().item() for k in g_want) <= TOL
