@@ -3,11 +3,13 @@ with bandwidth per message size."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
+from scaletune.strategies.process_group import derive_gloo_ifname
 
 
 def comm_test(sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24), iters: int = 5) -> list[dict]:
@@ -33,6 +35,7 @@ def comm_test(sizes: tuple[int, ...] = (1 << 10, 1 << 16, 1 << 20, 1 << 24), ite
             )
         if env.cuda_available:
             torch.cuda.set_device(env.device)
+        derive_gloo_ifname(os.environ)  # gloo cannot read NCCL's '^' exclusions
         dist.init_process_group("nccl" if env.cuda_available else "gloo")
     try:
         r, w = dist.get_rank(), dist.get_world_size()

@@ -21,12 +21,12 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
     """NCCL / torch variables that commonly cause hangs or silent slowness."""
     out = []
     gpu_dist = env.cuda_available and env.world_size > 1
+    try:
+        names = {n for _, n in socket.if_nameindex()}
+    except OSError:
+        names = set()
     ifname = environ.get("NCCL_SOCKET_IFNAME")
     if ifname:
-        try:
-            names = {n for _, n in socket.if_nameindex()}
-        except OSError:
-            names = set()
         wanted = [p for p in ifname.split(",") if p and not p.startswith("^")]
         exclude = ifname.startswith("^")
         missing = (
@@ -41,6 +41,23 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
                     "NCCL hangs or fails at the first collective",
                     "set it to an interface that reaches the other nodes (`ip addr`), or unset it",
                     fatal=gpu_dist,
+                )
+            )
+    gloo = environ.get("GLOO_SOCKET_IFNAME")
+    if gloo:
+        # gloo takes exact names only: no NCCL-style prefixes, '=' or '^' exclusion.
+        missing = [w for w in gloo.split(",") if w.startswith(("^", "=")) or (names and w not in names)]
+        if missing:
+            out.append(
+                Check(
+                    "GLOO_SOCKET_IFNAME",
+                    "FAIL",
+                    f"GLOO_SOCKET_IFNAME={gloo}: no interface {', '.join(missing)} here (have {', '.join(sorted(names))}); "
+                    "gloo takes exact interface names (no '^' exclusion, no prefixes), and every multi-rank "
+                    "run starts a gloo group, so it fails at start-up",
+                    "set it to the names of interfaces that reach the other nodes (`ip addr`), or unset it "
+                    "(with NCCL_SOCKET_IFNAME set, scaletune derives it on each node)",
+                    fatal=env.world_size > 1,
                 )
             )
     for var in ("NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):

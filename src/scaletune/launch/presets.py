@@ -68,10 +68,12 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "socket-ifname",
-            {"NCCL_SOCKET_IFNAME": "{value}", "GLOO_SOCKET_IFNAME": "{value}"},
+            # GLOO_SOCKET_IFNAME is added by preset_env where the value names interfaces (gloo has no
+            # '^' exclusion; for one, each node derives gloo's from NCCL's when the process group starts).
+            {"NCCL_SOCKET_IFNAME": "{value}"},
             "nodes that reach each other only over one interface (docker0, lo or a management "
             "network picked instead): 'socket-ifname=eth0' pins NCCL and gloo to that interface "
-            "(a '^' prefix excludes: '^docker,lo')",
+            "(a '^' prefix excludes: '^docker,lo'; gloo then uses the first interface left, found on each node)",
             takes_value=True,
         ),
         Preset(
@@ -136,6 +138,11 @@ def preset_env(names: Iterable[str]) -> dict[str, str]:
             problems.append(f"env preset {name}: {value!r} is not an interface name or list")
             continue
         env.update({k: v.replace("{value}", value) for k, v in preset.env.items()})
+        if name == "socket-ifname":
+            env.pop("GLOO_SOCKET_IFNAME", None)
+            if not value.startswith("^"):
+                # gloo takes the names themselves (NCCL's '=' means exact names, which gloo's are anyway).
+                env["GLOO_SOCKET_IFNAME"] = value.removeprefix("=")
     if problems:
         raise UserError(problems, title="invalid --env-preset")
     return env

@@ -20,7 +20,9 @@ Two groups, two timeouts:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+from collections.abc import Iterable, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from scaletune.env import DistributedEnv
 #: The backend string when parameters live on the CPU under NCCL (FSDP2 CPU offload): collectives
 #: on CPU tensors go over gloo, those on CUDA tensors over NCCL (torch's per-device backends).
 MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+
+log = logging.getLogger(__name__)
 
 
 def select_backend(requested: str, *, cuda_available: bool, cpu_collectives: bool = False) -> str:
@@ -60,6 +64,69 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def nccl_interface_matches(spec: str, names: Iterable[str]) -> list[str]:
+    """The interfaces among `names` (in their order) that `NCCL_SOCKET_IFNAME=spec` lets NCCL use.
+
+    NCCL's syntax: a comma-separated list of prefixes (`eth` matches eth0, eth1), `=` before the
+    list for exact names (`=eth0`), `^` before it to exclude instead (`^docker,lo`, `^=docker0`).
+    """
+    exclude = spec.startswith("^")
+    spec = spec.removeprefix("^")
+    exact = spec.startswith("=")
+    items = [item for item in spec.removeprefix("=").split(",") if item]
+    return [n for n in names if any(n == i if exact else n.startswith(i) for i in items) != exclude]
+
+
+def gloo_interface(nccl_spec: str, interfaces: Sequence[tuple[str, bool, bool]]) -> str | None:
+    """The one interface gloo should use where NCCL is told `nccl_spec`: gloo takes only concrete
+    names (no prefixes, no `^` exclusion), so this picks the first of NCCL's matches that is up and
+    has an address, loopback only where nothing else matches; None where none does.
+
+    `interfaces`: (name, up and addressed, loopback) in the host's order.
+    """
+    usable = {name: loopback for name, ok, loopback in interfaces if ok}
+    matches = nccl_interface_matches(nccl_spec, usable)
+    return next((n for n in matches if not usable[n]), matches[0] if matches else None)
+
+
+def host_interfaces() -> list[tuple[str, bool, bool]]:
+    """This host's interfaces as :func:`gloo_interface` reads them (psutil)."""
+    import socket
+
+    import psutil
+
+    stats = psutil.net_if_stats()
+    out = []
+    for name, addrs in psutil.net_if_addrs().items():
+        ips = [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+        up = name in stats and stats[name].isup and bool(ips)
+        loopback = bool(ips) and all(ip.startswith("127.") or ip.split("%")[0] == "::1" for ip in ips)
+        out.append((name, up, loopback))
+    return out
+
+
+def derive_gloo_ifname(
+    environ: MutableMapping[str, str], interfaces: Sequence[tuple[str, bool, bool]] | None = None
+) -> None:
+    """Set `GLOO_SOCKET_IFNAME` on this node from `NCCL_SOCKET_IFNAME` where only NCCL's is set.
+
+    Every multi-rank run builds gloo groups (the wait group, CPU collectives), and gloo fails on
+    NCCL's prefixes and `^` exclusions (`socket-ifname=^docker,lo`), so the launch leaves gloo's
+    variable to be resolved here, on the node, against its own interfaces (`interfaces`: as
+    :func:`host_interfaces` returns; read from the host when None). A `GLOO_SOCKET_IFNAME` already
+    set is kept; where nothing matches, gloo is left to its default and a warning says so.
+    """
+    spec = environ.get("NCCL_SOCKET_IFNAME")
+    if not spec or environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = gloo_interface(spec, host_interfaces() if interfaces is None else interfaces)
+    if name is None:
+        log.warning(f"NCCL_SOCKET_IFNAME={spec} matches no interface that is up here; GLOO_SOCKET_IFNAME left unset")
+        return
+    environ["GLOO_SOCKET_IFNAME"] = name
+    log.info(f"GLOO_SOCKET_IFNAME={name} (derived from NCCL_SOCKET_IFNAME={spec}: gloo needs one concrete name)")
+
+
 def init_process_group(
     env: DistributedEnv,
     backend: str = "auto",
@@ -72,6 +139,7 @@ def init_process_group(
 
     `even_alone`: also start a group of one for a plain single process (FSDP and DeepSpeed need a
     group at world size 1), on a free loopback port. `cpu_collectives`: see :func:`select_backend`.
+    Under a launcher, gloo's interface is first derived from NCCL's (:func:`derive_gloo_ifname`).
 
     Returns True if this call created it (and so must destroy it).
 
@@ -91,6 +159,8 @@ def init_process_group(
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise RuntimeError(f"{var} is not set: start multi-rank runs with torchrun, deepspeed or scaletune launch")
+    if env.is_distributed:
+        derive_gloo_ifname(os.environ)
     if env.cuda_available:
         torch.cuda.set_device(env.device)
     kwargs: dict[str, Any] = {}
