@@ -5,6 +5,7 @@ an offloaded head. The GPU-only halves are in tests/gpu/."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from types import SimpleNamespace
@@ -273,3 +274,60 @@ def test_loss_with_an_offloaded_head_equals_the_loss_in_place(tiny_llama_dir):
     # the head's forward ran (its hook loads the weight onto the execution device), and the value.
     assert calls, "the loss read lm_head.weight directly instead of calling the offloaded head"
     assert torch.allclose(got, want, rtol=1e-5), (float(got), float(want))
+
+
+# -- issue 20: ZeRO-3 keeps model.quantization ------------------------------------------------
+
+
+@contextlib.contextmanager
+def _zero3_announced():
+    """A ZeRO-3 config announced to transformers as the DeepSpeed strategy announces it (its own
+    HfDeepSpeedConfig, which transformers holds by a weak reference only: kept alive here)."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    announced = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        yield announced
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_zero3_loads_a_quantized_base_quantized_on_the_ranks_gpu(tiny_model_dir, monkeypatch):
+    """Under an announced ZeRO-3 config a QLoRA base is still loaded with bitsandbytes' config,
+    whole, on the rank's GPU: transformers skips zero.Init for quantized models and DeepSpeed
+    partitions the model at initialize. Only the GPU is pretended here (bitsandbytes' config and
+    transformers' announcement are real)."""
+    import transformers
+
+    from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig
+    from scaletune.models import load_model
+    from scaletune.models.placement import DevicePlacement
+
+    seen: dict = {}
+
+    def spy(source, **kwargs):
+        seen.update(kwargs)
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    qlora = ModelConfig(
+        name_or_path=str(tiny_model_dir),
+        dtype="bfloat16",
+        lora=LoraConfig(),
+        quantization=QuantizationConfig(bits=4, storage_dtype="bfloat16"),
+    )
+    with _zero3_announced():
+        load_model(qlora, DevicePlacement(None, "cuda:1"))
+    q = seen.get("quantization_config")
+    assert q is not None, "ZeRO-3 dropped model.quantization"
+    assert q.load_in_4bit and q.bnb_4bit_quant_storage == torch.bfloat16
+    assert seen["device_map"] == {"": "cuda:1"}
+
+    # Without quantization ZeRO-3 still gets no device_map (zero.Init places the partitions).
+    seen.clear()
+    with _zero3_announced():
+        load_model(ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16"), DevicePlacement(None, "cuda:1"))
+    assert "device_map" not in seen and "quantization_config" not in seen

@@ -261,13 +261,18 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     zero3 = _zero3_announced()
     if zero3:
         device_map = None
-    elif cfg.quantization is not None:
+    if cfg.quantization is not None:
+        # Under ZeRO-3 too: transformers skips zero.Init for a quantized model and loads it whole on
+        # this rank's GPU, and deepspeed.initialize partitions it (QLoRA under ZeRO-3, the 4-bit
+        # weights stored as model.dtype: resolve.rules).
         kwargs["quantization_config"] = bnb_config(cfg.quantization)
         if device_map is None:
             # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
             # with .to() afterwards, so it must be loaded where it will run.
             device = placement.device if placement.device.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
             device_map, own_map = {"": device}, True
+    elif zero3:
+        pass
     elif device_map is None and placement.device.startswith("cuda"):
         device_map, own_map = {"": placement.device}, True
     if device_map is not None:
@@ -285,7 +290,7 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         if source == name and not Path(name).exists():
             raise _hub_failure("model.name_or_path", name, exc) from exc
         raise
-    if zero3:
+    if zero3 and cfg.quantization is None:
         pass
     elif device_map is None:
         model.to(placement.device)
