@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,16 @@ import uvicorn
 from scaletune.serve.app import create_app
 from scaletune.serve.auth import create_token
 from scaletune.serve.jobs import JobService
+from scaletune.serve.policy import Policy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO_ROOT.parent / "shared"  # the data sets and tokenizers of the tests
+
+# The admin settings of the test services: the tests' models, data and runs live in the temporary
+# folder and the repository. tests/security/test_serve_*.py start services with the default Policy().
+TEST_POLICY = Policy(
+    read_roots=(tempfile.gettempdir(), str(REPO_ROOT), str(SHARED_DATA)), write_roots=(tempfile.gettempdir(),)
+)
 
 
 def free_port() -> int:
@@ -26,14 +37,16 @@ def free_port() -> int:
 class Server:
     """The service on loopback; `restart()` ends it and starts a new one on the same database."""
 
-    def __init__(self, db: str, home: Path, max_concurrent: int = 1) -> None:
-        self.db, self.home, self.max_concurrent = db, home, max_concurrent
+    def __init__(self, db: str, home: Path, max_concurrent: int = 1, policy: Policy = TEST_POLICY) -> None:
+        self.db, self.home, self.max_concurrent, self.policy = db, home, max_concurrent, policy
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.start()
 
     def start(self) -> None:
-        self.svc = JobService(self.db, self.home, self.url, max_concurrent=self.max_concurrent, poll_s=0.3)
+        self.svc = JobService(
+            self.db, self.home, self.url, max_concurrent=self.max_concurrent, poll_s=0.3, policy=self.policy
+        )
         config = uvicorn.Config(create_app(self.svc), host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -108,3 +121,26 @@ def wait_state(c: httpx.Client, job_id: str, states: set[str], timeout: float = 
         time.sleep(0.3)
     logs = c.get(f"/api/jobs/{job_id}/logs").text[-3000:]
     raise AssertionError(f"job {job_id} is {job['state']}, not {states}, after {timeout} s\n{logs}")
+
+
+def plant_job(svc: JobService, run_dir: Path, state: str = "succeeded", token: str = "", **fields) -> str:
+    """A job record written straight into the service's database, with its job folder (no run):
+    for tests of what the API serves from a job's files. `token`: its report token."""
+    import uuid
+
+    from scaletune.serve.auth import digest
+    from scaletune.serve.db import Job
+
+    job_id = uuid.uuid4().hex[:12]
+    job_dir = svc.home / job_id
+    job_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"target": "local", "config_yaml": "", "job_dir": str(job_dir), "run_dir": str(run_dir)}
+    with svc.Session() as s:
+        s.add(
+            Job(
+                id=job_id, name=run_dir.name, state=state, token_hash=digest(token) if token else "", **record, **fields
+            )
+        )
+        s.commit()
+    return job_id

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import base_config, run_cli
+from tests.helpers import make_config, run_cli
 from tests.serve.conftest import client, read_events, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 
 
 def job_config(tiny_model_dir, out: Path, steps: int = 4) -> str:
-    cfg = base_config(tiny_model_dir, out)
+    cfg = make_config(tiny_model_dir, out)
     cfg["training"].update(max_steps=steps, save_every=0, micro_batch_size=8)
     return yaml.safe_dump(cfg)
 
@@ -132,7 +132,8 @@ def test_dry_run_returns_plan_and_command(server, tiny_model_dir, tmp_path):
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["strategy"] == "single" and plan["world_size"] == 1
-    assert plan["command"].endswith("config.yaml") and " -m scaletune train " in plan["command"]
+    assert "/config.yaml " in plan["command"] and " -m scaletune train " in plan["command"]
+    assert plan["command"].endswith(f"'output_dir=\"{tmp_path / 'dry'}\"'")  # the run directory, assigned last
     assert plan["memory_per_rank"]["per_rank_bytes"]["params"] > 0
     r = c.post(
         "/api/jobs",

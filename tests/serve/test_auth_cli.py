@@ -17,11 +17,14 @@ from scaletune.serve.db import Token
 from scaletune.serve.jobs import JobService
 from tests.conftest import REPO_ROOT
 from tests.helpers import base_config
+from tests.serve.conftest import TEST_POLICY
+
+LOOPBACK = "http://127.0.0.1"  # a tokenless service answers loopback names only (DNS rebinding)
 
 
 @pytest.fixture
 def svc(tmp_path):
-    s = JobService(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", "http://127.0.0.1:9")
+    s = JobService(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", "http://127.0.0.1:9", policy=TEST_POLICY)
     yield s
     s.engine.dispose()
 
@@ -59,7 +62,7 @@ def test_refuses_public_bind_without_tokens(svc, tmp_path):
 def test_cookie_login_needs_csrf_for_changes(svc, tiny_model_dir, tmp_path):
     token = create_token(svc.Session, "submit")
     body = {"config": yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run")), "dry_run": True}
-    with TestClient(create_app(svc, start=False)) as c:
+    with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         assert c.get("/", follow_redirects=False).headers["location"] == "/login"
         assert (
             c.post("/login", data={"token": "st_nope"}, follow_redirects=False)
@@ -80,7 +83,7 @@ def test_cookie_login_needs_csrf_for_changes(svc, tiny_model_dir, tmp_path):
 
 def test_unknown_target_and_resources_are_422(svc, tiny_model_dir, tmp_path):
     cfg = yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run"))
-    with TestClient(create_app(svc, start=False)) as c:
+    with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         r = c.post("/api/jobs", json={"config": cfg, "target": "k8s"})
         assert r.status_code == 422 and "target 'k8s'" in r.json()["problems"][0]
         r = c.post("/api/jobs", json={"config": cfg, "target": "slurm", "resources": {"gpus": 1}, "dry_run": True})
@@ -91,7 +94,7 @@ def test_unknown_target_and_resources_are_422(svc, tiny_model_dir, tmp_path):
 
 def test_missing_job_is_404_and_a_real_key_error_is_not(svc, monkeypatch):
     """`JobNotFound` means no such job (404); a KeyError from a bug is a server error, not a 404."""
-    with TestClient(create_app(svc, start=False), raise_server_exceptions=False) as c:
+    with TestClient(create_app(svc, start=False), base_url=LOOPBACK, raise_server_exceptions=False) as c:
         for verb in ("stop", "cancel", "resume", "clone"):
             r = c.post(f"/api/jobs/nope/{verb}", json={})
             assert (r.status_code, r.json()["detail"]) == (404, "no job nope"), (verb, r.text)
@@ -112,7 +115,7 @@ def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
     cfg = yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run"))
-    with TestClient(create_app(svc, start=False)) as c:
+    with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         r = c.post("/api/jobs", json={"config": cfg, "target": "modal", "dry_run": True, "resources": {"gpu_count": 2}})
         app = r.json()["plan"]["modal_app"]
         compile(app, "modal_app.py", "exec")

@@ -37,8 +37,27 @@ def serve(
         ),
     ] = None,
     max_concurrent: Annotated[int, typer.Option(help="Local jobs running at once; the rest wait queued.")] = 1,
+    allow_factories: Annotated[
+        bool, typer.Option(help="Let configs name model/data factories (submitted code, checked in a child process).")
+    ] = False,
+    allow_remote_code: Annotated[bool, typer.Option(help="Let configs set trust_remote_code.")] = False,
+    allow_env: Annotated[
+        list[str] | None, typer.Option(help="Another distributed.env name prefix jobs may set (repeatable).")
+    ] = None,
+    read_root: Annotated[
+        list[Path] | None,
+        typer.Option(help="A folder jobs may read data and models from (repeatable; default: the working directory)."),
+    ] = None,
+    write_root: Annotated[
+        list[Path] | None, typer.Option(help="A folder run directories may be in besides the jobs folder (repeatable).")
+    ] = None,
+    trusted_host: Annotated[
+        list[str] | None, typer.Option(help="A Host name answered besides loopback's (repeatable).")
+    ] = None,
+    max_request_mb: Annotated[float, typer.Option(help="Largest request body, in MiB.")] = 4.0,
 ) -> None:
-    """Serve the job API (/api, OpenAPI at /docs) and the web page (/)."""
+    """Serve the job API (/api, OpenAPI at /docs) and the web page (/). What submitted configs may
+    do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options."""
     if ctx.invoked_subcommand is not None:
         return
     import uvicorn
@@ -47,10 +66,22 @@ def serve(
     from scaletune.serve.auth import bind_problems
     from scaletune.serve.db import default_url
     from scaletune.serve.jobs import JobService
+    from scaletune.serve.policy import SAFE_ENV_PREFIXES, Policy
 
     problems = [] if max_concurrent >= 1 else [f"--max-concurrent must be 1 or more, got {max_concurrent}"]
     jobs_dir = (jobs_dir or Path.home() / ".scaletune" / "jobs").resolve()
-    svc = JobService(db or default_url(), jobs_dir, f"http://{host}:{port}", max_concurrent=max_concurrent)
+    policy = Policy(
+        allow_factories=allow_factories,
+        allow_remote_code=allow_remote_code,
+        env_prefixes=(*SAFE_ENV_PREFIXES, *(allow_env or ())),
+        read_roots=tuple(str(p.resolve()) for p in read_root) if read_root else None,
+        write_roots=tuple(str(p.resolve()) for p in write_root or ()),
+        trusted_hosts=tuple(trusted_host or ()),
+        max_request_bytes=int(max_request_mb * 2**20),
+    )
+    svc = JobService(
+        db or default_url(), jobs_dir, f"http://{host}:{port}", max_concurrent=max_concurrent, policy=policy
+    )
     problems += bind_problems(host, svc.Session)
     if problems:
         raise UserError(problems, title="cannot serve")

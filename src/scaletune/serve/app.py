@@ -1,22 +1,34 @@
-"""The FastAPI app: the REST API of the job service (OpenAPI at /docs) and the web page (web.py)."""
+"""The FastAPI app: the REST API of the job service (OpenAPI at /docs, behind a read token once
+tokens exist) and the web page (web.py); `guard.Guard` stands before both."""
 
 import asyncio
 import contextlib
 import json
+import posixpath
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from sse_starlette.sse import EventSourceResponse
 
 from scaletune.errors import UserError
 from scaletune.serve import auth
+from scaletune.serve.guard import Guard
 from scaletune.serve.jobs import JobNotFound, JobService
+from scaletune.serve.records import MAX_INT, validated
 
 HEARTBEAT_S = 10.0
 ARTIFACTS = ("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints")
+MAX_LOG_BYTES = 8 << 20  # one /logs answer at most
+# Swagger UI's script and style come from its CDN: the one page allowed to load them.
+DOCS_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline' https://cdn.jsdelivr.net; "
+    "style-src https://cdn.jsdelivr.net; img-src 'self' data: https://fastapi.tiangolo.com; "
+    "connect-src 'self'; frame-ancestors 'none'"
+)
 
 
 class JobRequest(BaseModel):
@@ -38,8 +50,30 @@ class CloneRequest(BaseModel):
     overrides: list[str] = Field(default_factory=list)
 
 
+class ReportEvent(BaseModel):
+    kind: str = Field(max_length=32)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fits(self) -> "ReportEvent":
+        validated(self.kind, self.data)  # ValueError: a 422 naming what does not fit
+        return self
+
+
 class ReportRequest(BaseModel):
-    events: list[dict[str, Any]]
+    events: list[ReportEvent] = Field(max_length=1000)
+
+
+class PolicyUpdate(BaseModel):
+    """Admin settings to change (the others stay); see docs/serve.md."""
+
+    allow_factories: bool | None = None
+    allow_remote_code: bool | None = None
+    env_prefixes: list[str] | None = None
+    read_roots: list[str] | None = None
+    write_roots: list[str] | None = None
+    trusted_hosts: list[str] | None = None
+    trusted_origins: list[str] | None = None
 
 
 def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
@@ -53,9 +87,10 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         if start:
             svc.shutdown()
 
-    app = FastAPI(title="scaletune serve", lifespan=lifespan)
+    app = FastAPI(title="scaletune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.svc = svc
     app.state.csrf = auth.Csrf()
+    app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=lambda: not auth.has_tokens(svc.Session))
 
     @app.exception_handler(JobNotFound)
     async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
@@ -91,7 +126,26 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
         return dep
 
-    read, submit = Depends(need("read")), Depends(need("submit"))
+    read, submit, admin = Depends(need("read")), Depends(need("submit")), Depends(need("admin"))
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[read])
+    def openapi():
+        return app.openapi()
+
+    @app.get("/docs", include_in_schema=False, dependencies=[read])
+    def docs():
+        page = get_swagger_ui_html(openapi_url="/openapi.json", title="scaletune serve API")
+        page.headers["content-security-policy"] = DOCS_CSP
+        return page
+
+    @app.get("/api/admin/policy", dependencies=[admin])
+    def get_policy():
+        return svc.policy.public()
+
+    @app.put("/api/admin/policy", dependencies=[admin])
+    def put_policy(req: PolicyUpdate):
+        svc.policy = svc.policy.updated(**req.model_dump(exclude_none=True))
+        return svc.policy.public()
 
     def job_or_404(job_id: str):
         job = svc.get(job_id)
@@ -119,20 +173,28 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         return job_or_404(job_id).summary()
 
     @app.get("/api/jobs/{job_id}/metrics", dependencies=[read])
-    def get_metrics(job_id: str, since_step: int = 0):
+    def get_metrics(job_id: str, since_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
         job_or_404(job_id)
         return svc.metrics(job_id, since_step)
 
     @app.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse)
-    def get_logs(job_id: str, rank: int | None = None):
+    def get_logs(
+        job_id: str,
+        rank: Annotated[int | None, Query(ge=0, le=1 << 20)] = None,
+        offset: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Bytes; default: the end.")] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES, description="Bytes at most.")] = 1 << 20,
+    ):
+        """At most `limit` bytes of the job's log from `offset` (default: its last `limit` bytes)."""
         job = job_or_404(job_id)
-        return svc.dispatchers[job.target].logs(svc.files(job), rank)
+        return svc.dispatchers[job.target].logs(svc.files(job), rank, offset, limit)
 
     @app.get("/api/jobs/{job_id}/events", dependencies=[read])
     async def events(job_id: str, request: Request):
         job_or_404(job_id)
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
-        cursor = int(last) if last.isdigit() else 0
+        if not (last.isdigit() and len(last) <= 15):
+            raise HTTPException(400, "Last-Event-ID: an event id (a number below 10**15)")
+        cursor = int(last)
 
         async def stream():
             nonlocal cursor
@@ -189,20 +251,28 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         token = header[7:].strip() if header.lower().startswith("bearer ") else ""
         if not token or not svc.check_job_token(job_id, token):
             raise HTTPException(401, "this job's report token is required", headers={"WWW-Authenticate": "Bearer"})
-        return {"accepted": svc.ingest(job_id, req.events)}
+        return {"accepted": svc.ingest(job_id, [e.model_dump() for e in req.events])}
 
     @app.get("/api/jobs/{job_id}/artifacts/{path:path}", dependencies=[read])
     def artifact(job_id: str, path: str):
+        """A file of the run's allow-list (or a listing of a folder of it), as an attachment."""
         job = job_or_404(job_id)
+        if "\x00" in path or "\\" in path:
+            raise HTTPException(404, "not an artifact of this run")
+        rel = posixpath.normpath(path)  # `final/../X` is `X`: the allow-list sees what is served
+        parts = rel.split("/")
+        if rel.startswith(("/", "..")) or parts[0] not in ARTIFACTS:
+            raise HTTPException(404, "not an artifact of this run")
         root = Path(job.run_dir).resolve()
-        target = (root / path).resolve()
-        if not target.is_relative_to(root) or target == root or Path(path).parts[0] not in ARTIFACTS:
+        allowed = (root / parts[0]).resolve()
+        target = (root / rel).resolve()  # links followed: they must stay inside the allowed entry
+        if not (target == allowed or target.is_relative_to(allowed)) or not allowed.is_relative_to(root):
             raise HTTPException(404, "not an artifact of this run")
         if target.is_dir():
-            return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file())
+            return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file() and not p.is_symlink())
         if not target.is_file():
-            raise HTTPException(404, f"{path}: not written (yet)")
-        return FileResponse(target)
+            raise HTTPException(404, f"{rel}: not written (yet)")
+        return FileResponse(target, filename=target.name, content_disposition_type="attachment")
 
     from scaletune.serve.web import add_pages
 

@@ -5,6 +5,7 @@ applied when the service starts (:func:`open_db`)."""
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 from typing import Any
 
@@ -115,15 +116,34 @@ def default_url(home: Path | None = None) -> str:
     return f"sqlite:///{home / 'serve.db'}"
 
 
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite URL (None for another database or an in-memory one)."""
+    if not url.startswith("sqlite:///") or url in ("sqlite:///", "sqlite:///:memory:"):
+        return None
+    return Path(url[len("sqlite:///") :].split("?", 1)[0])
+
+
 def upgrade(url: str) -> None:
-    """Apply the Alembic migrations up to head (idempotent)."""
+    """Apply the Alembic migrations up to head (idempotent). Services starting at once on a fresh
+    SQLite file take turns (a file lock beside it), so none meets a half-made schema; the file is
+    made readable by the service's user only (its WAL and shared-memory files inherit the mode)."""
     from alembic import command
     from alembic.config import Config as AlembicConfig
+    from filelock import FileLock
 
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
-    command.upgrade(cfg, "head")
+    path = sqlite_file(url)
+    if path is None:  # a server database: its own migrations lock is the operator's (docs/serve.md)
+        command.upgrade(cfg, "head")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock", timeout=120):
+        if not path.exists():
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
+        command.upgrade(cfg, "head")
 
 
 def open_db(url: str) -> tuple[Engine, sessionmaker]:

@@ -4,6 +4,8 @@ jobs; record updates are `records`'. One instance per `scaletune serve`."""
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import threading
 import uuid
@@ -14,9 +16,11 @@ from sqlalchemy import select
 
 from scaletune.errors import UserError
 from scaletune.report import TOKEN_ENV, URL_ENV
+from scaletune.serve import policy as P
 from scaletune.serve import states as S
+from scaletune.serve import submission
 from scaletune.serve.auth import digest
-from scaletune.serve.db import Event, Job, Metric, open_db
+from scaletune.serve.db import Event, Job, Metric, open_db, sqlite_file
 from scaletune.serve.dispatch import Dispatcher, JobFiles, make_dispatchers
 from scaletune.serve.records import apply_report, set_state
 from scaletune.serve.watch import Watcher
@@ -38,31 +42,45 @@ class JobService:
     home: folder of the job folders (config, log, exit code, stop request).
     base_url: how a job reaches this service (its report endpoint), e.g. http://127.0.0.1:8000.
     max_concurrent: local jobs running at once.
+    policy: what a submitted config may do (the admin settings); default: `policy.Policy()`.
     """
 
-    def __init__(self, db_url: str, home: Path, base_url: str, max_concurrent: int = 1, poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        db_url: str,
+        home: Path,
+        base_url: str,
+        max_concurrent: int = 1,
+        poll_s: float = 0.5,
+        policy: P.Policy | None = None,
+    ) -> None:
         self.engine, self.Session = open_db(db_url)
+        self.db_file = sqlite_file(db_url)
+        self.policy = policy or P.Policy()
         self.home = home
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base_url = base_url.rstrip("/")
         self.workdir = Path.cwd()
         self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
         self.lock = threading.RLock()  # one writer at a time (SQLite)
         self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
+        self._secrets: dict[str, dict[str, str]] = {}  # job id -> submitted secret values, in memory only
         self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
         self.watcher = Watcher(self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s)
 
     # -- records ---------------------------------------------------------------------------
     def files(self, job: Job) -> JobFiles:
-        env = {}
+        """The job as its dispatcher sees it: the run directory the service assigned is always
+        the last override; secrets and the report token are in `env` (the process environment)."""
+        env = dict(self._secrets.get(job.id, {}))
         token = self._tokens.get(job.id)
         if token:
-            env = {URL_ENV: f"{self.base_url}/api/jobs/{job.id}/report", TOKEN_ENV: token}
+            env |= {URL_ENV: f"{self.base_url}/api/jobs/{job.id}/report", TOKEN_ENV: token}
         return JobFiles(
             job_id=job.id,
             job_dir=Path(job.job_dir),
             config_path=Path(job.job_dir) / "config.yaml",
-            overrides=tuple(job.overrides),
+            overrides=(*job.overrides, f"output_dir={json.dumps(job.run_dir)}"),
             resources=dict(job.resources or {}),
             workdir=self.workdir,
             env=env,
@@ -78,15 +96,22 @@ class JobService:
 
     # -- submit ----------------------------------------------------------------------------
     def prepare_job(
-        self, config: str, overrides: list[str], target: str, resources: dict, *, job_id: str | None = None
+        self,
+        config: str,
+        overrides: list[str],
+        target: str,
+        resources: dict,
+        *,
+        job_id: str | None = None,
+        dry_run: bool = False,
     ) -> tuple[Job, dict | None]:
-        """A job folder with the config written, checked as the CLI checks it (not yet stored).
+        """A job folder with the config written (secrets taken out), checked against the policy
+        on the raw mapping first, then as the CLI checks it (not yet stored); with `dry_run`, the
+        plan too.
 
         Raises:
-            UserError: every problem of the request and the config (the API answers 422).
+            UserError: every problem of the request, the policy or the config (the API answers 422).
         """
-        from scaletune.serve.validate import check
-
         problems = []
         if target not in TARGETS:
             problems.append(f"target {target!r}: one of {', '.join(TARGETS)}")
@@ -96,45 +121,53 @@ class JobService:
             raise UserError(problems, title="invalid job")
         job_id = job_id or uuid.uuid4().hex[:12]
         job_dir = self.home / job_id
-        job_dir.mkdir(parents=True, exist_ok=True)
-        (job_dir / "config.yaml").write_text(config)
-        try:
-            spec = check(job_dir / "config.yaml", overrides, self.workdir)
-        except UserError:
-            if not any(job_dir.glob("*.log")):
-                for p in job_dir.iterdir():
-                    p.unlink()
-                job_dir.rmdir()
-            raise
-        secret_refs = list(spec.config.distributed.secret_env or ())
+        sub = submission.read(config, overrides, self.policy.max_depth)
+        places = P.Places(self.home, job_dir, self.db_file, self._other_runs(job_id), self.workdir)
+        problems, run_dir = P.check(sub.data, self.policy, places)
+        if problems:
+            raise UserError(problems, title="refused by this service's policy")
+        assert run_dir is not None
+        fresh = not job_dir.exists()
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private(job_dir / "config.yaml", sub.text)
         job = Job(
             id=job_id,
-            name=spec.run_dir.name,
+            name=run_dir.name,
             state=S.QUEUED,
             step=0,
             target=target,
-            config_yaml=config,
-            overrides=list(overrides),
+            config_yaml=sub.text,
+            overrides=list(sub.overrides),
             resources=dict(resources),
-            secret_refs=secret_refs,
+            secret_refs=sub.secret_names,
             job_dir=str(job_dir),
-            run_dir=str(spec.run_dir),
+            run_dir=str(run_dir),
             token_hash="",
             stop_requested=0,
         )
-        return job, spec  # type: ignore[return-value]
+        from scaletune.serve.validate import check
+
+        files = self.files(job)
+        try:
+            plan = check(files, self.dispatchers[target], in_child=_names_code(sub.data), dry_run=dry_run)
+        except UserError:
+            if fresh:
+                _remove(job_dir)
+            raise
+        if sub.secrets:
+            self._secrets.setdefault(job_id, {}).update(sub.secrets)
+        return job, plan
+
+    def _other_runs(self, job_id: str) -> list[Path]:
+        with self.Session() as s:
+            return [Path(r) for r in s.scalars(select(Job.run_dir).where(Job.id != job_id))]
 
     def submit(self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False) -> dict:
-        job, spec = self.prepare_job(config, overrides, target, resources)
+        job, plan = self.prepare_job(config, overrides, target, resources, dry_run=dry_run)
         if dry_run:
-            from scaletune.serve.validate import dry_run as plan
-
-            try:
-                return {"id": None, "state": "dry_run", "plan": plan(spec, self.files(job), self.dispatchers[target])}
-            finally:
-                for p in Path(job.job_dir).iterdir():
-                    p.unlink()
-                Path(job.job_dir).rmdir()
+            self._secrets.pop(job.id, None)
+            _remove(Path(job.job_dir))
+            return {"id": None, "state": "dry_run", "plan": plan}
         with self.lock, self.Session() as s:
             s.add(job)
             s.flush()
@@ -191,10 +224,11 @@ class JobService:
             added = list(overrides)
             overrides = [o for o in job.overrides if not o.startswith("training.resume=")] + added
             overrides.append(f"training.resume={checkpoint or 'auto'}")
-            self.prepare_job(
+            again, _ = self.prepare_job(
                 job.config_yaml, overrides, target or job.target, resources or job.resources, job_id=job.id
             )
-            job.overrides, job.target = overrides, target or job.target
+            job.run_dir = again.run_dir
+            job.overrides, job.target = again.overrides, target or job.target
             job.resources = resources if resources is not None else job.resources
             job.stop_requested, job.target_id, job.exit_code = 0, None, None
             set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
@@ -217,8 +251,12 @@ class JobService:
 
     # -- reports from the run --------------------------------------------------------------
     def check_job_token(self, job_id: str, token: str) -> bool:
+        """Whether `token` is the report token of `job_id` while the job runs (it ends with it)."""
         job = self.get(job_id)
-        return job is not None and bool(job.token_hash) and secrets.compare_digest(job.token_hash, digest(token))
+        if job is None or job.state in S.TERMINAL:
+            self._tokens.pop(job_id, None)
+            return False
+        return bool(job.token_hash) and secrets.compare_digest(job.token_hash, digest(token))
 
     def ingest(self, job_id: str, events: list[dict]) -> int:
         """Store what a run reported (metric lines, phases, checkpoints); returns how many were new.
@@ -234,6 +272,7 @@ class JobService:
             return n
 
     def metrics(self, job_id: str, since_step: int = 0) -> list[dict]:
+        """The job's metrics lines after `since_step` (a bounded integer: the API checks it)."""
         with self.Session() as s:
             rows = s.scalars(
                 select(Metric).where(Metric.job_id == job_id, Metric.step > since_step).order_by(Metric.step, Metric.id)
@@ -263,3 +302,26 @@ class JobService:
         self._tokens[job.id] = token
         job.token_hash = digest(token)
         return token
+
+
+def _names_code(data: dict) -> bool:
+    """Whether a (policy-allowed) config names code the check would import: a factory or remote
+    code; such a job is checked in a child process, never in the service."""
+    return any(path and path[-1] in ("factory", "trust_remote_code") and v for path, v in P._walk(data))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` readable by the service's user only (0600), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _remove(job_dir: Path) -> None:
+    """A job folder the service made for a check (its config, nothing the run wrote)."""
+    if not job_dir.is_dir() or any(job_dir.glob("*.log")):
+        return
+    for p in job_dir.iterdir():
+        p.unlink()
+    job_dir.rmdir()

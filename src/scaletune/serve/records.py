@@ -4,8 +4,9 @@ polls, reads files or holds state: the watcher and the job service call these.""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -17,6 +18,88 @@ from scaletune.serve.db import Event, Job, Metric
 # The job fields a state event carries.
 _STATE_FIELDS = ("reason", "message", "phase", "stage")
 
+# -- what a run may report: bounded, typed (a post and a log line alike) -------------------------
+MAX_INT = 2**53  # steps and counts: exact in JSON's doubles, far inside SQLite's 64 bits
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
+
+
+def _bounded(value: Any, depth: int = 0) -> Any:
+    """`value` if it is small JSON: numbers inside +-2**53 (or floats), strings up to 4,000
+    characters, lists and mappings of up to 256 such values, 3 levels deep."""
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        if abs(value) > MAX_INT:
+            raise ValueError(f"the integer {str(value)[:20]}... is out of range")
+        return value
+    if isinstance(value, str):
+        if len(value) > 4000:
+            raise ValueError("a string of over 4,000 characters")
+        return value
+    if depth < 3 and isinstance(value, list | dict) and len(value) <= 256:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            _bounded(str(k) if isinstance(value, dict) else k, depth + 1)
+            _bounded(v, depth + 1)
+        return value
+    raise ValueError(f"a value of type {type(value).__name__} this report cannot hold")
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _small(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("the event data must be a mapping")
+        return _bounded(data)
+
+
+class MetricData(_Data):
+    step: Count
+    loss: float | None = None
+
+
+class PhaseData(_Data):
+    phase: str = Field(max_length=64)
+    stage: str | None = Field(None, max_length=200)
+    step: Count | None = None
+
+
+class CheckpointData(_Data):
+    step: Count
+    path: str = Field(max_length=4096)
+
+
+class StoppedData(_Data):
+    step: Count | None = None
+
+
+_MODELS: dict[EventKind, type[_Data]] = {
+    EventKind.METRIC: MetricData,
+    EventKind.PHASE: PhaseData,
+    EventKind.CHECKPOINT: CheckpointData,
+    EventKind.STOPPED: StoppedData,
+}
+
+
+def validated(kind: str, data: Any) -> dict:
+    """A reported event's data checked for its kind (an unknown kind: bounded only).
+
+    Raises:
+        ValueError: the data does not fit (out-of-range integers, wrong types, huge values).
+    """
+    try:
+        model = _MODELS[EventKind.named(kind)]
+    except ValueError:
+        model = _Data
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{kind}: " + "; ".join(e["msg"] for e in exc.errors())) from None
+    return data  # as reported (the file's copy of a metrics line compares equal)
+
 
 def event(s: Session, job: Job, kind: str, data: dict) -> None:
     """One event of the job's stream (`kind`: state, metric, log, checkpoint)."""
@@ -26,6 +109,8 @@ def event(s: Session, job: Job, kind: str, data: dict) -> None:
 def set_state(s: Session, job: Job, state: str, **fields: Any) -> None:
     """The job's new state and fields (reason, message, phase, stage, ...), and its state event."""
     job.state = state
+    if state in S.TERMINAL:
+        job.token_hash = ""  # the run's report token ends with the job
     for k, v in fields.items():
         setattr(job, k, v)
     event(s, job, "state", {"state": state, **{k: v for k, v in fields.items() if k in _STATE_FIELDS}})
@@ -36,7 +121,9 @@ def add_metric(s: Session, job: Job, record: dict) -> bool:
 
     (job, step, train|eval) is unique, so the post and the file's copy of a line meet once.
     """
-    if not isinstance(record.get("step"), int):
+    try:
+        validated(EventKind.METRIC.value, record)
+    except ValueError:
         return False
     kind = "eval" if "eval_loss" in record else "train"
     exists = s.scalar(
@@ -64,8 +151,9 @@ def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
     the record; 1 when it was new, 0 when known or of a kind the record does not keep."""
     try:
         kind = EventKind.named(kind)
+        data = validated(kind.value, data)
     except ValueError:
-        return 0  # a newer run's kind: the post is accepted, the record unchanged
+        return 0  # a newer run's kind, or data that does not fit: the record unchanged
     if kind is EventKind.METRIC:
         return int(add_metric(s, job, data))
     if kind is EventKind.PHASE:

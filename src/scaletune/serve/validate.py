@@ -1,33 +1,50 @@
 """A submitted config checked as `scaletune train` checks it (`run.prepare`: schema, rules, model,
 data, environment, run directory; every problem at once, the CLI's messages), and the dry run:
-the resolved plan and the exact command, sbatch script or Modal app."""
+the resolved plan and the exact command, sbatch script or Modal app.
+
+A config that names code (a factory or remote code, where the admin allowed it) is checked in a
+child process (`python -m scaletune.serve.validate`): nothing submitted is imported into the
+service's own process."""
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 from scaletune.errors import UserError
 from scaletune.resolve import RunSpec
 from scaletune.serve.dispatch import Dispatcher, JobFiles
 
+CHILD_TIMEOUT_S = 600
 
-def check(config_path: Path, overrides: list[str], workdir: Path) -> RunSpec:
-    """Prepare the run; relative paths are read from the service's working directory, as the
-    CLI reads them from the user's.
+
+def check(job: JobFiles, dispatcher: Dispatcher, *, in_child: bool = False, dry_run: bool = False) -> dict | None:
+    """Prepare the job's run (relative paths are read from the service's working directory, as
+    the CLI reads them from the user's); with `dry_run`, return its plan.
 
     Raises:
         UserError: every problem, with file:line and key.
     """
+    if in_child:
+        return _in_child(job, dispatcher.name, dry_run)
+    spec = prepare(job)
+    return plan(spec, job, dispatcher) if dry_run else None
+
+
+def prepare(job: JobFiles) -> RunSpec:
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
-    from scaletune.run import prepare
+    from scaletune.run import prepare as prepare_run
 
-    assert workdir == Path.cwd(), "jobs run from the service's working directory"
-    return prepare(read_config(config_path, overrides), DistributedEnv.from_environ())
+    assert job.workdir == Path.cwd(), "jobs run from the service's working directory"
+    return prepare_run(read_config(job.config_path, list(job.overrides)), DistributedEnv.from_environ())
 
 
-def dry_run(spec: RunSpec, job: JobFiles, dispatcher: Dispatcher) -> dict:
+def plan(spec: RunSpec, job: JobFiles, dispatcher: Dispatcher) -> dict:
     """The resolved plan (strategy, memory per rank) and what would be submitted."""
     from scaletune.run import predicted_memory
 
@@ -50,4 +67,60 @@ def dry_run(spec: RunSpec, job: JobFiles, dispatcher: Dispatcher) -> dict:
     return out
 
 
-__all__ = ["UserError", "check", "dry_run"]
+def _in_child(job: JobFiles, target: str, dry_run: bool) -> dict | None:
+    request = {
+        "job_id": job.job_id,
+        "job_dir": str(job.job_dir),
+        "overrides": list(job.overrides),
+        "resources": job.resources,
+        "target": target,
+        "dry_run": dry_run,
+    }
+    env = {**os.environ, **job.env}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "scaletune.serve.validate"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            cwd=job.workdir,
+            env=env,
+            timeout=CHILD_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the config's check took over {CHILD_TIMEOUT_S} s: refused", title="invalid config") from None
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        raise UserError(f"the config's check failed: {tail[0][:500]}", title="invalid config") from None
+    if answer.get("problems"):
+        raise UserError(answer["problems"], title=answer.get("title") or "invalid config")
+    return answer.get("plan")
+
+
+def _child_main() -> None:
+    from scaletune.serve.dispatch import make_dispatchers
+
+    req = json.loads(sys.stdin.read())
+    job_dir = Path(req["job_dir"])
+    job = JobFiles(
+        job_id=req["job_id"],
+        job_dir=job_dir,
+        config_path=job_dir / "config.yaml",
+        overrides=tuple(req["overrides"]),
+        resources=req["resources"],
+        workdir=Path.cwd(),
+    )
+    try:
+        out = {"plan": check(job, make_dispatchers()[req["target"]], dry_run=req["dry_run"])}
+    except UserError as exc:
+        out = {"problems": exc.problems, "title": exc.title}
+    sys.stdout.write("\n" + json.dumps(out, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    _child_main()
+
+
+__all__ = ["UserError", "check", "plan", "prepare"]

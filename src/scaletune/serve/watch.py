@@ -105,14 +105,20 @@ class Watcher:
             if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
                 continue
             self.issue_token(job)
+            job.offsets = {}  # a resumed job's files are read from their start again
+            # Recorded before the start: a service that dies before it learns the target id
+            # finds the job `starting` and adopts its process (reattach_all), never starts it twice.
+            set_state(s, job, S.STARTING, phase=None)
+            s.commit()
             try:
                 job.target_id = d.submit(self.files(job))
             except (UserError, OSError, ImportError) as exc:
                 set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(exc)[:2000])
+                s.commit()
                 continue
-            job.offsets = {}  # a resumed job's files are read from their start again
             running[job.target] = running.get(job.target, 0) + 1
-            set_state(s, job, S.STARTING if job.target == "local" else S.QUEUED, phase=None)
+            if job.target != "local":
+                set_state(s, job, S.QUEUED, phase=None)
             s.commit()
 
     def poll_active(self, s: Session) -> None:
@@ -181,7 +187,7 @@ class Watcher:
         elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
             set_state(s, job, S.STOPPED, phase=None)
         else:
-            tail = self.dispatchers[job.target].logs(self.files(job))[-4000:]
+            tail = self.dispatchers[job.target].logs(self.files(job), limit=4000)
             reason = S.failure_reason(code, tail)
             lines = [ln for ln in tail.splitlines() if ln.strip()]
             set_state(s, job, S.FAILED, reason=reason, message=lines[-1][:500] if lines else None, phase=None)
@@ -190,6 +196,8 @@ class Watcher:
         """After a restart: every job the previous service left active is looked up at its target;
         one no longer known there is settled from what it left (exit code file, `final/`) or `lost`."""
         with self.lock, self.Session() as s:
+            for job in s.scalars(select(Job).where(Job.state == S.STARTING, Job.target_id.is_(None))):
+                self.adopt(s, job)
             active = select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED]), Job.target_id.is_not(None))
             for job in s.scalars(active):
                 status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
@@ -201,3 +209,16 @@ class Watcher:
                 elif status.state == "lost":
                     set_state(s, job, S.FAILED, reason=S.LOST, message=f"{job.target} {job.target_id} is gone")
             s.commit()
+
+    def adopt(self, s: Session, job: Job) -> None:
+        """A job the last service was starting when it stopped: its process (or SLURM job) if the
+        target has one, else it never started and is queued again."""
+        target_id = self.dispatchers[job.target].adopt(self.files(job))
+        if target_id is None:
+            set_state(s, job, S.QUEUED, phase=None)
+            event(s, job, "log", {"line": "[scaletune serve] the last service stopped before starting it: queued"})
+            return
+        job.target_id = target_id
+        event(
+            s, job, "log", {"line": f"[scaletune serve] adopted {job.target} {target_id}, started by the last service"}
+        )

@@ -1,5 +1,6 @@
-"""The web page: server-rendered (jinja2) with a little JavaScript, no build step and nothing
-fetched from elsewhere (the chart is an SVG drawn by the page's own script)."""
+"""The web page: server-rendered (jinja2, every value escaped) with a little JavaScript, no build
+step and nothing fetched from elsewhere (the chart is an SVG built node by node by the page's own
+script, which never parses a value as markup); the scripts run by the request's CSP nonce only."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from scaletune.serve import auth
+from scaletune.serve.guard import NONCE_KEY
 from scaletune.serve.jobs import JobService
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -20,7 +22,8 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
     def page(name: str, request: Request, **ctx) -> HTMLResponse:
         cookie = request.cookies.get(auth.COOKIE, "")
         csrf = app.state.csrf.token(cookie) if cookie else ""
-        return HTMLResponse(_env.get_template(name).render(csrf=csrf, **ctx))
+        nonce = getattr(request.state, NONCE_KEY, "")
+        return HTMLResponse(_env.get_template(name).render(csrf=csrf, nonce=nonce, **ctx))
 
     def who(request: Request) -> auth.Caller | None:
         try:
@@ -61,4 +64,6 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
     def compare(request: Request, a: str, b: str):
         if who(request) is None:
             return RedirectResponse("/login", status_code=303)
+        if svc.get(a) is None or svc.get(b) is None:  # only job ids reach the page
+            return HTMLResponse("no such job", status_code=404)
         return page("compare.html", request, a=a, b=b)

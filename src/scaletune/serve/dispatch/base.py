@@ -65,14 +65,19 @@ class Dispatcher:
         """End the job now."""
         raise NotImplementedError
 
-    def logs(self, job: JobFiles, rank: int | None = None) -> str:
-        """The job's output (ranks share one log here; `rank` filters torchrun's `[rank]:` prefixes)."""
-        text = "".join(p.read_text(errors="replace") for p in sorted(job.job_dir.glob("*.log")))
-        text += "".join(p.read_text(errors="replace") for p in sorted(job.job_dir.glob("slurm-*.out")))
+    def logs(self, job: JobFiles, rank: int | None = None, offset: int | None = None, limit: int = 1 << 20) -> str:
+        """At most `limit` bytes of the job's output (its logs one after another) from `offset`, or
+        its last `limit` bytes; never the whole of a long log. Ranks share one log here: `rank`
+        keeps torchrun's `[rank]:` lines of that rank (and the unprefixed ones)."""
+        text = read_range(log_files(job), offset, limit)[0].decode(errors="replace")
         if rank is None:
             return text
         keep = [ln for ln in text.splitlines(True) if ln.startswith(f"[rank{rank}]") or not ln.startswith("[rank")]
         return "".join(keep)
+
+    def adopt(self, job: JobFiles) -> str | None:
+        """After a service stopped while starting `job`: its target id if it was started, else None."""
+        return None
 
     def reattach(self, target_id: str, job: JobFiles) -> bool:
         """After a service restart: whether the job is still known to the target (then polled)."""
@@ -93,3 +98,33 @@ def pid_alive(pid: int, marker: str) -> bool:
         return any(marker in arg for arg in psutil.Process(pid).cmdline())
     except psutil.Error:
         return False
+
+
+def log_files(job: JobFiles) -> list[Path]:
+    return sorted(job.job_dir.glob("*.log")) + sorted(job.job_dir.glob("slurm-*.out"))
+
+
+def read_range(paths: list[Path], offset: int | None, limit: int) -> tuple[bytes, int]:
+    """(at most `limit` bytes from `offset` of the files read as one, their total size); without
+    `offset`, the last `limit` bytes. Reads only the bytes returned."""
+    sizes = []
+    for p in paths:
+        try:
+            sizes.append(p.stat().st_size)
+        except OSError:
+            sizes.append(0)
+    total = sum(sizes)
+    start = max(0, total - limit) if offset is None else min(offset, total)
+    out, base = bytearray(), 0
+    for p, size in zip(paths, sizes, strict=True):
+        if len(out) >= limit:
+            break
+        if start < base + size:
+            try:
+                with open(p, "rb") as f:
+                    f.seek(max(0, start - base))
+                    out += f.read(min(limit - len(out), base + size - max(start, base)))
+            except OSError:
+                pass
+        base += size
+    return bytes(out), total

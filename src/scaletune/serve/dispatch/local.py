@@ -18,8 +18,13 @@ import psutil
 from scaletune.report import STOP_ENV
 from scaletune.serve.dispatch.base import EXIT_FILE, LOG_FILE, Dispatcher, JobFiles, Status, exit_code, pid_alive
 
-# "$@" is the train command; $0 the exit file: values reach sh as arguments, never as code.
-_WRAPPER = '"$@"; code=$?; echo "$code" > "$0.tmp" && mv "$0.tmp" "$0"'
+# "$@" is the train command; $0 the job folder: values reach sh as arguments, never as code. The
+# wrapper's PID goes into the folder first, so a service that died while starting it adopts it.
+_WRAPPER = (
+    'echo $$ > "$0/pid.tmp" && mv "$0/pid.tmp" "$0/pid"; "$@"; code=$?; '
+    'echo "$code" > "$0/exit-code.tmp" && mv "$0/exit-code.tmp" "$0/exit-code"'
+)
+PID_FILE = "pid"
 
 
 def descendants(pid: int) -> list[int]:
@@ -41,12 +46,12 @@ class LocalDispatcher(Dispatcher):
 
     def argv(self, job: JobFiles) -> list[str]:
         train = [self.python, "-m", "scaletune", "train", str(job.config_path), *job.overrides]
-        return ["/bin/sh", "-c", _WRAPPER, str(job.job_dir / EXIT_FILE), *train]
+        return ["/bin/sh", "-c", _WRAPPER, str(job.job_dir), *train]
 
     def submit(self, job: JobFiles) -> str:
-        for stale in (job.job_dir / EXIT_FILE, job.stop_file):
+        for stale in (job.job_dir / EXIT_FILE, job.stop_file, job.job_dir / PID_FILE):
             stale.unlink(missing_ok=True)
-        log = open(job.job_dir / LOG_FILE, "a")
+        log = os.fdopen(os.open(job.job_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
         env = {**os.environ, **job.env, STOP_ENV: str(job.stop_file), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             self.argv(job),
@@ -72,6 +77,16 @@ class LocalDispatcher(Dispatcher):
         if pid_alive(pid, str(job.job_dir)):
             return Status("running")
         return Status("lost")
+
+    def adopt(self, job: JobFiles) -> str | None:
+        """The wrapper's PID from the job folder (or, written not yet, from the process table)."""
+        try:
+            pid = int((job.job_dir / PID_FILE).read_text().strip())
+        except (OSError, ValueError):
+            pid = next((p.pid for p in psutil.process_iter(["cmdline"]) if _is_wrapper(p, job)), 0)
+        if pid and (pid_alive(pid, str(job.job_dir)) or exit_code(job) is not None):
+            return str(pid)
+        return None
 
     def cancel(self, target_id: str, job: JobFiles) -> None:
         pid = int(target_id)
@@ -102,3 +117,8 @@ def _exists(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _is_wrapper(proc: psutil.Process, job: JobFiles) -> bool:
+    cmd = proc.info.get("cmdline") or []
+    return len(cmd) > 3 and cmd[2] == _WRAPPER and cmd[3] == str(job.job_dir)

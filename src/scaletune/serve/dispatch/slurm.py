@@ -95,5 +95,10 @@ class SlurmDispatcher(Dispatcher):
             return Status("exited", 0)
         return Status("exited", number if number else 1)
 
+    def adopt(self, job: JobFiles) -> str | None:
+        """The SLURM job of this name, if the last service submitted it before it stopped."""
+        ids = _run(["squeue", "-h", "-n", f"scaletune-{job.job_id}", "-o", "%i"]).split()
+        return ids[0] if ids else None
+
     def cancel(self, target_id: str, job: JobFiles) -> None:
         _run(["scancel", target_id])

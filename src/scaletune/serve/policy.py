@@ -1,0 +1,264 @@
+"""What a submitted config may do on this service (DESIGN.md, "The service's trust model"),
+checked on the raw submitted mapping (the YAML with the overrides applied) before anything of it
+is imported, resolved or read: no factory (submitted code), no `trust_remote_code`, only
+`distributed.env` variables of an allow-list of prefixes (none that loads code: PYTHONPATH,
+LD_PRELOAD, PATH, ...), local data and models only under the read roots, and the run directory
+only in the job's own folder (or under an admin's write root), never another job's, never the
+service's own files. Each is an admin setting (`scaletune serve --allow-... / --read-root /
+--write-root`, or `PUT /api/admin/policy`); a refusal is a 422 naming the rule.
+
+The request edge is here too: the config's nesting depth (aliases expanded) is measured on the
+YAML event stream, which PyYAML parses without recursion, before the text is composed.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Variables a job may set: communication, threading, allocator and hub settings. An allow-list,
+# because the variables that load code are many (PYTHONPATH, PYTHONSTARTUP, LD_PRELOAD,
+# LD_LIBRARY_PATH, PATH, BASH_ENV, ENV, PERL5LIB, NODE_OPTIONS, ...) and new ones appear.
+SAFE_ENV_PREFIXES = (
+    "NCCL_",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "OMP_",
+    "MKL_",
+    "GLOO_",
+    "HF_",
+    "HUGGING_FACE_",
+    "TOKENIZERS_",
+    "WANDB_",
+)
+# Refused even under an allowed prefix: turns remote code on (HF_DATASETS_TRUST_REMOTE_CODE).
+_NEVER_ENV = ("TRUST_REMOTE_CODE",)
+MAX_DEPTH = 64  # nesting of a config, aliases expanded (a real one has about 5)
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The admin settings.
+
+    read_roots: folders local data, models and checkpoints may be read from; None: the service's
+        working directory (relative paths are read from it).
+    write_roots: folders a run directory may be in besides the job's own folder.
+    trusted_hosts: Host names answered besides loopback's (checked in the token-less mode, and
+        always once any is given).
+    trusted_origins: origins (scheme://host:port) allowed to make unsafe requests besides the
+        service's own.
+    """
+
+    allow_factories: bool = False
+    allow_remote_code: bool = False
+    env_prefixes: tuple[str, ...] = SAFE_ENV_PREFIXES
+    read_roots: tuple[str, ...] | None = None
+    write_roots: tuple[str, ...] = ()
+    trusted_hosts: tuple[str, ...] = ()
+    trusted_origins: tuple[str, ...] = ()
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    max_depth: int = MAX_DEPTH
+
+    def public(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+    def updated(self, **changes: Any) -> Policy:
+        return replace(self, **{k: tuple(v) if isinstance(v, list) else v for k, v in changes.items()})
+
+
+@dataclass
+class Places:
+    """Where the service keeps things, for the path rules: the jobs folder, this job's folder, the
+    database file (None when not SQLite), the other jobs' run directories, the working directory."""
+
+    jobs_home: Path
+    job_dir: Path
+    db_file: Path | None
+    other_runs: list[Path] = field(default_factory=list)
+    workdir: Path = field(default_factory=Path.cwd)
+
+
+# -- nesting ------------------------------------------------------------------------------------
+def nesting_problem(text: str, max_depth: int, source: str) -> str | None:
+    """A problem when the YAML `text` nests deeper than `max_depth` (an alias counts as deep as
+    what it names); None otherwise, and None for text that is not YAML (the parser says why)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    depth = 0
+    open_: list[tuple[str | None, int, int]] = []  # (anchor, depth at start, deepest inside)
+    anchors: dict[str, int] = {}
+    try:
+        for ev in yaml.parse(text, Loader=loader):
+            here = depth
+            if isinstance(ev, yaml.AliasEvent):
+                here = depth + anchors.get(ev.anchor, 0)
+            elif isinstance(ev, yaml.CollectionStartEvent):
+                depth += 1
+                here = depth
+                open_.append((ev.anchor, depth, depth))
+            elif isinstance(ev, yaml.CollectionEndEvent) and open_:
+                anchor, start, deepest = open_.pop()
+                if anchor:
+                    anchors[anchor] = deepest - start + 1
+                depth -= 1
+            if open_ and here > open_[-1][2]:
+                open_[-1] = (open_[-1][0], open_[-1][1], here)
+                for i in range(len(open_) - 1):  # the enclosing collections reach as deep
+                    if here > open_[i][2]:
+                        open_[i] = (open_[i][0], open_[i][1], here)
+            if here > max_depth:
+                return f"{source}: nested more than {max_depth} levels deep (aliases expanded): refused"
+    except yaml.YAMLError:
+        return None
+    return None
+
+
+# -- the rules on the raw mapping ---------------------------------------------------------------
+def _walk(node: Any, path: tuple = (), depth: int = 0) -> Iterator[tuple[tuple, Any]]:
+    yield path, node
+    if depth > MAX_DEPTH:
+        return
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, (*path, str(k)), depth + 1)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, (*path, str(i)), depth + 1)
+
+
+def _get(data: Any, *keys: str) -> Any:
+    for k in keys:
+        data = data.get(k) if isinstance(data, dict) else None
+    return data
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or path.is_relative_to(root)
+
+
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _local_path(value: Any, workdir: Path) -> Path | None:
+    """The resolved local path a config value names; None for a hub id (not a local file)."""
+    if not isinstance(value, str) or not value:
+        return None
+    p = Path(os.path.expanduser(value))
+    if not (value.startswith(("/", ".", "~")) or (workdir / p).exists()):
+        return None  # owner/name on the hub
+    return _real(p if p.is_absolute() else workdir / p)
+
+
+def _read_paths(data: dict) -> Iterator[tuple[str, Any]]:
+    """(key, value) of every key whose value is read as a local path."""
+    yield "model.name_or_path", _get(data, "model", "name_or_path")
+    yield "model.tokenizer", _get(data, "model", "tokenizer")
+    yield "distributed.deepspeed_config", _get(data, "distributed", "deepspeed_config")
+    resume = _get(data, "training", "resume")
+    if resume != "auto":
+        yield "training.resume", resume
+    stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    for prefix, section in [
+        ("data", data.get("data")),
+        *((f"stages.{i}.data", _get(s, "data")) for i, s in enumerate(stages)),
+    ]:
+        for split in ("train", "eval"):
+            value = _get(section, split, "path")
+            for j, v in enumerate(value if isinstance(value, list) else [value]):
+                yield f"{prefix}.{split}.path" + (f".{j}" if isinstance(value, list) else ""), v
+
+
+def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path | None]:
+    """The policy's problems of a submitted mapping, and the run directory it gets (None when
+    refused). A relative `output_dir` is placed in the job's folder.
+
+    Every problem starts with `policy:` and ends with the admin setting that allows it, if any.
+    """
+    problems: list[str] = []
+    for path, value in _walk(data):
+        key = ".".join(path)
+        if path and path[-1] == "factory" and value is not None and not policy.allow_factories:
+            problems.append(
+                f"policy: {key}: this service imports no submitted code (a factory); "
+                "admin setting: scaletune serve --allow-factories"
+            )
+        if path and path[-1] == "trust_remote_code" and value not in (None, False) and not policy.allow_remote_code:
+            problems.append(
+                f"policy: {key}: this service runs no model-folder code; admin setting: --allow-remote-code"
+            )
+    env = _get(data, "distributed", "env")
+    for name in env if isinstance(env, dict) else {}:
+        name = str(name)
+        if not name.startswith(tuple(policy.env_prefixes)) or any(w in name.upper() for w in _NEVER_ENV):
+            problems.append(
+                f"policy: distributed.env.{name}: only variables starting with "
+                f"{', '.join(policy.env_prefixes)} may be set (none that loads code or turns remote "
+                "code on); admin setting: --allow-env PREFIX"
+            )
+    own = [_real(places.job_dir)]
+    run_dir, out_problem = _run_dir(data, policy, places)
+    if out_problem:
+        problems.append(out_problem)
+    else:
+        own.append(run_dir)  # type: ignore[arg-type]
+    roots = [_real(Path(r)) for r in (policy.read_roots if policy.read_roots is not None else [places.workdir])]
+    for key, value in _read_paths(data):
+        if isinstance(value, str) and "\x00" in value:
+            problems.append(f"policy: {key}: contains a NUL byte")
+            continue
+        p = _local_path(value, places.workdir)
+        if p is None or any(_inside(p, o) for o in own):
+            continue
+        why = _service_file(p, places) or (
+            None if any(_inside(p, r) for r in roots) else "is outside the folders this service reads from"
+        )
+        if why:
+            problems.append(f"policy: {key}: {value}: {why}; admin setting: --read-root FOLDER")
+    return problems, (None if out_problem else run_dir)
+
+
+def _service_file(p: Path, places: Places) -> str | None:
+    """Why `p` belongs to the service or another job (None when it does not)."""
+    home = _real(places.jobs_home)
+    if _inside(p, home) and not _inside(p, _real(places.job_dir)):
+        return "is in the folder of another job"
+    if places.db_file is not None:
+        db = _real(places.db_file)
+        if p.parent == db.parent and p.name.startswith(db.name) or _inside(db, p):
+            return "is the service's database"
+    return None
+
+
+def _run_dir(data: dict, policy: Policy, places: Places) -> tuple[Path | None, str | None]:
+    value = data.get("output_dir", "runs/default")
+    if not isinstance(value, str) or not value or "\x00" in value:
+        return None, f"policy: output_dir: {value!r} is not a folder name"
+    expanded = os.path.expanduser(value)
+    if not os.path.isabs(expanded):
+        rel = posixpath.normpath(expanded.replace(os.sep, "/"))
+        if rel == ".." or rel.startswith("../"):
+            return None, f"policy: output_dir: {value}: leaves the job's folder"
+        return _real(places.job_dir) / rel, None
+    p = _real(Path(expanded))
+    why = _service_file(p, places)
+    if why is None and not (
+        _inside(p, _real(places.job_dir)) or any(_inside(p, _real(Path(r))) for r in policy.write_roots)
+    ):
+        why = "writes outside the jobs folder (give a relative path); admin setting: --write-root FOLDER"
+    if why is None and _inside(_real(places.jobs_home), p):
+        why = "holds the jobs folder"
+    for other in places.other_runs:
+        o = _real(other)
+        if why is None and (_inside(p, o) or _inside(o, p)):
+            why = "is (or holds) another job's run directory"
+    if why:
+        return None, f"policy: output_dir: {value}: {why}"
+    return p, None

@@ -1,0 +1,118 @@
+"""The service's limits (issue 21, items 3 and 4): artifact paths confined after normalisation,
+request size and nesting, bounded integers, validated reports, report tokens that end with their
+job, and logs read by range."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import httpx
+import pytest
+
+from scaletune.serve.auth import create_token
+from tests.serve.conftest import Server, client, plant_job
+
+
+@pytest.fixture(scope="module")
+def srv(module_tmp_path):
+    s = Server(f"sqlite:///{module_tmp_path / 'db.sqlite'}", module_tmp_path / "jobs")
+    s.read = create_token(s.svc.Session, "read")
+    s.submit = create_token(s.svc.Session, "submit")
+    yield s
+    s.stop()
+
+
+def test_artifact_paths_normalised_and_confined(srv, tmp_path):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    (run / "private.txt").write_text("not an artifact")
+    job = plant_job(srv.svc, run)
+    c = client(srv, srv.read)
+    assert c.get(f"/api/jobs/{job}/artifacts/final/config.json").status_code == 200  # the control
+    for bad in (
+        "final/%2e%2e/private.txt",
+        "final/%2E%2E/private.txt",
+        "checkpoints/%2e%2e/private.txt",
+        "final/%00",
+        "final/config.json%00.png",
+        "final%5c..%5cprivate.txt",
+    ):
+        r = c.get(f"/api/jobs/{job}/artifacts/{bad}")
+        assert r.status_code == 404, (bad, r.status_code, r.text[:200])
+
+
+def test_request_size_and_nesting(srv):
+    c = client(srv, srv.submit)
+    big = "x: '" + "a" * (64 * 2**20) + "'\n"
+    t = time.monotonic()
+    try:
+        r = c.post("/api/jobs", json={"config": big, "dry_run": True}, timeout=120)
+        assert r.status_code == 413, r.text[:200]
+    except httpx.WriteError:
+        pass  # refused while it was still being sent: the connection closed early
+    assert time.monotonic() - t < 20
+    for text in ("a: " + "[" * 5000 + "]" * 5000, "a:\n" + "".join(" " * i + "- \n" for i in range(1, 1500))):
+        r = c.post("/api/jobs", json={"config": text, "dry_run": True})
+        assert r.status_code == 422 and "nested" in r.text, r.text[:300]
+    # Aliases nest too: each anchor holds the last, 200 deep in 200 lines.
+    chain = "a0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 200))
+    r = c.post("/api/jobs", json={"config": chain, "dry_run": True})
+    assert r.status_code == 422 and "nested" in r.text, r.text[:300]
+    r = c.post("/api/jobs", json={"config": "x: 1", "overrides": ["model.x=" + "[" * 3000], "dry_run": True})
+    assert r.status_code == 422, r.text[:300]
+
+
+def test_integers_bounded_and_reports_validated(srv, tmp_path):
+    token = "stj_test_" + "x" * 20
+    job = plant_job(srv.svc, tmp_path / "run", state="running", token=token)
+    c = client(srv, srv.read)
+    assert c.get(f"/api/jobs/{job}/metrics", params={"since_step": 10**30}).status_code == 422
+    assert c.get(f"/api/jobs/{job}/metrics", params={"since_step": -1}).status_code == 422
+    r = c.get(f"/api/jobs/{job}/events", headers={"Last-Event-ID": str(10**30)})
+    assert r.status_code == 400, r.text[:200]
+    assert c.get(f"/api/jobs/{job}/logs", params={"rank": 10**30}).status_code == 422
+    report = client(srv, token)
+    for data in ({"step": 10**30, "loss": 1.0}, {"step": "1"}, {"step": 1, "x": "a" * 10_000}, {"step": -1}):
+        r = report.post(f"/api/jobs/{job}/report", json={"events": [{"kind": "metric", "data": data}]})
+        assert r.status_code == 422, (data, r.text[:200])
+    r = report.post(f"/api/jobs/{job}/report", json={"events": [{"kind": "checkpoint", "data": {"step": 1}}]})
+    assert r.status_code == 422, r.text[:200]
+    ok = {"events": [{"kind": "metric", "data": {"step": 1, "loss": 2.0}}]}
+    assert report.post(f"/api/jobs/{job}/report", json=ok).json() == {"accepted": 1}  # the control
+    assert [m["step"] for m in c.get(f"/api/jobs/{job}/metrics").json()] == [1]
+
+
+def test_report_token_ends_with_its_job(srv, tmp_path):
+    token = "stj_test_" + "y" * 20
+    job = plant_job(srv.svc, tmp_path / "run", state="running", token=token)
+    post = {"events": [{"kind": "metric", "data": {"step": 1, "loss": 2.0}}]}
+    assert client(srv, token).post(f"/api/jobs/{job}/report", json=post).status_code == 200
+    assert client(srv, srv.submit).post(f"/api/jobs/{job}/cancel").json()["state"] == "cancelled"
+    forged = {"events": [{"kind": "metric", "data": {"step": 2, "loss": 0.0}}]}
+    assert client(srv, token).post(f"/api/jobs/{job}/report", json=forged).status_code == 401
+    assert [m["step"] for m in client(srv, srv.read).get(f"/api/jobs/{job}/metrics").json()] == [1]
+
+
+def test_logs_read_by_range(srv, tmp_path):
+    """A 96 MB log: one request holds about its answer (1 MiB) in memory, not the log."""
+    job = plant_job(srv.svc, tmp_path / "run")
+    log = srv.svc.home / job / "train.log"
+    line = b"[rank0]: " + b"x" * 90 + b"\n"
+    with open(log, "wb") as f:
+        for _ in range(96):
+            f.write(line * (2**20 // len(line)))
+        f.write(b"the last line\n")
+    c = client(srv, srv.read)
+    tracemalloc.start()
+    try:
+        r = c.get(f"/api/jobs/{job}/logs")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 200 and r.text.endswith("the last line\n")
+    assert len(r.content) <= 2**20
+    assert peak < 24 * 2**20, f"{peak / 2**20:.0f} MiB held for one /logs request"
+    head = c.get(f"/api/jobs/{job}/logs", params={"offset": 0, "limit": 100})
+    assert head.content == line[:100]

@@ -1,0 +1,201 @@
+"""The service's policy (issue 21, item 1): a `submit` token runs no code of its own in the service.
+By default a config naming a factory, remote code, a loader variable, data outside the read roots
+or a run directory outside the jobs folder is refused with 422 naming the rule, before anything of
+it is imported (a payload that would leave a marker file leaves none); with factories allowed by
+the admin, the check imports the factory in a child process, never in the service."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+import yaml
+
+from scaletune.serve.auth import create_token
+from scaletune.serve.policy import Policy
+from tests.helpers import make_config
+from tests.serve.conftest import REPO_ROOT, TEST_POLICY, Server, client, free_port, plant_job
+
+
+@pytest.fixture(scope="module")
+def strict(module_tmp_path):
+    """A service with the default policy (what `scaletune serve` starts with)."""
+    srv = Server(f"sqlite:///{module_tmp_path / 'db.sqlite'}", module_tmp_path / "jobs", policy=Policy())
+    srv.submit = create_token(srv.svc.Session, "submit")
+    yield srv
+    srv.stop()
+
+
+def post(srv, cfg: dict, overrides=(), dry_run=True) -> httpx.Response:
+    body = {"config": yaml.safe_dump(cfg), "overrides": list(overrides), "dry_run": dry_run}
+    return client(srv, srv.submit).post("/api/jobs", json=body)
+
+
+def refused(r: httpx.Response, rule: str) -> list[str]:
+    assert r.status_code == 422, r.text
+    problems = r.json()["problems"]
+    assert any(p.startswith(f"policy: {rule}") for p in problems), problems
+    return problems
+
+
+def test_factory_and_remote_code_refused_before_import(strict, tiny_model_dir, tmp_path):
+    marker = tmp_path / "ran"
+    cfg = make_config(tiny_model_dir, "runs/x")
+    cfg["model"] |= {"factory": "os:system", "factory_kwargs": {"command": f"touch {marker}"}}
+    refused(post(strict, cfg), "model.factory")
+    refused(post(strict, cfg, dry_run=False), "model.factory")
+    cfg = make_config(tiny_model_dir, "runs/x")
+    refused(
+        post(strict, cfg, ["data.factory=os:system", f"data.factory_kwargs={{command: touch {marker}}}"]),
+        "data.factory",
+    )
+    refused(post(strict, cfg, ["model.trust_remote_code=true"]), "model.trust_remote_code")
+    time.sleep(0.5)
+    assert not marker.exists()
+    assert not list(strict.home.iterdir()), "a refused job left a folder"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONSTARTUP",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "PATH",
+        "BASH_ENV",
+        "HF_DATASETS_TRUST_REMOTE_CODE",
+    ],
+)
+def test_loader_variables_refused(strict, tiny_model_dir, name):
+    cfg = make_config(tiny_model_dir, "runs/x")
+    cfg["distributed"]["env"] = {name: "/tmp/evil", "NCCL_DEBUG": "WARN"}
+    problems = refused(post(strict, cfg), f"distributed.env.{name}")
+    assert not any("NCCL_DEBUG" in p for p in problems)  # the allow-list lets it through
+
+
+def test_reads_outside_the_roots_refused(strict, tmp_path):
+    """The default read root is the service's working directory: a model or data elsewhere (here
+    the temporary folder, as /etc or a home would be) is refused; the repo's own data is not."""
+    data = tmp_path / "secret.json"
+    data.write_text("[]")
+    cfg = make_config(REPO_ROOT / "examples", "runs/x")
+    cfg["model"]["name_or_path"] = "/etc"
+    cfg["data"]["train"]["path"] = str(data)
+    problems = refused(post(strict, cfg, ["training.resume=/root"]), "model.name_or_path")
+    assert any(p.startswith("policy: data.train.path") for p in problems), problems
+    assert any(p.startswith("policy: training.resume") for p in problems), problems
+
+
+@pytest.mark.parametrize("where", ["etc", "service", "other job", "escape", "jobs"])
+def test_run_area_confined(strict, tiny_model_dir, where):
+    other = plant_job(strict.svc, strict.home / "planted" / "run")
+    out = {
+        "etc": "/etc/scaletune-run",
+        "service": str(strict.home.parent),  # the database's folder
+        "other job": str(strict.home / "planted" / "run"),
+        "escape": "../../x",
+        "jobs": str(strict.home),
+    }[where]
+    try:
+        cfg = make_config(tiny_model_dir, out)
+        refused(post(strict, cfg), "output_dir")
+    finally:
+        with strict.svc.Session() as s:
+            from scaletune.serve.db import Job
+
+            s.delete(s.get(Job, other))
+            s.commit()
+
+
+def test_overwrite_cannot_touch_another_jobs_run(strict, tiny_model_dir):
+    """`overwrite: true` naming a finished job's run directory: refused, the run left as it was."""
+    run = strict.home / "finished" / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "model.safetensors").write_bytes(b"weights")
+    (run / ".scaletune-run").write_text('{"format": 1}\n')  # a run scaletune made: overwrite may clear it
+    plant_job(strict.svc, run)
+    cfg = make_config(tiny_model_dir, str(run))
+    cfg["overwrite"] = True
+    refused(post(strict, cfg, dry_run=False), "output_dir")
+    time.sleep(5)
+    assert (run / "final" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_default_cli_service_refuses_a_factory(tmp_path):
+    """`scaletune serve` as a user starts it: its default policy refuses `model.factory: os:system`."""
+    marker = tmp_path / "ran"
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}
+    db = f"sqlite:///{tmp_path / 'serve.db'}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "scaletune",
+            "serve",
+            "--port",
+            str(port),
+            "--db",
+            db,
+            "--jobs-dir",
+            str(tmp_path / "j"),
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            try:
+                httpx.get(url + "/api/jobs", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        cfg = {
+            "output_dir": "x",
+            "model": {"factory": "os:system", "factory_kwargs": {"command": f"touch {marker}"}},
+            "data": {"dummy": {}},
+        }
+        r = httpx.post(url + "/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True}, timeout=120)
+        refused(r, "model.factory")
+        assert not marker.exists()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_allowed_factory_is_checked_in_a_child(tmp_path, monkeypatch, tiny_model_dir):
+    """With --allow-factories the factory is imported by the check, in a child process: the
+    module records the PID that imported it, and it is not the service's."""
+    name = f"planted_factory_{uuid.uuid4().hex[:8]}"
+    marker = tmp_path / "imported-by"
+    (tmp_path / f"{name}.py").write_text(
+        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "def build(**kw):\n    raise ValueError('planted factory: no model')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(REPO_ROOT / "src"), str(REPO_ROOT)]))
+    policy = TEST_POLICY.updated(allow_factories=True) if hasattr(TEST_POLICY, "updated") else None
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", policy=policy)
+    srv.submit = create_token(srv.svc.Session, "submit")
+    try:
+        cfg = make_config(tiny_model_dir, "runs/x")
+        cfg["model"] = {"factory": f"{name}:build", "dtype": "float32"}
+        r = post(srv, cfg)
+        assert r.status_code in (200, 422), r.text
+        assert marker.is_file(), "the check never imported the factory"
+        pids = {int(x) for x in marker.read_text().split()}
+        assert os.getpid() not in pids and name not in sys.modules
+    finally:
+        srv.stop()

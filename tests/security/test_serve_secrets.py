@@ -1,0 +1,57 @@
+"""Secrets through the service (issue 21, item 5): a `distributed.env` secret given in the config
+and as an override reaches the job's processes through their environment only: not the API, not
+the dry-run command, not serve.db, not the job's config.yaml (0600), not a command line."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import psutil
+import yaml
+
+from scaletune.serve.auth import create_token
+from tests.helpers import make_config
+from tests.serve.conftest import Server, client, read_events
+
+IN_CONFIG, IN_OVERRIDE = "hf_in_config_5ec4e7", "wandb_in_override_77a1c0"
+
+
+def test_secrets_by_reference_only(tiny_model_dir, tmp_path):
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
+    submit, read = create_token(srv.svc.Session, "submit"), create_token(srv.svc.Session, "read")
+    cfg = make_config(tiny_model_dir, tmp_path / "run")
+    cfg["training"].update(max_steps=400, save_every=0, micro_batch_size=8)
+    cfg["distributed"]["env"] = {"HF_TOKEN": IN_CONFIG, "NCCL_DEBUG": "WARN"}
+    body = {"config": yaml.safe_dump(cfg), "overrides": [f"distributed.env.WANDB_API_KEY={IN_OVERRIDE}"]}
+    c = client(srv, submit)
+    try:
+        dry = c.post("/api/jobs", json={**body, "dry_run": True})
+        assert dry.status_code == 200, dry.text
+        assert IN_CONFIG not in dry.text and IN_OVERRIDE not in dry.text
+        r = c.post("/api/jobs", json=body)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        read_events(c, job_id, lambda k, d: k == "metric")
+        listing = client(srv, read).get("/api/jobs").text + client(srv, read).get(f"/api/jobs/{job_id}").text
+        assert IN_CONFIG not in listing and IN_OVERRIDE not in listing
+        # The processes: no secret on a command line, both in the environment of the training rank.
+        pid = int(client(srv, read).get(f"/api/jobs/{job_id}").json()["target_id"])
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        for p in tree:
+            cmd = " ".join(p.cmdline())
+            assert IN_CONFIG not in cmd and IN_OVERRIDE not in cmd, cmd
+        envs = [p.environ() for p in tree]
+        assert any(e.get("HF_TOKEN") == IN_CONFIG and e.get("WANDB_API_KEY") == IN_OVERRIDE for e in envs)
+        # Stored files: the job's config without them and private; the database without them.
+        job_dir = srv.home / job_id
+        assert stat.S_IMODE((job_dir / "config.yaml").stat().st_mode) == 0o600
+        assert stat.S_IMODE((tmp_path / "db.sqlite").stat().st_mode) == 0o600
+        assert "HF_TOKEN" not in (job_dir / "config.yaml").read_text()
+        for f in [*job_dir.rglob("*"), *Path(tmp_path).glob("db.sqlite*")]:
+            if f.is_file():
+                data = f.read_bytes()
+                assert IN_CONFIG.encode() not in data and IN_OVERRIDE.encode() not in data, f
+    finally:
+        srv.cancel_all()
+        srv.stop()
