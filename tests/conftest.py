@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths to the real data in ../shared/data and tiny models built from configs."""
+"""Shared test fixtures: the real data in ../shared/data, tiny models, the slow tier. Constants and
+builders are in tests/helpers.py (import them from there, never from this file)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
-ALPACA_5000 = SHARED_DATA / "alpaca_5000.json"
-NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"
-OLMO2_TOKENIZER = SHARED_DATA / "tokenizers" / "olmo2-dolma2.json"
-BUNDLED_ALPACA = REPO_ROOT / "examples" / "data" / "alpaca_400.json"
+from tests.helpers import ALPACA_5000, SHARED_DATA
 
 # Tests never reach a hub; DeepSpeed runs on the CPU accelerator here.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

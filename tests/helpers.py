@@ -1,4 +1,6 @@
-"""Running the real CLI in a subprocess and reading what a run wrote."""
+"""What the tests share: the paths of the real data, the three builders (:func:`make_config`,
+:func:`make_env`, :func:`run_torchrun`), running the real CLI in a subprocess and reading what a run
+wrote. Constants live here, not in conftest.py (which pytest imports on its own terms)."""
 
 from __future__ import annotations
 
@@ -8,22 +10,45 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 
-from tests.conftest import ALPACA_5000, REPO_ROOT
+if TYPE_CHECKING:
+    from scaletune.config import Config
+    from scaletune.env import DistributedEnv
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
+ALPACA_5000 = SHARED_DATA / "alpaca_5000.json"
+NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"
+OLMO2_TOKENIZER = SHARED_DATA / "tokenizers" / "olmo2-dolma2.json"
+BUNDLED_ALPACA = REPO_ROOT / "examples" / "data" / "alpaca_400.json"
+
+# The LoRA model section of the distributed parity and resume runs.
+LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}, "gradient_checkpointing": True}
+
+# The variables a launcher sets for its workers: a subprocess that starts its own ranks must not
+# inherit a parent job's.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
-    """A small fp32 config on real Alpaca records: 8 sequences per step, 8 steps saving a
-    checkpoint at step 4 (and at the end), seq 64."""
+def make_config(model: Path | str, out: Path | str, /, *, as_config: bool = False, **sections: Any) -> dict | Config:
+    """The config of a tiny run, as the dict a YAML file would hold (or, `as_config=True`, the
+    validated :class:`scaletune.config.Config`; schema problems raise ConfigError).
+
+    The base: `model` (a folder, preset or any name) in float32 with sdpa attention, 64 real Alpaca
+    records at seq 64, 8 sequences per step in micro batches of 2, 8 steps at lr 2e-3 (cosine,
+    2 warmup steps, clip 1.0) saving a checkpoint at step 4 and at the end, one process
+    (`strategy: single`), no TensorBoard. Each keyword names a top-level key: a mapping updates
+    that section (a value of None removes the key, e.g. `data={"train": None, "dummy": {}}`),
+    anything else replaces it (`seed=7`)."""
     cfg: dict[str, Any] = {
         "output_dir": str(out),
         "seed": 1234,
         "model": {
-            "name_or_path": str(model_dir),
+            "name_or_path": str(model),
             "dtype": "float32",
             "attn_implementation": "sdpa",
             "gradient_checkpointing": False,
@@ -48,8 +73,91 @@ def base_config(model_dir: Path, out: Path, **sections: Any) -> dict:
         "logging": {"tensorboard": False},
     }
     for name, values in sections.items():
-        cfg.setdefault(name, {}).update(values)
-    return cfg
+        if not isinstance(values, dict):
+            cfg[name] = values
+            continue
+        section = cfg.setdefault(name, {})
+        for key, value in values.items():
+            if value is None:
+                section.pop(key, None)
+            else:
+                section[key] = value
+    if not as_config:
+        return cfg
+    from scaletune.config import load_config
+
+    return load_config(None, data=cfg)
+
+
+# The old name of make_config, for tests written while it was renamed.
+base_config = make_config
+
+
+def make_env(
+    world: int = 1,
+    *,
+    rank: int = 0,
+    launcher: str | None = None,
+    gpus: int = 0,
+    memory_gib: float | None = None,
+    bf16: bool | None = None,
+    local_world: int | None = None,
+) -> DistributedEnv:
+    """The :class:`scaletune.env.DistributedEnv` of rank `rank` of a job of `world` ranks, as
+    `DistributedEnv.from_environ` would report it on one node: launcher "none" for one rank and
+    "torchrun" for more (unless given), `local_world` ranks on the node (default: all of them),
+    `gpus` CUDA devices visible (0: a CPU job) of `memory_gib` GiB each, bfloat16 supported where
+    there are GPUs (unless `bf16` says otherwise)."""
+    from scaletune.env import DistributedEnv
+
+    return DistributedEnv(
+        launcher or ("none" if world == 1 else "torchrun"),  # type: ignore[arg-type]
+        rank=rank,
+        local_rank=rank % (local_world or world),
+        world_size=world,
+        local_world_size=local_world or world,
+        cuda_available=gpus > 0,
+        cuda_device_count=gpus,
+        device_memory_bytes=None if memory_gib is None else int(memory_gib * 2**30),
+        bf16_supported=gpus > 0 if bf16 is None else bf16,
+    )
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that runs scaletune: offline, DeepSpeed on the CPU,
+    the checkout (src/ and the repository, for `tests.*`) first on PYTHONPATH,
+    no launcher variables inherited; `extra` set last."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def run_torchrun(
+    target: str | Path,
+    *args: str | Path,
+    nproc: int = 2,
+    module: bool = False,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: int = 300,
+) -> subprocess.CompletedProcess:
+    """Start `nproc` ranks of the script `target` (or, `module=True`, of `python -m target`) with
+    `args` under torchrun on this machine and wait for them: `--standalone` (a c10d rendezvous on
+    a free port of localhost, so tests never collide on 29500), the environment of
+    :func:`subprocess_env` with one OpenMP thread a rank (CPU: the ranks pick gloo) plus `env`. Returns the finished process,
+    its output captured as text; raises subprocess.TimeoutExpired after `timeout` seconds."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
+    argv += ["--nproc-per-node", str(nproc), *(["-m"] if module else []), str(target), *map(str, args)]
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(**{"OMP_NUM_THREADS": "1", **(env or {})}),
+        cwd=cwd or REPO_ROOT,
+    )
 
 
 def run_cli(
@@ -57,15 +165,12 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU); `input`
     is its standard input (none: an empty one)."""
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
-    full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=full_env,
+        env=subprocess_env(**(env or {})),
         cwd=cwd or REPO_ROOT,
         input=input if input is not None else "",
     )

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import base_config, train
-
-LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}, "gradient_checkpointing": True}
+from tests.helpers import make_config, train
 
 RunFn = Callable[..., tuple[Path, subprocess.CompletedProcess]]
 
@@ -27,7 +25,7 @@ def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
     def run(name: str, **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
         if name not in cache:
             tmp = tmp_path_factory.mktemp(name)
-            cfg = base_config(tiny_model_dir, tmp / "run", **sections)
+            cfg = make_config(tiny_model_dir, tmp / "run", **sections)
             cache[name] = (tmp / "run", train(cfg, tmp))
         return cache[name]
 

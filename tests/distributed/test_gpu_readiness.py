@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import base_config, run_cli, save_random_llama
+from tests.helpers import make_config, run_cli, run_torchrun, save_random_llama
 
 pytestmark = pytest.mark.distributed
 
@@ -31,10 +31,8 @@ REPO = HERE.parents[2]
 
 
 def torchrun(*args: str, timeout: int = 300, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    """This file's driver (below) on 2 ranks."""
+    return run_torchrun(HERE, *args, timeout=timeout, env=extra_env)
 
 
 def spec_for(model_dir: str, out: str, **distributed):
@@ -42,7 +40,7 @@ def spec_for(model_dir: str, out: str, **distributed):
     from scaletune.env import DistributedEnv
     from scaletune.resolve import resolve
 
-    cfg = base_config(Path(model_dir), Path(out), distributed={"num_processes": 2, **distributed})
+    cfg = make_config(Path(model_dir), Path(out), distributed={"num_processes": 2, **distributed})
     return resolve(load_config(None, data=cfg), DistributedEnv.from_environ())
 
 
@@ -110,7 +108,7 @@ def drive_zero3_load(model_dir: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def wide_model(module_tmp_path) -> Path:
     """A small Llama (5.2M parameters, 4 layers)."""
-    from tests.conftest import OLMO2_TOKENIZER
+    from tests.helpers import OLMO2_TOKENIZER
 
     return save_random_llama(
         module_tmp_path / "wide-llama",
@@ -167,7 +165,7 @@ def test_distributed_env_is_visible_in_every_rank_of_the_reexec(tiny_model_dir, 
     probe = tmp_path / "probe"
     probe.mkdir()
     (probe / "sitecustomize.py").write_text(PROBE)
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
         training={"max_steps": 1, "save_every": 0},

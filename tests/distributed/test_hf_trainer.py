@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -74,32 +72,11 @@ if int(os.environ["RANK"]) == 0:
 
 
 def _torchrun(script: Path, mode: str, model_dir: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONWARNINGS="ignore::FutureWarning",
+    from tests.helpers import run_torchrun
+
+    return run_torchrun(
+        script, mode, model_dir, data, out, env={"PYTHONWARNINGS": "ignore::FutureWarning"}, timeout=240
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        mode,
-        str(model_dir),
-        str(data),
-        str(out),
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
 def test_user_trainer_script_under_torchrun(tmp_path, tiny_model_dir, shared_data):
@@ -126,3 +103,45 @@ def test_user_trainer_script_under_torchrun(tmp_path, tiny_model_dir, shared_dat
     assert all(math.isfinite(x) for x in result["losses"]) and math.isfinite(result["train_loss"])
     # A random 100k-vocabulary model starts near ln(100352) = 11.5 nats per token.
     assert 9.0 < result["losses"][0] < 13.0
+
+
+EXIT_SCRIPT = r"""
+import atexit, sys
+import torch, torch.distributed as dist
+
+# Registered first, so it runs last: what the interpreter's finalization will find.
+atexit.register(lambda: print("AT EXIT initialized:", dist.is_initialized(), flush=True))
+from scaletune.hf import training_arguments
+
+args = training_arguments(output_dir=sys.argv[1])
+# What accelerate does for the Trainer under a launcher: a gloo group the script never destroys.
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.barrier()
+print("trained", flush=True)
+"""
+
+
+def test_helpers_destroy_the_process_group_before_the_interpreter_finalizes(tmp_path):
+    """The abort above ("terminate called without an active exception" after training) comes from
+    gloo's worker threads outliving Python: the group must be gone before finalization starts."""
+    from scaletune.strategies.process_group import free_port
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out"), str(free_port())],
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert "trained" in run.stdout
+    assert "AT EXIT initialized: False" in run.stdout, run.stdout

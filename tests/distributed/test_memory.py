@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,19 +35,17 @@ CASES = {
 
 
 def config_dict(model_dir: str, dist: dict, lora: dict | None) -> dict:
-    return {
-        "output_dir": "unused",
-        "model": {
-            "name_or_path": str(model_dir),
-            "dtype": "float32",
-            "gradient_checkpointing": lora is not None,
-            "lora": lora,
-        },
-        "data": {"dummy": {"num_samples": 8}, "max_seq_length": 32},
-        "training": {"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "learning_rate": 1e-3},
-        "distributed": {"num_processes": 2, **dist},
-        "logging": {"tensorboard": False},
-    }
+    """The tiny run of one case: one step of 4 dummy sequences of 32 tokens in micro batches of 2."""
+    from tests.helpers import make_config
+
+    return make_config(
+        model_dir,
+        "unused",
+        model={"gradient_checkpointing": lora is not None, "lora": lora, "attn_implementation": None},
+        data={"train": None, "dummy": {"num_samples": 8}, "max_seq_length": 32},
+        training={"global_batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "learning_rate": 1e-3},
+        distributed={"num_processes": 2, **dist},
+    )
 
 
 def run_case(model_dir: str, dist: dict, lora: dict | None) -> dict:
@@ -131,21 +128,9 @@ def _compare(case: str, measured: dict, entry) -> list[str]:
 @pytest.fixture(scope="module")
 def world2(tiny_model_dir, module_tmp_path):
     out_dir = module_tmp_path
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(HERE),
-        str(tiny_model_dir),
-        str(out_dir),
-        *CASES,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    from tests.helpers import run_torchrun
+
+    proc = run_torchrun(HERE, tiny_model_dir, out_dir, *CASES, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     out: dict[str, list[dict]] = {}

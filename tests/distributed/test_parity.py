@@ -16,9 +16,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ALPACA_5000, REPO_ROOT
-from tests.distributed.conftest import LORA
-from tests.helpers import GRAD_REL, assert_close, assert_same_logits, assert_same_steps, logits, steps
+from tests.helpers import (
+    ALPACA_5000,
+    GRAD_REL,
+    LORA,
+    REPO_ROOT,
+    assert_close,
+    assert_same_logits,
+    assert_same_steps,
+    logits,
+    steps,
+)
 
 pytestmark = pytest.mark.distributed
 

@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from tests.distributed.conftest import LORA
 from tests.distributed.test_parity import SINGLE
 from tests.helpers import (
     GRAD_REL,
+    LORA,
     assert_same_logits,
     assert_same_steps,
-    base_config,
     logits,
+    make_config,
     run_cli,
     steps,
     train,
@@ -35,7 +35,7 @@ STRATEGIES = {
 
 
 def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", model=None, **training):
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / name,
         model=model or {},
@@ -142,12 +142,12 @@ def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     ckpt = full / "checkpoints" / "step-4"
     # A path that does not exist, a folder that is not a checkpoint: exit 2, nothing written.
     for bad, message in ((tmp_path / "nope", "does not exist"), (tiny_model_dir, "is not a checkpoint")):
-        cfg = base_config(tiny_model_dir, tmp_path / "r", training={"resume": str(bad)})
+        cfg = make_config(tiny_model_dir, tmp_path / "r", training={"resume": str(bad)})
         proc = train(cfg, tmp_path, expect_ok=False)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
         assert not (tmp_path / "r").exists()
     # Another LoRA shape than the checkpoint's: a config change that cannot resume.
-    cfg = base_config(tiny_model_dir, tmp_path / "r", model=LORA, training={"resume": str(ckpt)})
+    cfg = make_config(tiny_model_dir, tmp_path / "r", model=LORA, training={"resume": str(ckpt)})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "model.lora changed" in proc.stderr
     # Another model under the same path name: the first differing tensor is named.
@@ -159,7 +159,7 @@ def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     fake = tmp_path / "ckpt"
     shutil.copytree(ckpt, fake)
     (fake / "config.yaml").write_text(saved_cfg.replace(str(tiny_model_dir), str(other)))
-    cfg = base_config(other, tmp_path / "r", training={"resume": str(fake)})
+    cfg = make_config(other, tmp_path / "r", training={"resume": str(fake)})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "tensor model.causal_lm." in proc.stderr, proc.stderr[-2000:]
 
@@ -175,7 +175,7 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     from scaletune.resolve import decide
     from scaletune.strategies import make_strategy
 
-    cfg = Config.model_validate(base_config(tiny_model_dir, tmp_path / "run"))
+    cfg = Config.model_validate(make_config(tiny_model_dir, tmp_path / "run"))
     env = DistributedEnv(launcher="none")
     strategy = make_strategy(decide(cfg, env))
     model = prepare_model(cfg.model, DevicePlacement(device_map=None, device="cpu", message=None))

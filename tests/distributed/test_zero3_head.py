@@ -12,8 +12,6 @@ Run directly by the test under torchrun (2 ranks, gloo, DeepSpeed's CPU accelera
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -82,10 +80,9 @@ def test_zero3_head_with_unequal_chunk_counts_does_not_hang(tmp_path):
     import torch.nn.functional as F
 
     out = tmp_path / "result.json"
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    from tests.helpers import run_torchrun
+
+    proc = run_torchrun(HERE, out)
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = json.loads(out.read_text())
 

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO_ROOT
-from tests.helpers import run_bench
+from tests.helpers import REPO_ROOT, run_bench
 
 
 def bench_module():

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import ALPACA_5000
-from tests.helpers import assert_close, base_config, losses, metrics, train
+from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, train
 
 
 @pytest.fixture()
@@ -20,7 +19,7 @@ def text_data(tmp_path):
 
 
 def curriculum(tiny_model_dir, out, text_data, **training):
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir, out, training={"max_steps": 3, "warmup_steps": 0, "save_every": 4, "keep_last": 3, **training}
     )
     cfg["stages"] = [

@@ -12,8 +12,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
-from tests.helpers import run_cli
+from tests.helpers import REPO_ROOT, run_cli
 
 GOOD = "tests.custom_factories:build_tiny"
 DATA = "tests.custom_factories:build_data"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import base_config, metrics
+from tests.helpers import make_config, metrics
 
 LORA = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "auto"}, "gradient_checkpointing": True}
 
@@ -32,7 +32,7 @@ def train_in_process(model_dir: Path, out: Path, learning_rate: float) -> tuple[
             self.initial = {k: v.detach().clone() for k, v in model.named_parameters()}
             super().wrap(model, progress)
 
-    cfg = base_config(
+    cfg = make_config(
         model_dir,
         out,
         model=LORA,

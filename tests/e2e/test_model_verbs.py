@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ALPACA_5000, REPO_ROOT
-from tests.helpers import base_config, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, metrics, run_cli, train
 
 PROMPTS = ["Name a colour.", "What is two plus two?"]
 SECRET_ENV = "wandb-key-from-environment-3f9c"
@@ -29,7 +28,7 @@ def lora_run(tiny_model_dir, module_tmp_path):
     tmp = module_tmp_path
     records = json.loads(ALPACA_5000.read_text())
     (tmp / "eval.json").write_text(json.dumps(records[100:108]))
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp / "run",
         model={"lora": {"r": 8, "alpha": 16, "dropout": 0.0}, "gradient_checkpointing": True},

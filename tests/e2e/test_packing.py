@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_same_steps, base_config, metrics, steps, train
+from tests.helpers import assert_same_steps, make_config, metrics, steps, train
 
 # 24 Alpaca records, 6 held out for eval: 18 training examples, packed into 16 rows of <= 128 tokens.
 RECORDS, DATA = 24, {"max_seq_length": 128, "eval_fraction": 0.25}
@@ -45,7 +45,7 @@ def rows_of(tiny_model_dir: Path, tmp_path: Path, packing: bool) -> tuple[int, i
 def packing_config(
     model_dir: Path, out: Path, packing: bool, global_batch: int, world: int = 1, attn: str | None = None
 ) -> dict:
-    cfg = base_config(
+    cfg = make_config(
         model_dir,
         out,
         training={

@@ -9,8 +9,7 @@ import json
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT
-from tests.helpers import metrics, run_cli, train
+from tests.helpers import REPO_ROOT, metrics, run_cli, train
 
 NAME = "smollm2-135m-instruct"
 IDENTITY = REPO_ROOT / "examples" / "data" / "identity.json"

@@ -8,15 +8,14 @@ import json
 import torch
 import yaml
 
-from tests.conftest import ALPACA_5000
-from tests.helpers import assert_close, base_config, losses, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, run_cli, train
 
 EVAL_DROP = 0.1  # eval loss from step 3 to step 8 (measured: 0.20)
 DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
 
 
 def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
     cfg["data"]["eval_fraction"] = 0.1
     cfg["training"].update(eval_every=3, resume="auto")
     proc = train(cfg, tmp_path)
@@ -62,7 +61,7 @@ def test_accumulation_identity_4x1_equals_1x4(tiny_model_dir, tmp_path):
     """Four micro-batches of one and one micro-batch of four make the same optimizer step."""
     runs = {}
     for micro in (1, 4):
-        cfg = base_config(
+        cfg = make_config(
             tiny_model_dir,
             tmp_path / f"m{micro}",
             training={"global_batch_size": 4, "micro_batch_size": micro, "max_steps": 4},
@@ -85,7 +84,7 @@ def _bad(cfg, tmp_path):
 
 
 def test_bad_config_keys(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run")
+    cfg = make_config(tiny_model_dir, tmp_path / "run")
     cfg["training"]["learnig_rate"] = 0.1
     cfg["model"]["lora"] = {"rank": 4}
     err = _bad(cfg, tmp_path)
@@ -95,7 +94,7 @@ def test_bad_config_keys(tiny_model_dir, tmp_path):
 
 def test_batch_not_divisible_by_world_size(tiny_model_dir, tmp_path):
     """Checked in the parent before torchrun starts the ranks, so the user gets exit 2, not a crash."""
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
         training={"global_batch_size": 6, "micro_batch_size": 2},
@@ -108,7 +107,7 @@ def test_batch_not_divisible_by_world_size(tiny_model_dir, tmp_path):
 def test_missing_and_malformed_data(tiny_model_dir, tmp_path):
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n{"instruction": "x"}\n')
-    cfg = base_config(tiny_model_dir, tmp_path / "run")
+    cfg = make_config(tiny_model_dir, tmp_path / "run")
     cfg["data"]["train"] = {"path": str(bad_jsonl), "format": "alpaca"}
     cfg["data"]["eval"] = {"path": str(tmp_path / "missing.json"), "format": "alpaca"}
     err = _bad(cfg, tmp_path)
@@ -118,20 +117,20 @@ def test_missing_and_malformed_data(tiny_model_dir, tmp_path):
 
 
 def test_empty_after_filtering(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 8})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 8})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "max_seq_length" in proc.stderr
 
 
 def test_sequence_longer_than_model_positions(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 100_000})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 100_000})
     err = _bad(cfg, tmp_path)
     assert "data.max_seq_length (100000)" in err and "positions" in err
 
 
 def test_finished_run_is_not_overwritten(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 1})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 1})
     train(cfg, tmp_path)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     proc = train(cfg, tmp_path, expect_ok=False)
@@ -151,7 +150,7 @@ def test_unknown_preset_and_usage_errors(tmp_path):
 
 def test_alpaca_full_example_reads_shared_data():
     from scaletune.config import load_config
-    from tests.conftest import REPO_ROOT
+    from tests.helpers import REPO_ROOT
 
     cfg = load_config(REPO_ROOT / "examples" / "alpaca-full.yaml")
     assert (REPO_ROOT / cfg.data.train.path).resolve() == ALPACA_5000.resolve()
@@ -160,7 +159,7 @@ def test_alpaca_full_example_reads_shared_data():
 def test_divergence_stops_without_a_poisoned_checkpoint(tiny_model_dir, tmp_path):
     """An absurd learning rate without clipping drives the loss to inf/NaN: the run stops naming
     the step and the last good checkpoint, and writes no checkpoint of the diverged state."""
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
         training={

@@ -21,8 +21,7 @@ def mid_model_dir(tmp_path_factory):
     """A Llama of 0.34B parameters (hidden 1024, 12 layers, OLMo-2's 100,352-entry vocabulary and
     tokenizer bundled with scaletune, untied head) with random weights: large enough that memory and
     time are the model's, not fixed overheads."""
-    from tests.conftest import REPO_ROOT
-    from tests.helpers import save_random_llama
+    from tests.helpers import REPO_ROOT, save_random_llama
 
     return save_random_llama(
         tmp_path_factory.mktemp("models") / "llama-0.3b",

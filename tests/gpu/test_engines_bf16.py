@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import assert_close, base_config, metrics, train
+from tests.helpers import assert_close, make_config, metrics, train
 
 BF16 = {"dtype": "bfloat16"}
 STEPS = {"max_steps": 6, "save_every": 0, "learning_rate": 1e-3}
@@ -22,14 +22,14 @@ ENGINES = {
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
-    cfg = base_config(tiny_model_dir, tmp / "run", model=BF16, training=STEPS)
+    cfg = make_config(tiny_model_dir, tmp / "run", model=BF16, training=STEPS)
     train(cfg, tmp)
     return metrics(tmp / "run")
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_bf16_engines_match_single_at_one_process(engine, reference, tiny_model_dir, tmp_path):
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
         model=BF16,
@@ -53,7 +53,7 @@ def test_bf16_engines_match_single_at_one_process(engine, reference, tiny_model_
 def test_fsdp_with_cpu_offload_runs_two_steps(tiny_model_dir, tmp_path):
     """Under NCCL the offloaded parameters' collectives go over gloo (`cpu:gloo,cuda:nccl`), the
     buffers stay on the GPU."""
-    cfg = base_config(
+    cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
         model=BF16,
@@ -68,7 +68,7 @@ def test_fsdp_with_cpu_offload_runs_two_steps(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("strategy", [{"strategy": "single"}, {"strategy": "fsdp"}])
 def test_planned_peak_memory_within_15_percent_of_measured(strategy, mid_model_dir, tmp_path):
-    cfg = base_config(
+    cfg = make_config(
         mid_model_dir,
         tmp_path / "run",
         model={"dtype": "bfloat16", "gradient_checkpointing": True},

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletune.models.loss import CausalLMLoss, chunked_head_cross_entropy, liger_head_cross_entropy, target_index
-from tests.helpers import base_config
+from tests.helpers import make_config
 
 
 def batch(vocab: int, rows: int = 4, length: int = 256, seed: int = 0) -> dict:
@@ -32,7 +32,7 @@ def test_qlora_runs_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
     from scaletune.strategies.base import torn_down
     from scaletune.trainer import seed_everything, train_step
 
-    cfg = base_config(
+    cfg = make_config(
         mid_model_dir,
         tmp_path / "run",
         model={

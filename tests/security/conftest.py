@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import base_config, train
+from tests.helpers import make_config, train
 
 
 class Payload:
@@ -35,7 +35,7 @@ def finished_runs(tiny_model_dir, tmp_path_factory) -> Iterator[dict[str, Path]]
     out = {}
     for name, dist in (("dcp", {"strategy": "single"}), ("deepspeed", {"strategy": "deepspeed", "zero_stage": 2})):
         tmp = tmp_path_factory.mktemp(f"finished-{name}")
-        cfg = base_config(tiny_model_dir, tmp / "run", training={"max_steps": 2, "save_every": 1}, distributed=dist)
+        cfg = make_config(tiny_model_dir, tmp / "run", training={"max_steps": 2, "save_every": 1}, distributed=dist)
         train(cfg, tmp)
         out[name] = tmp / "run"
     yield out

@@ -9,7 +9,7 @@ import os
 import pytest
 import yaml
 
-from tests.helpers import base_config, run_cli, train
+from tests.helpers import make_config, run_cli, train
 
 
 def write(tmp_path, name, data: bytes) -> str:
@@ -26,7 +26,7 @@ def assert_exit_2(proc, *needles):
 
 
 def cfg_text(tiny_model_dir, out) -> str:
-    return yaml.safe_dump(base_config(tiny_model_dir, out))
+    return yaml.safe_dump(make_config(tiny_model_dir, out))
 
 
 CONFIG_CASES = {
@@ -55,7 +55,7 @@ def test_config_cases(tiny_model_dir, tmp_path, case):
 def test_config_and_data_problems_in_one_message(tiny_model_dir, tmp_path):
     """A schema problem, an unknown override blamed on the command line, a data file that is not
     UTF-8 and one that cannot be read: all four in one run's message."""
-    cfg = base_config(tiny_model_dir, tmp_path / "run")
+    cfg = make_config(tiny_model_dir, tmp_path / "run")
     cfg["training"]["warmup_steps"] = -1
     cfg["data"]["train"] = {
         "path": write(tmp_path, "bad.jsonl", b'{"instruction": "a", "output": "\xff"}\n'),
@@ -75,7 +75,7 @@ def test_config_and_data_problems_in_one_message(tiny_model_dir, tmp_path):
 
 def test_output_dir_below_a_file_or_not_writable(tiny_model_dir, tmp_path):
     (tmp_path / "afile").write_text("x")
-    cfg = base_config(tiny_model_dir, tmp_path / "afile" / "run")
+    cfg = make_config(tiny_model_dir, tmp_path / "afile" / "run")
     assert_exit_2(train(cfg, tmp_path, expect_ok=False), "is below", "which is a file")
 
 
@@ -113,7 +113,7 @@ def test_broken_model_folder(tiny_model_dir, tmp_path, damage):
     else:
         (folder / "config.json").write_text('{"model_type": "olmo2", ')
         needle = "its config cannot be read"
-    assert_exit_2(train(base_config(folder, tmp_path / "run"), tmp_path, expect_ok=False), needle)
+    assert_exit_2(train(make_config(folder, tmp_path / "run"), tmp_path, expect_ok=False), needle)
 
 
 ARGUMENTS = {

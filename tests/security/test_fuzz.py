@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from scaletune.config import read_config
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
-from tests.conftest import REPO_ROOT
-from tests.helpers import base_config
+from tests.helpers import REPO_ROOT, make_config
 
 SNIPPETS = [
     "x: &a [*a]\n", "training:\n  max_steps: 1\n", "evil: !!python/object/apply:os.system ['touch PWNED']\n",
@@ -39,7 +38,7 @@ VALUES = st.one_of(
 
 @st.composite
 def config_texts(draw, model_dir: str, out: str) -> bytes:
-    cfg = base_config(model_dir, out)
+    cfg = make_config(model_dir, out)
     for _ in range(draw(st.integers(0, 3))):  # typed mutations of the mapping
         section = draw(st.sampled_from(sorted(cfg)))
         if isinstance(cfg[section], dict) and cfg[section] and draw(st.booleans()):

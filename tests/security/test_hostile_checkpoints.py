@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import base_config, run_cli, train
+from tests.helpers import make_config, run_cli, train
 from tests.security.conftest import Payload, pickle_payload
 
 
@@ -87,7 +87,7 @@ def test_model_folder_with_pickled_weights_from_a_stranger(tiny_model_dir, tmp_p
         f.unlink()
     marker = tmp_path / "PWNED"
     torch.save({"lm_head.weight": Payload(marker)}, folder / "pytorch_model.bin")
-    cfg = base_config(folder, tmp_path / "run")
+    cfg = make_config(folder, tmp_path / "run")
     proc = train(cfg, tmp_path, expect_ok=False)
     assert_refused(proc, marker, "pytorch_model.bin")
     assert not (tmp_path / "run").exists()

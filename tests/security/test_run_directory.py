@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from tests.helpers import base_config, losses, metrics, train
+from tests.helpers import losses, make_config, metrics, train
 
 
 def snapshot(run) -> dict[str, bytes]:
@@ -95,7 +95,7 @@ def test_overwrite_never_clears_a_folder_scaletune_did_not_make(tiny_model_dir, 
     (folder / "checkpoints").mkdir(parents=True)
     (folder / "checkpoints" / "thesis.tex").write_text("years of work")
     (folder / "config.yaml").write_text("not: a scaletune config\n")
-    cfg = base_config(tiny_model_dir, folder)
+    cfg = make_config(tiny_model_dir, folder)
     cfg["overwrite"] = True
     cfg["overwrite"] = True
     proc = train(cfg, tmp_path, expect_ok=False)
@@ -104,7 +104,7 @@ def test_overwrite_never_clears_a_folder_scaletune_did_not_make(tiny_model_dir, 
 
 
 def test_a_second_run_on_the_same_directory_exits_2_naming_the_holder(tiny_model_dir, tmp_path):
-    cfg = base_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 40, "save_every": 0})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 40, "save_every": 0})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
@@ -137,7 +137,7 @@ def test_a_stale_lock_is_taken_over(tiny_model_dir, tmp_path):
     (run / ".scaletune.lock.holder").write_text(
         json.dumps({"pid": int(dead.stdout), "host": "gone", "started": "then"})
     )
-    cfg = base_config(tiny_model_dir, run, training={"max_steps": 1})
+    cfg = make_config(tiny_model_dir, run, training={"max_steps": 1})
     proc = train(cfg, tmp_path)
     assert "took over a stale lock" in proc.stderr and f"PID {int(dead.stdout)} on gone" in proc.stderr
     assert len(losses(run)) == 1 and not (run / ".scaletune.lock.holder").exists()  # released cleanly

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from scaletune.config import is_secret_name
-from tests.helpers import base_config, run_cli
+from tests.helpers import make_config, run_cli
 
 SECRETS = {"HF_TOKEN": "hf_s3cr3tA", "DB_PASS": "pw-s3cr3tB", "OPENAI_KEY": "sk-s3cr3tC", "PRIVATE_KEY": "pk-s3cr3tD"}
 CUSTOM = ("MY_CUSTOM", "plain-s3cr3tE")  # named in distributed.secret_env, its name says nothing
@@ -33,7 +33,7 @@ def test_name_detection():
 
 
 def config_with_secrets(model_dir: Path, out: Path, tmp_path: Path) -> tuple[Path, list[str]]:
-    cfg = base_config(model_dir, out, training={"max_steps": 2, "save_every": 1},
+    cfg = make_config(model_dir, out, training={"max_steps": 2, "save_every": 1},
                       distributed={"strategy": "ddp", "num_processes": 2, "secret_env": [CUSTOM[0]]},
                       logging={"tensorboard": True})  # fmt: skip
     cfg["distributed"]["env"] = {"DB_PASS": SECRETS["DB_PASS"], CUSTOM[0]: CUSTOM[1], "NCCL_DEBUG": "WARN"}

@@ -15,8 +15,7 @@ from scaletune.serve.app import create_app
 from scaletune.serve.auth import COOKIE, bind_problems, create_token
 from scaletune.serve.db import Token
 from scaletune.serve.jobs import JobService
-from tests.conftest import REPO_ROOT
-from tests.helpers import base_config
+from tests.helpers import REPO_ROOT, make_config
 from tests.serve.conftest import TEST_POLICY
 
 LOOPBACK = "http://127.0.0.1"  # a tokenless service answers loopback names only (DNS rebinding)
@@ -61,7 +60,7 @@ def test_refuses_public_bind_without_tokens(svc, tmp_path):
 
 def test_cookie_login_needs_csrf_for_changes(svc, tiny_model_dir, tmp_path):
     token = create_token(svc.Session, "submit")
-    body = {"config": yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run")), "dry_run": True}
+    body = {"config": yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run")), "dry_run": True}
     with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         assert c.get("/", follow_redirects=False).headers["location"] == "/login"
         assert (
@@ -82,7 +81,7 @@ def test_cookie_login_needs_csrf_for_changes(svc, tiny_model_dir, tmp_path):
 
 
 def test_unknown_target_and_resources_are_422(svc, tiny_model_dir, tmp_path):
-    cfg = yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run"))
+    cfg = yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run"))
     with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         r = c.post("/api/jobs", json={"config": cfg, "target": "k8s"})
         assert r.status_code == 422 and "target 'k8s'" in r.json()["problems"][0]
@@ -114,7 +113,7 @@ def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):
     for k in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
-    cfg = yaml.safe_dump(base_config(tiny_model_dir, tmp_path / "run"))
+    cfg = yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run"))
     with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         r = c.post("/api/jobs", json={"config": cfg, "target": "modal", "dry_run": True, "resources": {"gpu_count": 2}})
         app = r.json()["plan"]["modal_app"]

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from scaletune.serve.auth import create_token
-from tests.helpers import base_config, wait_for
+from tests.helpers import make_config, wait_for
 from tests.serve.conftest import Server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -65,7 +65,7 @@ def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path
         driver.find_element(By.ID, "login").click()
         wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
         # Every problem at once, before anything runs.
-        bad = base_config(tiny_model_dir, tmp_path / "bad")
+        bad = make_config(tiny_model_dir, tmp_path / "bad")
         bad["model"]["dtype"] = "float99"
         bad["training"]["micro_batch_size"] = 0
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
@@ -74,7 +74,7 @@ def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path
         texts = [i.text for i in items]
         for key in ("model.dtype", "training.micro_batch_size"):
             assert any(key in t for t in texts), f"{key} missing from the problems shown: {texts}"
-        cfg = base_config(tiny_model_dir, tmp_path / "run")
+        cfg = make_config(tiny_model_dir, tmp_path / "run")
         cfg["training"].update(max_steps=6, save_every=0, micro_batch_size=8)
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
         driver.find_element(By.ID, "preview").click()

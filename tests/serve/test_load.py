@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from tests.helpers import base_config
+from tests.helpers import make_config
 from tests.serve.conftest import Server, client
 
 # scripts/test.sh runs every marker, and 20 training processes cost minutes of the CI budget: this
@@ -35,7 +35,7 @@ def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
     peak = [0]
 
     def config(i: int) -> str:
-        cfg = base_config(tiny_model_dir, tmp_path / "runs" / f"job-{i}")
+        cfg = make_config(tiny_model_dir, tmp_path / "runs" / f"job-{i}")
         cfg["training"].update(max_steps=STEPS, save_every=0, micro_batch_size=8)
         return yaml.safe_dump(cfg)
 

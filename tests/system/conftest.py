@@ -17,19 +17,12 @@ import pytest
 import yaml
 
 from scaletune.serve.dispatch.local import descendants  # noqa: F401 - the tests import it from here
-from tests.conftest import REPO_ROOT
+from tests.helpers import make_config, subprocess_env
 
 HERE = Path(__file__).resolve().parent
 PAYLOAD = HERE / "payload_allreduce.py"
 CLUSTER_SCRIPT = HERE / "slurm_cluster.sh"
 MAX_STEPS = 8
-
-
-def system_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env.update(extra)
-    return env
 
 
 def start(
@@ -40,7 +33,7 @@ def start(
     return subprocess.Popen(
         [str(a) for a in argv],
         cwd=cwd,
-        env=env or system_env(),
+        env=env or subprocess_env(),
         stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
@@ -84,13 +77,9 @@ def system_config(model_dir: Path, out: Path | str) -> dict[str, Any]:
     optimizer step (micro batch 2: accumulation 4 on one rank, 2 on two), MAX_STEPS steps without
     warmup (so every step but the first follows an update at the full learning rate), a
     checkpoint at step 4. `strategy: auto` so the same file runs on one rank and under a launcher."""
-    from tests.helpers import base_config
-
-    cfg = base_config(model_dir, Path(out))
-    cfg["output_dir"] = str(out)
-    cfg["training"].update(max_steps=MAX_STEPS, warmup_steps=0)
-    cfg["distributed"] = {"strategy": "auto", "num_processes": 1}
-    return cfg
+    return make_config(
+        model_dir, out, training={"max_steps": MAX_STEPS, "warmup_steps": 0}, distributed={"strategy": "auto"}
+    )
 
 
 def assert_trains_like_reference(run_dir: Path, ref_dir: Path, rel: float = 1e-4) -> None:
@@ -113,7 +102,7 @@ def reference_run(tiny_model_dir, tmp_path_factory) -> Iterator[Path]:
         [sys.executable, "-m", "scaletune", "train", str(cfg_path)],
         capture_output=True,
         text=True,
-        env=system_env(),
+        env=subprocess_env(),
         cwd=d,
         timeout=300,
     )
@@ -147,7 +136,7 @@ def slurm_cluster(tmp_path_factory):
         skip_unless_ci(r.stderr.strip().splitlines()[-1])
     if r.returncode != 0:
         pytest.fail(f"slurm_cluster.sh start failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
-    env = system_env(SLURM_CONF=str(d / "slurm.conf"))
+    env = subprocess_env(SLURM_CONF=str(d / "slurm.conf"))
     try:
         yield env
     finally:

@@ -4,6 +4,8 @@ queued -> running -> succeeded, its metrics streamed to the service while it run
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 
 import pytest
 import yaml
@@ -46,7 +48,19 @@ def test_slurm_job_streams_to_succeeded(slurm_cluster, tiny_model_dir, tmp_path,
         # The report token reached the job through sbatch's environment, not the script.
         script = (tmp_path / "jobs" / job_id / "job.sbatch").read_text()
         assert "SCALETUNE_REPORT_TOKEN" not in script and srv.svc._tokens[job_id] not in script
-        assert "slurm" in c.get(f"/api/jobs/{job_id}/logs").text or job["state"] == "succeeded"
+        # SLURM's own record, not the service's: the controller ran the job's script to completion
+        # under the id the service stored (a job run any other way has no such record).
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "-o", job["target_id"]],
+            capture_output=True,
+            text=True,
+            env=slurm_cluster,
+            timeout=30,
+        )
+        fields = dict(re.findall(r"(\w+)=(\S*)", shown.stdout))
+        assert fields.get("JobId") == job["target_id"], shown.stdout + shown.stderr
+        assert fields.get("JobState") == "COMPLETED", shown.stdout
+        assert fields.get("Command", "").endswith(f"/{job_id}/job.sbatch"), shown.stdout
     finally:
         srv.cancel_all()
         srv.stop()

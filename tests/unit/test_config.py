@@ -214,14 +214,6 @@ def test_steps_for(tmp_path):
     assert steps_for(10, cfg.training) == 4
 
 
-def test_examples_are_valid():
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    for path in sorted((root / "examples").glob("*.yaml")):
-        load_config(path)
-
-
 def test_quantization_with_sharded_strategies(tmp_path):
     lora = "model.lora={r: 8}"
     zero3 = BASE + "distributed: {strategy: deepspeed, zero_stage: 3}\n"

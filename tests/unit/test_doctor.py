@@ -123,12 +123,12 @@ def test_cli_train_with_liger_on_this_cpu_exits_2_before_loading(tmp_path, tiny_
     """The real CLI, the real preflight: one message, exit 2, no traceback, nothing written."""
     import yaml
 
-    from tests.helpers import base_config, run_cli
+    from tests.helpers import make_config, run_cli
 
     if torch_cuda_available():
         pytest.skip("this machine has a CUDA GPU")
     out = tmp_path / "run"
-    config = base_config(tiny_model_dir, out, model={"liger": True})
+    config = make_config(tiny_model_dir, out, model={"liger": True})
     path = tmp_path / "liger.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = run_cli(["train", str(path)], timeout=300)
@@ -374,7 +374,7 @@ def test_comm_test_under_torchrun(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO_ROOT
+    from tests.helpers import REPO_ROOT
 
     env = {
         **os.environ,

@@ -19,8 +19,7 @@ from scaletune.models.loss import CausalLMLoss, target_index
 from scaletune.resolve import precision_for, resolve
 from scaletune.strategies import make_strategy
 from scaletune.strategies.process_group import MIXED_BACKEND, select_backend
-from tests.conftest import ALPACA_5000
-from tests.helpers import run_cli
+from tests.helpers import ALPACA_5000, run_cli
 
 CPU = DistributedEnv("none")
 GPU = DistributedEnv("none", cuda_available=True, cuda_device_count=2, bf16_supported=True)
@@ -53,16 +52,25 @@ def test_backend_is_mixed_where_nccl_meets_cpu_tensors():
         select_backend("nccl", cuda_available=False)
 
 
-def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading():
-    from scaletune.strategies.fsdp import FSDPStrategy
+def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading(monkeypatch):
+    """The backend each strategy's setup starts the process group with on rank 0 of 2 GPUs: NCCL,
+    with gloo beside it exactly when FSDP offloads parameters (the call is recorded, not made)."""
+    import torch.distributed as dist
 
+    started: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: started.append(backend))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
-    for offload in (False, True):
-        spec = resolve(config(distributed={"strategy": "fsdp", "offload_params": offload}), env)
-        strategy = make_strategy(spec)
-        assert isinstance(strategy, FSDPStrategy) and strategy.cpu_collectives is offload
-    ddp = make_strategy(resolve(config(distributed={"strategy": "ddp"}), env))
-    assert ddp.cpu_collectives is False
+    precision = torch.backends.cuda.matmul.fp32_precision  # setup sets TF32 for a bf16 run on GPUs
+    try:
+        for section in ({"strategy": "fsdp"}, {"strategy": "fsdp", "offload_params": True}, {"strategy": "ddp"}):
+            make_strategy(resolve(config(distributed=section), env)).setup()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = precision
+    assert started == ["nccl", "cpu:gloo,cuda:nccl", "nccl"]
 
 
 # -- 2: FSDP + QLoRA ----------------------------------------------------------------------------

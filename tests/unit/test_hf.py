@@ -40,11 +40,25 @@ def test_training_arguments_defaults(tmp_path):
     assert args.activation_checkpointing_kwargs == {"use_reentrant": False}
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}  # the alias mirrors it
     assert args.ddp_find_unused_parameters is False
-    assert args.use_cpu is (not torch.cuda.is_available())
     assert args.report_to == []  # "none"
     fields = {f.name for f in dataclasses.fields(TrainingArguments)}
     if "save_safetensors" in fields:  # gone in transformers 5: safetensors is the only format
         assert args.save_safetensors is True
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-gpu", "gpu"])
+def test_training_arguments_use_cpu_exactly_without_a_gpu(tmp_path, monkeypatch, cuda):
+    """`use_cpu` is set where torch sees no CUDA device and left off where it sees one. The test
+    decides what torch sees, so a default that ignores it (always or never CPU) fails one case."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    if cuda:  # its checks would reach for the GPU this machine may not have; the fields stay as given
+        monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: None)
+    args = training_arguments(output_dir=str(tmp_path))
+    assert args.use_cpu is not cuda
+    if not cuda:
+        assert args.device.type == "cpu"
 
 
 def test_training_arguments_overrides(tmp_path):

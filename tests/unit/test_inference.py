@@ -135,7 +135,7 @@ def test_the_quickstart_config_is_valid_and_its_sample_prompts_are_held_out():
     """examples/quickstart.yaml says its sample prompts are not in the training data: check it, on the
     records it really reads (the list of files, cut at max_samples)."""
     from scaletune.config import load_config
-    from tests.conftest import REPO_ROOT
+    from tests.helpers import REPO_ROOT
 
     cfg = load_config(REPO_ROOT / "examples" / "quickstart.yaml")
     assert cfg.model.name_or_path == "smollm2-135m-instruct" and cfg.training.eval_on_start

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from scaletune.config import Config
 from scaletune.config.reference import reference_markdown
-from tests.conftest import REPO_ROOT
+from tests.helpers import REPO_ROOT
 
 
 def test_committed_reference_is_current():
