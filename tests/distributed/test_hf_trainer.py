@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,17 +128,13 @@ def test_helpers_destroy_the_process_group_before_the_interpreter_finalizes(tmp_
     """The abort above ("terminate called without an active exception" after training) comes from
     gloo's worker threads outliving Python: the group must be gone before finalization starts."""
     from scaletune.strategies.process_group import free_port
+    from tests.helpers import subprocess_env
 
     script = tmp_path / "exit.py"
     script.write_text(EXIT_SCRIPT)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
     run = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out"), str(free_port())],
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=subprocess_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
