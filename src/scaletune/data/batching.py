@@ -145,9 +145,42 @@ def global_batches(
         epoch, start = epoch + 1, 0
 
 
-def make_eval_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: DistributedEnv):
-    """Each rank evaluates every W-th row; no row is dropped or repeated (sums are all-reduced)."""
-    from torch.utils.data import DataLoader
+class EvalBatches:
+    """This rank's share of an eval set as micro-batches, the same number on every rank.
 
-    indices = list(range(env.rank, len(dataset), env.world_size))
-    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch.micro_batch_size, collate_fn=collator)
+    Rank r evaluates rows r, r+W, r+2W, ... (no row dropped or repeated; the loop all-reduces the
+    sums). The shares differ by at most one row, and so can differ by a micro-batch: FSDP and
+    ZeRO-3 gather parameters in every forward, so a rank that stopped early would leave the others
+    waiting in an all-gather until the collective timeout. A rank with fewer micro-batches than the
+    largest share runs filler batches (row 0 of the set, collated alone) whose loss and targets the
+    caller must not count.
+
+    Iterating yields ``(micro_batch, counted)``; ``len`` is the number of micro-batches, equal on
+    every rank: ``ceil(ceil(N / W) / micro_batch_size)``.
+    """
+
+    def __init__(self, dataset: Any, collator: Any, micro_batch_size: int, rank: int, world_size: int) -> None:
+        from torch.utils.data import DataLoader, Subset
+
+        self.dataset, self.collator = dataset, collator
+        rows = list(range(rank, len(dataset), world_size))
+        self.loader = DataLoader(Subset(dataset, rows), batch_size=micro_batch_size, collate_fn=collator)
+        largest_share = -(-len(dataset) // world_size)
+        self.batches = -(-largest_share // micro_batch_size)
+        self.fillers = self.batches - len(self.loader)
+        assert 0 <= self.fillers <= 1, (len(dataset), world_size, micro_batch_size, rank)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[tuple[Any, bool]]:
+        for batch in self.loader:
+            yield batch, True
+        for _ in range(self.fillers):
+            yield self.collator([self.dataset[0]]), False
+
+
+def make_eval_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: DistributedEnv) -> EvalBatches:
+    """This rank's eval micro-batches (:class:`EvalBatches`): every row once over all ranks, the
+    same number of forwards on every rank."""
+    return EvalBatches(dataset, collator, batch.micro_batch_size, env.rank, env.world_size)

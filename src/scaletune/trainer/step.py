@@ -79,14 +79,25 @@ def train_step(
 
 @torch.no_grad()
 def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> float:
-    """Mean token loss (loss per target unit) over the whole eval set (all ranks)."""
+    """Mean token loss (loss per target unit) over the whole eval set: the summed loss and target
+    count of every rank's micro-batches, all-reduced, then divided once (as one process would).
+
+    `loader` yields ``(micro_batch, counted)`` (`data.EvalBatches`): every rank runs the same number
+    of forwards, filler batches included (FSDP and ZeRO-3 gather parameters in each), and a filler's
+    loss and targets are not counted.
+    """
     strategy.train_mode(False)
-    total = torch.zeros(2, dtype=torch.float64)
-    for mb in loader:
+    device = strategy.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    targets = 0
+    for mb, counted in loader:
         inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.forward_context():
-            total[0] += float(strategy.model(**inputs))
-        total[1] += kind.targets(mb)
+            loss = strategy.model(**inputs)
+        if counted:
+            loss_sum += loss.detach().to(device, torch.float64)
+            targets += kind.targets(mb)
     strategy.train_mode(True)
+    total = torch.stack([loss_sum, torch.tensor(float(targets), dtype=torch.float64, device=device)])
     total = strategy.all_reduce_sum(total).cpu()
-    return float(total[0] / max(total[1], 1))
+    return float(total[0] / total[1].clamp(min=1))
