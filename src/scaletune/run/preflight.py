@@ -103,16 +103,34 @@ def predicted_memory(spec: RunSpec) -> dict | None:
         return None
 
 
-def check_data(spec: RunSpec) -> None:
-    """Build every stage's data here (tokenise, pack, cache) and raise what stops training.
+def data_tokenizer(spec: RunSpec):
+    """The tokenizer or processor the ranks build the data with (`trainer.Trainer.load_model_and_data`):
+    for `model.factory`, the one its factory returns (built here on the meta device), else
+    `model.tokenizer`'s, else None; for a Hugging Face model, `model.tokenizer` or the model's own.
 
     Raises:
-        UserError: a data problem found only by tokenising (every response truncated away, a chat
-            template that fails, fewer sequences than one global batch).
+        UserError: the model factory's problems (import, arguments, type).
     """
+    if spec.custom_model:
+        from scaletune.plan.factory_check import meta_loss
+
+        return meta_loss(spec)[1]
     from scaletune.models import load_tokenizer
+
+    return load_tokenizer(spec.config.model)
+
+
+def check_data(spec: RunSpec) -> None:
+    """Build every stage's data here (tokenise, pack, cache; or call its `data.factory`) and raise
+    what stops training.
+
+    Raises:
+        UserError: a data problem found only by building the data (every response truncated away, a
+            chat template that fails, a data factory's result refused, fewer sequences than one
+            global batch).
+    """
     from scaletune.trainer.stages import data_problems
 
-    problems = data_problems(spec, load_tokenizer(spec.config.model))
+    problems = data_problems(spec, data_tokenizer(spec))
     if problems:
         raise UserError(problems, title="cannot start training")

@@ -5,7 +5,7 @@ continues."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +31,17 @@ class StagePlan:
     schedule_origin: int  # index of the stage whose schedule this one runs on (itself unless continuing)
 
 
+def _builder(stage: Stage) -> Callable[..., Any]:
+    """`data.build_custom_data` for a stage with a `data.factory`, else `data.build_datasets`."""
+    from scaletune.data import build_custom_data, build_datasets
+
+    return build_custom_data if stage.data.factory is not None else build_datasets
+
+
 def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy) -> Any:
     """Rank 0 builds first (tokenizing into the datasets cache, or a data factory downloading or
     caching what it reads); the other ranks then read what it left."""
-    from scaletune.data import build_custom_data, build_datasets
-
-    build = build_custom_data if stage.data.factory is not None else build_datasets
+    build = _builder(stage)
     bundle = None
     if spec.env.is_main:
         bundle = build(stage.data, tokenizer, seed=spec.config.seed)
@@ -56,15 +61,14 @@ def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
 
 
 def data_problems(spec: RunSpec, tokenizer: Any) -> list[str]:
-    """Build every stage's data in this process (filling the cache the ranks then read) and say
-    what stops training: for a parent that starts the ranks, so bad data ends in one message and
-    exit 2 rather than in every rank."""
-    from scaletune.data import build_datasets
-
+    """Build every stage's data in this process (filling the cache the ranks then read; a
+    `data.factory` is called as the ranks will call it, with `tokenizer`) and say what stops
+    training: for a parent that starts the ranks, so bad data ends in one message and exit 2
+    rather than in every rank."""
     problems: list[str] = []
     for stage in spec.stages:
         try:
-            bundle = build_datasets(stage.data, tokenizer, seed=spec.config.seed)
+            bundle = _builder(stage)(stage.data, tokenizer, seed=spec.config.seed)
         except UserError as exc:
             problems += [p for p in exc.problems if p not in problems]
             continue
