@@ -139,6 +139,9 @@ class Strategy(ABC):
         """True if this rank should build the model on the meta device (`wrap` materialises it)."""
         return False
 
+    def loading_alone(self) -> contextlib.AbstractContextManager:  # no hooks to withdraw (ZeRO-3 has some)
+        return contextlib.nullcontext()
+
     #: True if the engine gathers the output head's weight inside each call of the head (ZeRO-3):
     #: the loss must then call the head once per micro-batch, whatever its number of targets.
     partitions_head: ClassVar[bool] = False

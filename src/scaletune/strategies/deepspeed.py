@@ -10,7 +10,9 @@ the CPU until DeepSpeed places it. On a CPU-only machine run with `DS_ACCELERATO
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +84,31 @@ class DeepSpeedStrategy(Strategy):
         ranks as it is created, on the device ZeRO will keep it) and loads the checkpoint one module
         at a time, gathered, copied on rank 0, re-partitioned, while an `HfDeepSpeedConfig` with ZeRO-3
         is alive: transformers holds only a weak reference to it, so this strategy keeps it until
-        `teardown`. Without it every rank would load a full fp32 copy on the host and DeepSpeed would
-        move the whole module to the GPU before partitioning it: exactly the models ZeRO-3 is chosen
-        for (larger than one GPU) would not load. Quantized models are loaded whole, as transformers
+        `teardown` (withdrawn only inside :meth:`loading_alone`). Without it every rank would load a
+        full fp32 copy on the host and DeepSpeed would move the whole module to the GPU before
+        partitioning it: exactly the models ZeRO-3 is chosen for (larger than one GPU) would not
+        load. Quantized models are loaded whole, as transformers
         does for them (bitsandbytes quantizes on the device)."""
         from transformers.integrations import HfDeepSpeedConfig
 
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+
+    @contextlib.contextmanager
+    def loading_alone(self) -> Iterator[None]:
+        """ZeRO-3: the `HfDeepSpeedConfig` withdrawn from transformers meanwhile. While it is announced,
+        transformers builds every model under `zero.Init` and loads it through `GatheredParameters`
+        (collectives), and `generate` defaults to `synced_gpus` (an all-reduce per token): a model
+        rank 0 loads alone for the sample prompts would wait for ranks that never join."""
+        if self._hf_ds_config is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            set_hf_deepspeed_config(self._hf_ds_config)
 
     def teardown(self) -> None:
         if self._hf_ds_config is not None:

@@ -378,12 +378,14 @@ class Trainer:
 
     # -- around training -------------------------------------------------------------------
     def sample_base(self) -> list[str] | None:
-        """Rank 0: the untrained model answers `training.sample_prompts` (before the training copy loads)."""
-        return samples.before_training(self.spec)
+        """Rank 0 alone (`loading_alone`): the untrained model answers `training.sample_prompts`."""
+        with self.strategy.loading_alone():
+            return samples.before_training(self.spec)
 
     def sample_trained(self, base: list[str] | None) -> None:
-        """Rank 0: `final/` answers them too; both answers go to samples.md and the terminal."""
-        samples.after_training(self.spec, base)
+        """Rank 0 alone: `final/` answers them too; both answers go to samples.md and the terminal."""
+        with self.strategy.loading_alone():
+            samples.after_training(self.spec, base)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
