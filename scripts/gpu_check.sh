@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The GPU tier (tests/gpu, the GPU-marked unit tests) and the gpu-1b benchmark, one report.
 #
-#   bash scripts/gpu_check.sh [tests|bench|all] [REPORT_DIR]     (default: all, $OUT or gpu-report)
+#   bash scripts/gpu_check.sh [PART] [REPORT_DIR]     (default: all, $OUT or gpu-report)
+#
+# PART: engines | qlora | smoke | bench, each one command under 8 minutes on one H100 (a 10-minute
+# command limit with room for the start); `tests` (engines, qlora, smoke) and `all` (every part) for
+# machines without such a limit. The 1.24B benchmark smoke (smoke) and the benchmark (bench) are
+# parts of their own. Each pytest part runs with -v (every test's name is in the log as it starts,
+# so a part killed at its limit still says where) under `timeout` ($PART_LIMIT seconds, 470 by
+# default: SIGINT, so pytest still writes its summary and JUnit XML).
 #
 # Written for a fresh GPU machine that has the repository and Python with CUDA PyTorch but no
 # network: packages its Python lacks come as wheels in .whl/ (made here by scripts/gpu_wheels.sh;
-# with the device tool: carry [".whl"]). Each part fits in one 10-minute command; run them as two
-# calls where a call is limited (docs/benchmarks.md). Writes REPORT_DIR/gpu-report.md (environment,
-# test results, benchmark table) beside the raw logs, the JUnit XML and the benchmark JSON.
+# with the device tool: carry [".whl"]). Appends each part to REPORT_DIR/gpu-report.md (the
+# environment once, then test results, the benchmark table) beside the raw logs, the JUnit XML and
+# the benchmark JSON, so parts run as separate calls into one folder make one report.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART="${1:-all}"
@@ -32,31 +39,61 @@ if [ ! -f ../shared/data/alpaca_5000.json ]; then
 fi
 
 md="$REPORT/gpu-report.md"
-{
-  echo "# scaletune GPU check ($(date -u +%Y-%m-%dT%H:%MZ), part: $PART)"
-  echo
-  echo '```'
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-  "$PY" - <<'PYEOF'
+if [ ! -f "$md" ]; then
+  {
+    echo "# scaletune GPU check ($(date -u +%Y-%m-%dT%H:%MZ))"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    "$PY" - <<'PYEOF'
 import importlib.metadata as m
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-for name in ("transformers", "peft", "accelerate", "deepspeed", "bitsandbytes", "liger-kernel", "trl", "datasets"):
+for name in ("transformers", "peft", "accelerate", "deepspeed", "bitsandbytes", "liger-kernel", "trl", "datasets", "pydantic", "pydantic-core"):
     try:
         print(name, m.version(name))
     except m.PackageNotFoundError:
         print(name, "MISSING")
 PYEOF
-  echo '```'
-} >"$md" 2>&1
+    echo '```'
+  } >"$md" 2>&1
+fi
 
+LIMIT="${PART_LIMIT:-470}"
 status=0
-if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  "$PY" -m pytest -q -rA -p no:cacheprovider --junitxml="$REPORT/gpu-tests.xml" \
-    tests/gpu tests/unit/test_loss.py::test_liger_loss_equals_chunked_loss_in_bf16 tests/unit/test_gpu_paths.py \
-    2>&1 | tee "$REPORT/gpu-tests.log"
-  status=$((status | ${PIPESTATUS[0]}))
-  { echo; echo "## Tests"; echo; echo '```'; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$REPORT/gpu-tests.log" | tail -40; echo '```'; } >>"$md"
+# pytest_part NAME TEST...: one pytest run with its log, JUnit XML and a section of the report.
+pytest_part() {
+  local name="$1"
+  shift
+  echo "[gpu_check] part $name: $* (limit ${LIMIT}s)"
+  timeout -s INT -k 30 "$LIMIT" "$PY" -m pytest -v -rA -p no:cacheprovider --junitxml="$REPORT/gpu-$name.xml" "$@" \
+    2>&1 | tee "$REPORT/gpu-$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "[gpu_check] part $name stopped at its ${LIMIT}s limit" | tee -a "$REPORT/gpu-$name.log"
+  status=$((status | rc))
+  {
+    echo
+    echo "## Tests: $name (exit $rc, $(date -u +%H:%MZ))"
+    echo
+    echo '```'
+    grep -E "(PASSED|FAILED|ERROR|SKIPPED|XFAIL)|passed|failed|stopped at" "$REPORT/gpu-$name.log" | tail -60
+    echo '```'
+  } >>"$md"
+}
+
+case "$PART" in
+  engines | qlora | smoke | bench | tests | all) ;;
+  *) echo "unknown part $PART: engines, qlora, smoke, bench, tests or all" >&2; exit 2 ;;
+esac
+if [ "$PART" = engines ] || [ "$PART" = tests ] || [ "$PART" = all ]; then
+  pytest_part engines tests/gpu/test_engines_bf16.py
+fi
+if [ "$PART" = qlora ] || [ "$PART" = tests ] || [ "$PART" = all ]; then
+  pytest_part qlora tests/gpu/test_qlora_liger_compile.py \
+    tests/unit/test_loss.py::test_liger_loss_equals_chunked_loss_in_bf16 tests/unit/test_gpu_paths.py
+fi
+if [ "$PART" = smoke ] || [ "$PART" = tests ] || [ "$PART" = all ]; then
+  pytest_part smoke tests/gpu/test_benchmark_gpu.py
 fi
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
   "$PY" benchmarks/bench.py --preset gpu-1b --cache /tmp/scaletune-bench --out "$REPORT/gpu-1b.json" \

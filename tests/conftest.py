@@ -9,14 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import ALPACA_5000, SHARED_DATA
 
-# Tests never reach a hub; DeepSpeed runs on the CPU accelerator here.
+# Tests never reach a hub; DeepSpeed runs on its CPU accelerator where no CUDA GPU is visible (the
+# GPU tier needs it on CUDA).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -124,11 +124,16 @@ def make_env(
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a child that runs scaletune: offline, DeepSpeed on the CPU,
-    the checkout (src/ and the repository, for `tests.*`) first on PYTHONPATH,
-    no launcher variables inherited; `extra` set last."""
+    """This process's environment for a child that runs scaletune: offline, DeepSpeed on its CPU
+    accelerator where no CUDA GPU is visible (on a GPU, DeepSpeed must find CUDA), the checkout
+    (src/ and the repository, for `tests.*`) first on PYTHONPATH, no launcher variables inherited;
+    `extra` set last."""
+    import torch
+
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env

@@ -1,6 +1,6 @@
 """bf16 on one GPU: `single`, `fsdp` and DeepSpeed ZeRO-2/3 at one process give the same losses and
 gradient norms (within bf16's rounding), FSDP with CPU offload trains under the mixed gloo/NCCL
-backend, and the planner predicts the measured peak device memory within 15%."""
+backend, and the planner predicts the measured first-step peak device memory within 15%."""
 
 from __future__ import annotations
 
@@ -77,9 +77,14 @@ def test_planned_peak_memory_within_15_percent_of_measured(strategy, mid_model_d
         distributed={**strategy, "num_processes": 1},
     )
     train(cfg, tmp_path)
-    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())["per_rank_bytes"]
     measured = json.loads((tmp_path / "run" / "memory.json").read_text())["ranks"][0]
-    predicted = plan["per_rank_bytes"]["total"]
+    # Like with like: memory.json's peak is that of the first step, where Adam's state and the
+    # activations never coexist (the optimizer creates its state inside that step, after backward
+    # has freed the activations), while the plan's total adds both (the steady state from step 2).
+    # The first step's peak is the weights, gradients and working margin plus the larger of the two.
+    margin = plan["total"] - sum(plan[k] for k in ("params", "grads", "optimizer", "activations"))
+    predicted = plan["params"] + plan["grads"] + margin + max(plan["optimizer"], plan["activations"])
     peak = measured["peak_device"]
     assert peak is not None and peak > 0
     assert abs(predicted - peak) <= 0.15 * peak, (

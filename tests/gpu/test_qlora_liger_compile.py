@@ -1,4 +1,4 @@
-"""QLoRA trains with bf16 activations and its loss falls; the chunked loss on CUDA (its fp32
+"""QLoRA computes its matmuls in bf16 and its loss falls; the chunked loss on CUDA (its fp32
 accumulation through cuBLAS) and Liger's fused linear cross-entropy equal an fp32 reference within
 bf16's bound; torch.compile equals eager on the GPU."""
 
@@ -23,7 +23,7 @@ def batch(vocab: int, rows: int = 4, length: int = 256, seed: int = 0) -> dict:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_qlora_runs_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
+def test_qlora_matmuls_run_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
     from scaletune.config import load_config
     from scaletune.env import DistributedEnv
     from scaletune.models import decoder_layer_classes, prepare_model
@@ -54,15 +54,32 @@ def test_qlora_runs_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
         # The premise: k-bit preparation and peft leave float32 parameters (norms, adapters).
         assert any(p.dtype == torch.float32 for p in model.parameters())
         strategy.wrap(CausalLMLoss(model))
-        seen: list[torch.dtype] = []
+        # The matmuls' outputs, not the residual stream: peft's k-bit preparation upcasts the
+        # embeddings to fp32, so a layer's input (and, cast back to it, a Linear4bit's output) is
+        # fp32 by design. What must be bf16: bitsandbytes' 4-bit matmul (it computes in the compute
+        # dtype) and the fp32 LoRA A/B matmuls (under autocast).
+        import bitsandbytes
+
+        seen: dict[str, torch.dtype] = {}
+        real_matmul_4bit = bitsandbytes.matmul_4bit
+
+        def matmul_4bit(*args, **kwargs):
+            out = real_matmul_4bit(*args, **kwargs)
+            seen.setdefault("matmul_4bit", out.dtype)
+            return out
+
         layer = next(m for m in model.modules() if type(m) in decoder_layer_classes(model))
-        layer.register_forward_pre_hook(
-            lambda mod, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).dtype),
-            with_kwargs=True,
-        )
+        loras = {n: m for n, m in layer.named_modules() if type(m) is torch.nn.Linear and ".lora_" in n}
+        assert loras, "no LoRA matmul in the layer"
+        for name, module in loras.items():
+            module.register_forward_hook(lambda mod, args, out, name=name: seen.setdefault(name, out.dtype))
         mb = batch(100_352)
-        losses = [float(train_step(strategy, [mb]).loss) for _ in range(8)]
-    assert seen and all(d == torch.bfloat16 for d in seen), seen
+        bitsandbytes.matmul_4bit = matmul_4bit
+        try:
+            losses = [float(train_step(strategy, [mb]).loss) for _ in range(8)]
+        finally:
+            bitsandbytes.matmul_4bit = real_matmul_4bit
+    assert seen.keys() == {"matmul_4bit", *loras} and set(seen.values()) == {torch.bfloat16}, seen
     assert losses[-1] < losses[0] - 0.5, losses
 
 
