@@ -145,24 +145,23 @@ def run_torchrun(
     nproc: int = 2,
     module: bool = False,
     env: dict[str, str] | None = None,
+    unset: tuple[str, ...] = (),
     cwd: Path | None = None,
     timeout: int = 300,
 ) -> subprocess.CompletedProcess:
     """Start `nproc` ranks of the script `target` (or, `module=True`, of `python -m target`) with
     `args` under torchrun on this machine and wait for them: `--standalone` (a c10d rendezvous on
     a free port of localhost, so tests never collide on 29500), the environment of
-    :func:`subprocess_env` with one OpenMP thread a rank (CPU: the ranks pick gloo) plus `env`. Returns the finished process,
+    :func:`subprocess_env` with one OpenMP thread a rank (CPU: the ranks pick gloo) less the
+    variables named in `unset` (this process's), plus `env`. Returns the finished process,
     its output captured as text; raises subprocess.TimeoutExpired after `timeout` seconds."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
     argv += ["--nproc-per-node", str(nproc), *(["-m"] if module else []), str(target), *map(str, args)]
-    return subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=subprocess_env(**{"OMP_NUM_THREADS": "1", **(env or {})}),
-        cwd=cwd or REPO_ROOT,
-    )
+    child_env = subprocess_env(OMP_NUM_THREADS="1")
+    for name in unset:
+        child_env.pop(name, None)
+    child_env.update(env or {})
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
 
 
 def run_cli(

@@ -13,7 +13,6 @@ from scaletune.data.templates import CHATML_TEMPLATE
 from scaletune.errors import ConfigError, DataError, UserError
 from scaletune.inference import LoadedModel, prompt_text, read_prompts
 from scaletune.inference.generate import encode
-from tests.helpers import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -116,19 +115,6 @@ def test_prompts_are_written_as_the_model_was_trained(olmo):
     assert prompt_text(alpaca, [{"role": "user", "content": "Hi"}]) == D.alpaca_prompt("Hi")
     raw = LoadedModel(None, olmo, "none", CHATML_TEMPLATE, None, "")
     assert prompt_text(raw, "Once upon a time") == "Once upon a time"
-
-
-def test_help_rewraps_docstrings_to_the_terminal():
-    """With a terminal wide enough for every summary, each command is one row: a docstring's hard
-    line breaks must not survive into the panel (they did before markdown mode)."""
-    proc = run_cli(["--help"], env={"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"})
-    assert proc.returncode == 0, proc.stderr
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("│ ")]
-    commands = rows[rows.index(next(r for r in rows if r.startswith("│ train"))) :]
-    continuation = [r for r in commands if r[2] == " " and r.strip("│ ")]
-    assert not continuation, "\n".join(continuation)
-    for verb in ("chat", "generate", "eval"):
-        assert any(r.startswith(f"│ {verb} ") for r in commands)
 
 
 def test_the_quickstart_config_is_valid_and_its_sample_prompts_are_held_out():

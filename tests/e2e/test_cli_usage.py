@@ -1,0 +1,27 @@
+"""The command line as a person meets it, in a subprocess: `--help` laid out for the terminal,
+usage mistakes answered with exit 2 and a sentence (moved here from tests/unit, which starts no
+process)."""
+
+from __future__ import annotations
+
+from tests.helpers import run_cli
+
+
+def test_help_rewraps_docstrings_to_the_terminal():
+    """With a terminal wide enough for every summary, each command is one row: a docstring's hard
+    line breaks must not survive into the panel (they did before markdown mode)."""
+    proc = run_cli(["--help"], env={"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"})
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("│ ")]
+    commands = rows[rows.index(next(r for r in rows if r.startswith("│ train"))) :]
+    continuation = [r for r in commands if r[2] == " " and r.strip("│ ")]
+    assert not continuation, "\n".join(continuation)
+    for verb in ("chat", "generate", "eval"):
+        assert any(r.startswith(f"│ {verb} ") for r in commands)
+
+
+def test_init_model_lists_the_real_preset_and_asks_for_an_output_for_tiny_ones(tmp_path):
+    proc = run_cli(["init-model", "no-such-preset", "-o", str(tmp_path / "m")])
+    assert proc.returncode == 2 and "smollm2-135m-instruct" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli(["init-model", "olmo2-tiny"])
+    assert proc.returncode == 2 and "-o DIR" in proc.stderr
