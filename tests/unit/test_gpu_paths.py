@@ -64,12 +64,12 @@ def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading(monkeypatch):
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
-    precision = torch.backends.cuda.matmul.fp32_precision  # setup sets TF32 for a bf16 run on GPUs
+    precision = torch.get_float32_matmul_precision()  # setup sets TF32 for a bf16 run on GPUs
     try:
         for section in ({"strategy": "fsdp"}, {"strategy": "fsdp", "offload_params": True}, {"strategy": "ddp"}):
             make_strategy(resolve(config(distributed=section), env)).setup()
     finally:
-        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.set_float32_matmul_precision(precision)  # the legacy setter, as setup's: getters stay readable
     assert started == ["nccl", "cpu:gloo,cuda:nccl", "nccl"]
 
 
@@ -339,3 +339,45 @@ def test_zero3_loads_a_quantized_base_quantized_on_the_ranks_gpu(tiny_model_dir,
     with _zero3_announced():
         load_model(ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16"), DevicePlacement(None, "cuda:1"))
     assert "device_map" not in seen and "quantization_config" not in seen
+
+
+# -- issue 20: TF32 read back through every getter --------------------------------------------
+
+
+def _tf32_getters() -> dict:
+    """Every way torch (and Inductor) reads the fp32 matmul / convolution precision."""
+    getters = {
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "get_float32_matmul_precision": torch.get_float32_matmul_precision,
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    }
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch 2.9+
+        getters["cuda.matmul.fp32_precision"] = lambda: torch.backends.cuda.matmul.fp32_precision
+        getters["cudnn.conv.fp32_precision"] = lambda: torch.backends.cudnn.conv.fp32_precision
+    return {name: get() for name, get in getters.items()}
+
+
+def test_tf32_of_a_bf16_gpu_run_reads_back_through_every_getter(monkeypatch):
+    """A bf16 run's setup on (pretended) GPUs turns TF32 on; afterwards every getter must read
+    without raising (torch 2.9+ raises on the legacy ones after the new setter alone) and agree."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
+    before = torch.get_float32_matmul_precision()
+    assert before == "highest", "another test left TF32 on"
+    try:
+        make_strategy(resolve(config(distributed={"strategy": "ddp"}), env)).setup()
+        seen = _tf32_getters()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen["cuda.matmul.allow_tf32"] is True and seen["get_float32_matmul_precision"] == "high"
+    assert seen["cudnn.allow_tf32"] is True
+    if "cuda.matmul.fp32_precision" in seen:
+        assert seen["cuda.matmul.fp32_precision"] == "tf32" and seen["cudnn.conv.fp32_precision"] == "tf32"
+    # and back to IEEE fp32, still readable
+    assert _tf32_getters()["cuda.matmul.allow_tf32"] is False

@@ -27,7 +27,7 @@ from torch import nn
 
 from scaletune.models.loading import torch_dtype
 from scaletune.strategies import memory
-from scaletune.strategies.devices import check_devices
+from scaletune.strategies.devices import allow_tf32, check_devices
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
 
@@ -90,7 +90,7 @@ class Strategy(ABC):
         if self.env.cuda_available and self.compute_dtype != torch.float32:
             # Mixed precision: the few fp32 matmuls left (an fp32 head under autocast's exclusions,
             # the optimizer's) may use TF32 tensor cores. A float32 run keeps IEEE fp32 matmuls.
-            torch.backends.cuda.matmul.fp32_precision = "tf32"
+            allow_tf32()
 
     def teardown(self) -> None:
         self._wait_group = None

@@ -1,4 +1,5 @@
-"""Where a module's tensors are, checked before an engine wraps it."""
+"""The device side of a run: where a module's tensors are (checked before an engine wraps it) and
+the GPU's fp32 matmul math (TF32)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,16 @@ def check_devices(module: nn.Module, expected: torch.device | str, *, strategy: 
             "or a module created after loading: load without device_map under a launcher, or move the "
             "module to the rank's device before training."
         )
+
+
+def allow_tf32() -> None:
+    """Let fp32 matmuls and convolutions on CUDA use TF32 tensor cores.
+
+    Through the legacy setters, which keep every getter readable: torch 2.9+'s
+    `torch.backends.cuda.matmul.fp32_precision = "tf32"` alone makes later reads of
+    `torch.backends.cuda.matmul.allow_tf32` and `torch.get_float32_matmul_precision()` raise
+    RuntimeError, and Inductor reads them on some paths (pytorch#166387), so `model.compile` would
+    crash. `set_float32_matmul_precision("high")` sets the legacy flag and the new one together.
+    """
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
