@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from scaletune.config import error_messages
 from scaletune.report import EventKind
 from scaletune.serve import states as S
 from scaletune.serve.db import Event, Job, Metric
@@ -97,7 +98,7 @@ def validated(kind: str, data: Any) -> dict:
     try:
         model.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"{kind}: " + "; ".join(e["msg"] for e in exc.errors())) from None
+        raise ValueError("; ".join(error_messages(exc, kind))) from None
     return data  # as reported (the file's copy of a metrics line compares equal)
 
 
