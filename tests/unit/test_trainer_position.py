@@ -94,3 +94,31 @@ def test_the_throughput_window_restarts_at_each_close():
     window.add(50)
     assert window.close(12.5) == 100.0  # only the tokens since the last close
     assert window.close(12.5) == 0.0
+
+
+class _HostReads(torch.Tensor):
+    """A tensor that counts reads back to the host (what waits for a GPU)."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.item, torch.Tensor.tolist):
+            cls.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_throughput_window_sums_device_counts_and_reads_once():
+    """The loop adds each step's global token count as the tensor the step left on the device;
+    the window reads it back once, when the step is logged (issue 20: no per-step host sync)."""
+    clock = iter([0.0, 4.0]).__next__
+    window = ThroughputWindow(clock)
+    counts = [torch.tensor(t, dtype=torch.float64).as_subclass(_HostReads) for t in (1000.0, 1500.0, 1500.5)]
+    _HostReads.reads = 0
+    for c in counts:
+        window.add(c)
+    assert _HostReads.reads == 0
+    assert window.close(clock()) == (1000.0 + 1500.0 + 1500.5) / 4.0
+    assert _HostReads.reads == 1
+    window.add(7.0)  # plain numbers still work
+    assert window.close(6.0) == 7.0 / 2.0

@@ -212,7 +212,9 @@ class DeepSpeedStrategy(Strategy):
         norm = self.engine.get_global_grad_norm()
         if norm is None:  # zero_optimization.compute_grad_norm false in a user's JSON
             raise RuntimeError("DeepSpeed computed no gradient norm; remove zero_optimization.compute_grad_norm: false")
-        return torch.as_tensor(float(norm))
+        # Kept where DeepSpeed computed it (a GPU tensor): float() here would wait for the GPU every
+        # step; the loop reads it when it logs. Cloned: DeepSpeed reuses its buffer the next step.
+        return norm.detach().clone() if torch.is_tensor(norm) else torch.as_tensor(float(norm))
 
     def train_mode(self, on: bool) -> None:
         self.engine.train(on)

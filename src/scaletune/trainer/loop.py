@@ -302,7 +302,7 @@ class Trainer:
         stage, position = plan.stage, self.position
         if not self.memory_reported and stage.index >= (self.prepared.freezing.peak or 0):
             self.report_memory()  # in the stage the plan is for
-        window.add(float(result.tokens))
+        window.add(result.tokens)  # summed on the device, read when the step is logged
         last = position.stage_step == plan.total
         t = stage.training
         stop = not last and stop_agreed(self.strategy.all_reduce_sum)  # `scaletune serve` asked to stop

@@ -15,6 +15,8 @@ from scaletune.env import DistributedEnv, print0
 from scaletune.report import reporter
 
 if TYPE_CHECKING:
+    import torch
+
     from scaletune.resolve import RunSpec
 
 #: The file in `output_dir/wandb/` naming the W&B run, so a resumed run continues it.
@@ -36,15 +38,16 @@ class ThroughputWindow:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.since = clock()
-        self.tokens = 0.0
+        self.tokens: float | torch.Tensor = 0.0
 
-    def add(self, tokens: float) -> None:
-        """One step's non-padding tokens, all ranks."""
-        self.tokens += tokens
+    def add(self, tokens: float | torch.Tensor) -> None:
+        """One step's non-padding tokens, all ranks: a number, or a tensor summed where it lives (a
+        GPU's count is not read back to the host each step; :meth:`close` reads the sum once)."""
+        self.tokens = self.tokens + tokens
 
     def close(self, now: float) -> float:
         """Tokens per second over the window ending at `now`; a new window starts there."""
-        rate = self.tokens / max(now - self.since, 1e-9)
+        rate = float(self.tokens) / max(now - self.since, 1e-9)
         self.since, self.tokens = now, 0.0
         return rate
 

@@ -38,7 +38,7 @@ def seed_everything(seed: int) -> None:
 class StepResult:
     loss: torch.Tensor  # global mean token loss (0-dim, on device)
     grad_norm: torch.Tensor
-    tokens: torch.Tensor  # non-padding tokens, global count
+    tokens: torch.Tensor  # non-padding tokens, global count (float64, on device: read it at log time)
     skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
 
 
@@ -60,6 +60,11 @@ def train_step(
         [sum(kind.targets(mb) for mb in micro_batches), sum(kind.tokens(mb) for mb in micro_batches)],
         dtype=torch.float64,
     )
+    if device.type == "cuda":
+        # Pinned and non-blocking: a copy from pageable memory waits for the GPU to finish everything
+        # queued before it (the previous step's optimizer), at the start of every step. The counts
+        # then stay on the device (StepResult.tokens); the loop reads them when it logs.
+        counts = counts.pin_memory().to(device, non_blocking=True)
     counts = strategy.all_reduce_sum(counts)
     denominator = counts[0].clamp(min=1).to(device, torch.float32)
     loss_total = torch.zeros((), dtype=torch.float32, device=device)
