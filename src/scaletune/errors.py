@@ -1,18 +1,53 @@
-"""Exceptions that the command line maps to exit codes (DESIGN.md: 2 for bad input, 1 otherwise)."""
+"""Problems and the exceptions that the command line maps to exit codes (DESIGN.md: 2 for bad
+input, 1 otherwise). Every `*_problems` function returns :class:`Problem` objects; they become text
+at the edge, where they are raised (:class:`UserError`) or printed."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the input.
+
+    Attributes:
+        check: the rule's name ("batch arithmetic", "run directory", "chat template", ...).
+        key: the dotted config key it is about (for `file:line`), or None.
+        message: what is wrong; names the file or value where known.
+        fix: what to do, or "".
+    """
+
+    check: str
+    key: str | None
+    message: str
+    fix: str = ""
+
+    def text(self, where: str | None = None) -> str:
+        """The problem as one line; `where` (a `file:line` location) goes first."""
+        head = f"{where}: " if where else ""
+        return head + self.message + (f"; {self.fix}" if self.fix else "")
+
+
+def texts(problems: Iterable[Problem | str]) -> list[str]:
+    """Problems as lines (a string is already one)."""
+    return [p.text() if isinstance(p, Problem) else p for p in problems]
 
 
 class UserError(ValueError):
     """Bad input (config, data, arguments): the CLI prints every problem and exits with code 2.
 
     Args:
-        problems: one message per problem; each should name the file, line and key where known.
+        problems: the problems (:class:`Problem`, or text already located: `file:line: key: ...`);
+            each should name the file, line and key where known.
         title: a one-line heading printed above the problems.
     """
 
-    def __init__(self, problems: list[str] | str, title: str = "invalid input") -> None:
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
+    def __init__(self, problems: Iterable[Problem | str] | Problem | str, title: str = "invalid input") -> None:
+        if isinstance(problems, str | Problem):
+            problems = [problems]
+        self.problems = texts(problems)
         self.title = title
         super().__init__(self.format())
 

@@ -1,5 +1,5 @@
 """The resolved run and its parts: :class:`RunSpec` and what it holds (precision, batch arithmetic,
-stages), the planner's :class:`AutoChoice`, and a :class:`Problem` a rule finds."""
+stages), and the planner's :class:`AutoChoice` (a rule's :class:`Problem` lives in `errors.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Literal
 
 from scaletune.config import Config, DataConfig, TrainingConfig
 from scaletune.env import DistributedEnv
+from scaletune.errors import Problem  # noqa: F401 - re-exported: resolve's rules report them
 
 StrategyName = Literal["single", "ddp", "fsdp", "deepspeed"]
 
@@ -17,27 +18,6 @@ StrategyName = Literal["single", "ddp", "fsdp", "deepspeed"]
 #: the short name of DeepSpeed's JSON and of `scaletune export --dtype`). torch's side of the map is
 #: :func:`scaletune.models.loading.torch_dtype`.
 FLOAT_DTYPES: dict[str, tuple[int, str]] = {"float32": (4, "fp32"), "bfloat16": (2, "bf16"), "float16": (2, "fp16")}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a run.
-
-    Attributes:
-        check: the doctor's name for the rule ("batch arithmetic", "quantization strategy", ...).
-        key: the dotted config key it is about (for file:line), or None.
-        message: what is wrong.
-        fix: what to do.
-    """
-
-    check: str
-    key: str | None
-    message: str
-    fix: str = ""
-
-    def text(self, where: str | None = None) -> str:
-        head = f"{where}: " if where else ""
-        return head + self.message + (f"; {self.fix}" if self.fix else "")
 
 
 @dataclass(frozen=True)
