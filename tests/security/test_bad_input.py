@@ -37,6 +37,11 @@ CONFIG_CASES = {
         lambda t: (t + "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else 'x'}]\n" for i in range(9))).encode(),
         ["alias bomb"],
     ),
+    "nested thousands deep": (lambda t: (t + "note: " + "[" * 3000 + "]" * 3000 + "\n").encode(), ["nested more than 64 levels deep", "c.yaml:"]),
+    "aliases nested thousands deep": (
+        lambda t: (t + "a0: &a0 [x]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 3000))).encode(),
+        ["nested more than 64 levels deep (aliases expanded)"],
+    ),
     "infinite learning rate": (lambda t: t.replace("learning_rate: 0.002", "learning_rate: .inf").encode(), ["training.learning_rate", "finite"]),
     "unknown attention": (lambda t: t.replace("attn_implementation: sdpa", "attn_implementation: sdpaa").encode(), ["attn_implementation 'sdpaa'"]),
     "device_map without that GPU": (lambda t: t.replace("gradient_checkpointing: false", "gradient_checkpointing: false\n  device_map: cuda:3").encode(), ["model.device_map cuda:3"]),

@@ -62,7 +62,14 @@ def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> lis
 
 
 def export_checkpoint(
-    checkpoint: Path, out_dir: Path, *, merge_lora: bool = False, dtype: str | None = None, max_shard_size: str = "5GB"
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    merge_lora: bool = False,
+    dtype: str | None = None,
+    max_shard_size: str = "5GB",
+    allow_factory: bool = False,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write a consolidated Hugging Face folder (safetensors, sharded into `max_shard_size` files)
     from any checkpoint, sharded or not, in one process on the CPU. The folder is written under a
@@ -73,10 +80,16 @@ def export_checkpoint(
         merge_lora: fold the LoRA adapter into the base weights and write a plain model.
         dtype: "bfloat16" / "float16" / "float32" for the written weights (default: as trained).
         max_shard_size: the largest safetensors file, e.g. "5GB".
+        allow_factory: import and call the `model.factory` the checkpoint's `config.yaml` names
+            (`--allow-factory`). The checkpoint's config is data that came with it: a name in it
+            is not a permission to run that code.
+        trust_remote_code: run the model folder's own Python code (`--trust-remote-code`); the
+            checkpoint config's `trust_remote_code` is not read, for the same reason.
 
     Raises:
-        UserError: not a checkpoint, a corrupt or unsafe one; an output that exists and is not an
-            empty folder; an unreadable shard size.
+        UserError: not a checkpoint, a corrupt or unsafe one; a factory checkpoint without
+            `allow_factory`; an output that exists and is not an empty folder; an unreadable
+            shard size.
     """
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
     from scaletune.models.loading import torch_dtype
@@ -93,9 +106,17 @@ def export_checkpoint(
     cfg = read_config(checkpoint / "config.yaml").config
     assert cfg is not None  # checkpoint_problems read it
     if cfg.model.factory is not None:
+        if not allow_factory:
+            raise UserError(
+                f"{checkpoint / 'config.yaml'} names model.factory {cfg.model.factory!r}: exporting it imports and "
+                "calls that code. A checkpoint's config came with the checkpoint, so scaletune does not run what "
+                "it names on its own say: read that code, then give --allow-factory",
+                title="cannot export",
+            )
         return _export_factory_checkpoint(checkpoint, out_dir, cfg, progress.checkpoint_format)
     model_cfg = cfg.model.model_copy(
         update={
+            "trust_remote_code": trust_remote_code,
             "dtype": "float32",
             "device_map": None,
             "gradient_checkpointing": False,
@@ -121,7 +142,7 @@ def export_checkpoint(
             model.save_pretrained(str(tmp))
         else:
             model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        load_tokenizer(cfg.model).save_pretrained(str(tmp))
+        load_tokenizer(cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})).save_pretrained(str(tmp))
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

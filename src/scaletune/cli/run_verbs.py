@@ -80,6 +80,21 @@ def export(
         str | None, typer.Option(help="Weights dtype: bfloat16, float16 or float32 (default: as trained).")
     ] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file, e.g. 5GB.")] = "5GB",
+    allow_factory: Annotated[
+        bool,
+        typer.Option(
+            "--allow-factory",
+            help="Import and call the model.factory the checkpoint's config names (off: a checkpoint's "
+            "config is data, not a permission to run code).",
+        ),
+    ] = False,
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-remote-code",
+            help="Run Python code shipped in the model folder (off by default, whatever the checkpoint's config says).",
+        ),
+    ] = False,
 ) -> None:
     """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
     from scaletune.checkpoint import export_checkpoint
@@ -88,7 +103,15 @@ def export(
     dtype = {short: name for name, (_, short) in FLOAT_DTYPES.items()}.get(dtype or "", dtype)
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise UserError(f"--dtype {dtype}: use {', '.join(FLOAT_DTYPES)}", title="invalid arguments")
-    out = export_checkpoint(checkpoint, output, merge_lora=merge_lora, dtype=dtype, max_shard_size=max_shard_size)
+    out = export_checkpoint(
+        checkpoint,
+        output,
+        merge_lora=merge_lora,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        allow_factory=allow_factory,
+        trust_remote_code=trust_remote_code,
+    )
     typer.echo(str(out))
 
 

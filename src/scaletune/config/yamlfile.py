@@ -6,7 +6,9 @@ PyYAML's `safe_load` builds no arbitrary objects, but it keeps the last of two e
 silently (a second `training:` block drops the first) and expands aliases by reference: 538 bytes
 of nested aliases ("billion laughs") become gigabytes once anything copies the structure, and an
 anchor inside itself makes a cycle. Both are caught on the composed node graph, before any Python
-object is built.
+object is built. PyYAML's composer (and every walk of the result) recurses once per level, so a
+document nested a few thousand deep ends in a RecursionError: its depth, aliases expanded, is
+measured on the event stream (the parser is a state machine and does not recurse) before composing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import yaml
 
 #: Values an expanded document may hold; a config has a few hundred.
 MAX_NODES = 100_000
+#: Levels of nesting a document may have, aliases expanded; a config has about five.
+MAX_DEPTH = 64
 #: Keys whose values are multi-line text by nature (Jinja chat templates).
 MULTILINE_KEYS = ("chat_template",)
 
@@ -76,6 +80,43 @@ def _check_graph(root: yaml.Node, source: str) -> list[str]:
     return problems
 
 
+def depth_problem(text: str, source: str) -> str | None:
+    """A located problem when the YAML `text` nests deeper than :data:`MAX_DEPTH` (an alias counts
+    as deep as the collection it names); None otherwise, and None for text the parser refuses (the
+    composer then says why, with its line)."""
+    depth = 0
+    # Per open collection: (anchor, its depth, the deepest level reached inside it).
+    open_: list[tuple[str | None, int, int]] = []
+    anchors: dict[str, int] = {}  # anchor -> levels it spans
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            here = depth
+            if isinstance(event, yaml.AliasEvent):
+                here = depth + anchors.get(event.anchor, 0)
+            elif isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                here = depth
+                open_.append((event.anchor, depth, depth))
+            elif isinstance(event, yaml.CollectionEndEvent) and open_:
+                anchor, start, deepest = open_.pop()
+                if anchor:
+                    anchors[anchor] = deepest - start + 1
+                if open_ and deepest > open_[-1][2]:  # the enclosing collection reaches as deep
+                    open_[-1] = (open_[-1][0], open_[-1][1], deepest)
+                depth -= 1
+            if open_ and here > open_[-1][2]:
+                open_[-1] = (open_[-1][0], open_[-1][1], here)
+            if here > MAX_DEPTH:
+                line = event.start_mark.line + 1 if event.start_mark else 0
+                return (
+                    f"{source}:{line}: nested more than {MAX_DEPTH} levels deep (aliases expanded); "
+                    "a config nests a few levels"
+                )
+    except yaml.YAMLError:
+        return None
+    return None
+
+
 def key_lines(root: yaml.Node | None) -> dict[tuple, int]:
     """Each key path of a composed document -> its 1-based line (list items by index)."""
     lines: dict[tuple, int] = {}
@@ -113,6 +154,9 @@ def parse(raw: bytes, source: str) -> tuple[Any, dict[tuple, int], list[str]]:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         return None, {}, [f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})"]
+    too_deep = depth_problem(text, source)
+    if too_deep:
+        return None, {}, [too_deep]
     loader = None
     try:
         loader = _Loader(text)  # its reader refuses some characters (C1 controls) right here

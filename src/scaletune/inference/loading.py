@@ -142,14 +142,16 @@ def load_for_inference(
 
     A LoRA adapter is loaded onto its base model: the run's `model` section where the adapter came
     from a run (same revision, attention, remote-code setting), else `base_model_name_or_path` of
-    `adapter_config.json`. Custom code is never run unless `trust_remote_code` (or the run's config)
-    says so; peft reads adapter weights from safetensors (or with `weights_only=True`).
+    `adapter_config.json`. Custom code is never run unless `trust_remote_code` says so: a run
+    directory's `config.yaml` is data (a downloaded run's `trust_remote_code: true` is not a
+    permission); peft reads adapter weights from safetensors (or with `weights_only=True`).
 
     Args:
         target: run directory, model or adapter folder, pretrained preset name or hub id.
         dtype: float32, bfloat16, float16 or auto (:func:`inference_dtype`).
         template: auto (as trained: :func:`trained_template`), chat, alpaca or none.
-        trust_remote_code: allow the model folder's own Python code (config.json `auto_map`).
+        trust_remote_code: allow the model folder's own Python code (config.json `auto_map`);
+            the caller's choice alone (the command line's `--trust-remote-code`).
 
     Raises:
         UserError: see :func:`find_target`; a model or tokenizer that cannot be loaded.
@@ -165,13 +167,15 @@ def load_for_inference(
     env = DistributedEnv.from_environ(environ={})  # this process alone, whatever launched it
     dt = inference_dtype(dtype, torch.device(resolve_device_map(None, env).device))
     run_model = t.run_config.model if t.run_config is not None else None
-    trust = trust_remote_code or bool(run_model and run_model.trust_remote_code)
+    trust = trust_remote_code  # never the run's config.yaml: it came with the run, from whoever made it
     base_name = str(t.model_dir) if t.model_dir is not None else t.name
     if t.adapter:
         assert t.model_dir is not None
         base_name = run_model.name_or_path if run_model else _adapter_base(t.model_dir)
     if run_model is not None and t.adapter:
-        model_cfg = run_model.model_copy(update={"dtype": dt, "lora": None, "device_map": None, "tokenizer": None})
+        model_cfg = run_model.model_copy(
+            update={"dtype": dt, "lora": None, "device_map": None, "tokenizer": None, "trust_remote_code": trust}
+        )
     else:
         attn = run_model.attn_implementation if run_model else "sdpa"
         model_cfg = ModelConfig(name_or_path=base_name, dtype=dt, attn_implementation=attn, trust_remote_code=trust)

@@ -1,0 +1,91 @@
+"""A stranger's run directory, checkpoint, model folder, data or cache, used through the real CLI
+(issue 21): what came with the files is data, never a permission to run code, and whatever they
+hold ends in exit 2 with a message naming the file, fast, with nothing written.
+
+Each payload would `touch` a marker file; its absence is the proof that nothing ran, and a
+control (the same payload with the command line's permission) shows that it would have run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from tests.helpers import make_config, run_cli
+
+
+def assert_exit_2(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for n in needles:
+        assert n in proc.stderr, (n, proc.stderr[-2000:])
+
+
+# -- a downloaded run directory: config.yaml is data ---------------------------------------------
+def _stranger_run(tiny_model_dir: Path, tmp_path: Path, marker: Path) -> Path:
+    """A finished-looking run whose config.yaml says trust_remote_code: true and names a data
+    factory, and whose final/ ships an `auto_map` module that touches `marker` when imported."""
+    run = tmp_path / "downloaded-run"
+    final = run / "final"
+    shutil.copytree(tiny_model_dir, final)
+    (final / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import Olmo2Config, Olmo2ForCausalLM\n"
+        "class EvilConfig(Olmo2Config):\n    pass\n"
+        "class EvilModel(Olmo2ForCausalLM):\n    config_class = EvilConfig\n"
+    )
+    config = json.loads((final / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
+    (final / "config.json").write_text(json.dumps(config))
+    cfg = make_config(
+        tiny_model_dir,
+        run,
+        model={"trust_remote_code": True},
+        data={"factory": "os:system", "factory_kwargs": {"command": f"touch {marker}"}},
+    )
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return run
+
+
+def test_chat_generate_eval_of_a_downloaded_run_run_no_code(tiny_model_dir, tmp_path):
+    marker = tmp_path / "PWNED"
+    run = _stranger_run(tiny_model_dir, tmp_path, marker)
+    env = {"HF_MODULES_CACHE": str(tmp_path / "hf-modules")}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\n")
+    data = tmp_path / "eval.json"
+    data.write_text(json.dumps([{"instruction": "Say hello.", "input": "", "output": "Hello."}] * 4))
+    for args, stdin in (
+        (["generate", str(run), "--prompts", str(prompts), "--max-new-tokens", "2"], None),
+        (["chat", str(run), "--max-new-tokens", "2"], "hello\n"),
+        (["eval", str(run), "--data", str(data)], None),
+    ):
+        proc = run_cli(args, env=env, input=stdin, timeout=300)
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert not marker.exists(), f"`scaletune {args[0]}` ran the run's code: {proc.stderr[-2000:]}"
+    # Control: the command line's permission does run the folder's code (the plant is real).
+    proc = run_cli(
+        ["generate", str(run), "--prompts", str(prompts), "--max-new-tokens", "2", "--trust-remote-code"],
+        env=env,
+        timeout=300,
+    )
+    assert marker.exists(), proc.stderr[-2000:]
+
+
+def test_export_of_a_checkpoint_naming_a_factory_needs_the_flag(run_copy, tmp_path):
+    marker = tmp_path / "PWNED"
+    run = run_copy("dcp")
+    step = sorted((run / "checkpoints").iterdir())[-1]
+    saved = yaml.safe_load((step / "config.yaml").read_text())
+    saved["model"]["factory"] = "os:system"
+    saved["model"]["factory_kwargs"] = {"command": f"touch {marker}"}
+    (step / "config.yaml").write_text(yaml.safe_dump(saved))
+    proc = run_cli(["export", str(step), "-o", str(tmp_path / "out")], timeout=300)
+    assert_exit_2(proc, "--allow-factory", "os:system", str(step / "config.yaml"))
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+    # Control: with the flag the named code runs (os.system returns 0, not a module: refused after).
+    proc = run_cli(["export", str(step), "-o", str(tmp_path / "out"), "--allow-factory"], timeout=300)
+    assert marker.exists(), proc.stderr[-2000:]
