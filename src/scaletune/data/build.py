@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import filelock
 import jinja2
 import torch
 
@@ -100,46 +101,49 @@ def _tokenize(
         encoder({k: [v] for k, v in records[0].items()})
     except jinja2.TemplateError as exc:
         raise DataError(f"data.{name}: the chat template fails on record 1: {exc}", title="invalid data") from None
-    raw = datasets.Dataset.from_list(records)
-    ints = datasets.Sequence(datasets.Value("int32"))
-    ds = raw.map(
-        encoder,
-        batched=True,
-        remove_columns=raw.column_names,
-        features=datasets.Features(
-            {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
-        ),
-        cache_file_name=str(cache / f"{key}-tokens.arrow"),
-        new_fingerprint=f"{key}-tokens",
-        num_proc=num_proc,
-        desc=f"tokenizing {name}",
-    )
-    if len(ds) == 0:
-        raise DataError(
-            f"data.{name} ({source.path}): all {len(records)} records were dropped: none has a token "
-            f"to train on within data.max_seq_length ({data_cfg.max_seq_length}) tokens (every response "
-            "was truncated away, or the targets are empty); raise data.max_seq_length",
-            title="invalid data",
-        )
-    stats = _prefixed(
-        name,
-        records=len(records),
-        examples=len(ds),
-        dropped_empty=len(records) - len(ds),
-        truncated=int(pc.sum(ds.data.column("truncated")).as_py() or 0),
-    )
-    ds = ds.remove_columns("truncated")
-    if data_cfg.packing:
-        ds = ds.map(
-            pack_rows,
+    # One writer per cache entry: ranks (or jobs) that share a cache and miss it together would each
+    # tokenize into the same files at once; the others wait here, then read the first one's files.
+    with filelock.FileLock(str(cache / f"{key}.lock")):
+        raw = datasets.Dataset.from_list(records)
+        ints = datasets.Sequence(datasets.Value("int32"))
+        ds = raw.map(
+            encoder,
             batched=True,
-            batch_size=_PACK_CHUNK,
-            fn_kwargs={"max_len": data_cfg.max_seq_length},
-            cache_file_name=str(cache / f"{key}-packed.arrow"),
-            new_fingerprint=f"{key}-packed",
+            remove_columns=raw.column_names,
+            features=datasets.Features(
+                {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
+            ),
+            cache_file_name=str(cache / f"{key}-tokens.arrow"),
+            new_fingerprint=f"{key}-tokens",
             num_proc=num_proc,
-            desc=f"packing {name}",
+            desc=f"tokenizing {name}",
         )
+        if len(ds) == 0:
+            raise DataError(
+                f"data.{name} ({source.path}): all {len(records)} records were dropped: none has a token "
+                f"to train on within data.max_seq_length ({data_cfg.max_seq_length}) tokens (every response "
+                "was truncated away, or the targets are empty); raise data.max_seq_length",
+                title="invalid data",
+            )
+        stats = _prefixed(
+            name,
+            records=len(records),
+            examples=len(ds),
+            dropped_empty=len(records) - len(ds),
+            truncated=int(pc.sum(ds.data.column("truncated")).as_py() or 0),
+        )
+        ds = ds.remove_columns("truncated")
+        if data_cfg.packing:
+            ds = ds.map(
+                pack_rows,
+                batched=True,
+                batch_size=_PACK_CHUNK,
+                fn_kwargs={"max_len": data_cfg.max_seq_length},
+                cache_file_name=str(cache / f"{key}-packed.arrow"),
+                new_fingerprint=f"{key}-packed",
+                num_proc=num_proc,
+                desc=f"packing {name}",
+            )
     return ds, stats
 
 

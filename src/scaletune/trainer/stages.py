@@ -38,16 +38,33 @@ def _builder(stage: Stage) -> Callable[..., Any]:
     return build_custom_data if stage.data.factory is not None else build_datasets
 
 
+def build_turn(env: Any) -> tuple[int, int]:
+    """(this rank's turn, the number of turns) in building a stage's data (`env`: a DistributedEnv).
+
+    Turn 0: global rank 0 alone (tokenizing into the datasets cache, or a data factory downloading
+    or caching what it reads). On several nodes, turn 1: each other node's first rank (local rank
+    0), because the cache is node-local by default (~/.cache): without it every rank of a second
+    node would tokenize into the same cache files at once. Last turn: every other rank, reading
+    what its node's first rank left.
+    """
+    nodes = env.world_size > env.local_world_size
+    if env.is_main:
+        return 0, 3 if nodes else 2
+    if nodes:
+        return (1 if env.local_rank == 0 else 2), 3
+    return 1, 2
+
+
 def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy) -> Any:
-    """Rank 0 builds first (tokenizing into the datasets cache, or a data factory downloading or
-    caching what it reads); the other ranks then read what it left."""
+    """Build the stage's data in the turns of :func:`build_turn`, every rank waiting between turns."""
     build = _builder(stage)
     bundle = None
-    if spec.env.is_main:
-        bundle = build(stage.data, tokenizer, seed=spec.config.seed)
-    strategy.barrier()
-    if not spec.env.is_main:
-        bundle = build(stage.data, tokenizer, seed=spec.config.seed)
+    mine, turns = build_turn(spec.env)
+    for turn in range(turns):
+        if turn == mine:
+            bundle = build(stage.data, tokenizer, seed=spec.config.seed)
+        if turn < turns - 1:
+            strategy.barrier()
     return bundle
 
 
