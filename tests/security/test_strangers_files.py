@@ -89,3 +89,39 @@ def test_export_of_a_checkpoint_naming_a_factory_needs_the_flag(run_copy, tmp_pa
     # Control: with the flag the named code runs (os.system returns 0, not a module: refused after).
     proc = run_cli(["export", str(step), "-o", str(tmp_path / "out"), "--allow-factory"], timeout=300)
     assert marker.exists(), proc.stderr[-2000:]
+
+
+# -- a model folder whose safetensors header points outside the file ------------------------------
+def _move_tensor_far(folder: Path) -> str:
+    """Rewrite model.safetensors' header so that its first tensor lies at offset 10^13; returns its name."""
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [10**13, 10**13 + end - begin]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+    return name
+
+
+def test_safetensors_header_beyond_the_file_is_refused_in_the_preflight(tiny_model_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    name = _move_tensor_far(folder)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(make_config(folder, tmp_path / "run")))
+    proc = run_cli(["train", str(cfg), "--check"], timeout=300)
+    assert_exit_2(proc, str(folder / "model.safetensors"), name, "10000000000000")
+    assert not (tmp_path / "run").exists()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    proc = run_cli(["generate", str(folder), "--prompts", str(prompts), "--max-new-tokens", "2"], timeout=300)
+    assert_exit_2(proc, str(folder / "model.safetensors"), name)
+
+
+def test_sound_safetensors_headers_pass(tiny_model_dir):
+    from scaletune.models.checks import safetensors_problems
+
+    assert safetensors_problems(tiny_model_dir / "model.safetensors") == []

@@ -206,7 +206,14 @@ def load_model_config(
     from scaletune.data import resolve_chat_template
     from scaletune.env import DistributedEnv
     from scaletune.models import load_model, load_tokenizer, resolve_device_map
+    from scaletune.models.checks import safetensors_problems
 
+    # The weights' headers against their files first: a stranger's folder fails here, by name,
+    # rather than in the middle of loading.
+    folders = [Path(model_cfg.name_or_path).expanduser(), *([adapter] if adapter is not None else [])]
+    bad = [p for d in folders if d.is_dir() for f in sorted(d.glob("*.safetensors")) for p in safetensors_problems(f)]
+    if bad:
+        raise UserError(bad, title="invalid model")
     placement = resolve_device_map(None, DistributedEnv.from_environ(environ={}))
     cfg = model_cfg.model_copy(update={"lora": None, "device_map": None, "quantization": None})
     model = load_model(cfg, placement)

@@ -1,8 +1,11 @@
 """What the preflight asks of a model before anything loads it: its config readable, its weights
-present, its attention implementation known; and the position limit the data may not exceed."""
+present and their safetensors headers inside their files, its attention implementation known; and
+the position limit the data may not exceed."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 from scaletune.config import ModelConfig
@@ -13,6 +16,66 @@ from scaletune.safe_load import scan_torch_file
 
 #: Files that hold a Hugging Face model's weights.
 WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
+#: Bytes per element of safetensors' dtype names (sub-byte and unknown dtypes: offsets checked only).
+_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2}
+_ST_BYTES |= {"U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+#: safetensors' own limit on the JSON header.
+_ST_MAX_HEADER = 100_000_000
+
+
+def safetensors_problems(path: Path, limit: int = 3) -> list[str]:
+    """What in a safetensors file's header does not fit the file, read without loading a tensor:
+    the header's length, its JSON, and per tensor its dtype, shape and `data_offsets` (inside the
+    data area, as long as the shape and dtype say). A header placing a tensor at offset 10^13
+    passes a directory listing and fails much later, in the middle of loading.
+
+    Returns:
+        at most `limit` problems, each naming the file and the tensor; empty for a sound header.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > min(size - 8, _ST_MAX_HEADER):
+                return [f"{path}: not a safetensors file: its header length {n} does not fit the file ({size} bytes)"]
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return [f"{path}: cannot be read: {exc.strerror or exc}"]
+    except ValueError as exc:
+        return [f"{path}: not a safetensors file: its header is not JSON ({exc})"]
+    if not isinstance(header, dict):
+        return [f"{path}: not a safetensors file: its header is not a JSON object"]
+    data = size - 8 - n
+    problems = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        what = _tensor_problem(info, data)
+        if what:
+            problems.append(f"{path}: tensor {name!r}: {what}")
+            if len(problems) >= limit:
+                break
+    return problems
+
+
+def _tensor_problem(info: object, data: int) -> str | None:
+    if not isinstance(info, dict):
+        return "its header entry is not an object"
+    shape, offsets, dtype = info.get("shape"), info.get("data_offsets"), info.get("dtype")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        return f"shape {shape!r} is not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        return f"data_offsets {offsets!r} are not two integers"
+    begin, end = offsets
+    if not 0 <= begin <= end <= data:
+        return f"data_offsets [{begin}, {end}] lie outside the file's {data} bytes of tensor data"
+    width = _ST_BYTES.get(dtype) if isinstance(dtype, str) else None
+    if width is not None and end - begin != math.prod(shape) * width:
+        return f"{end - begin} bytes for a {dtype} tensor of shape {shape} ({math.prod(shape) * width} bytes)"
+    return None
 
 
 def attention_problem(name: str | None) -> str | None:
@@ -48,6 +111,8 @@ def model_facts(cfg: ModelConfig) -> tuple[int | None, list[str]]:
                 scan_torch_file(f)
             except UserError as exc:
                 problems += exc.problems
+        for f in sorted(folder.glob("*.safetensors")):
+            problems += safetensors_problems(f)
     try:
         hf_config = load_config(cfg)
     except UserError as exc:
