@@ -595,3 +595,21 @@ def test_tokenized_data_is_cached_and_reused(tmp_path, olmo, alpaca_path, monkey
     encoded.clear()
     build(tmp_path, olmo, train=src, max_seq_length=128, packing=True)  # another key: tokenized again
     assert sum(encoded) > 100 and len(list((tmp_path / "cache").iterdir())) == 2 * len(files)
+
+
+def test_the_stage_line_says_the_data_in_words(tmp_path, neox, alpaca):
+    """The summary the trainer prints names the counts of the built data, not a JSON dict."""
+    from scaletune.data.build import describe_stats
+
+    short = {"instruction": "Say hi.", "input": "", "output": "Hi!"}
+    long_prompt = {"instruction": " ".join(["word"] * 80), "input": "", "output": "ok"}  # dropped at 64
+    path = write_json(tmp_path / "a.json", [short, alpaca[4], long_prompt])
+    b = build(tmp_path, neox, train={"path": path}, max_seq_length=64)
+    tokens = sum(len(r["input_ids"]) for r in b.train)
+    trained = sum(sum(1 for t in r["labels"] if t != -100) for r in b.train)
+    line = describe_stats(b.stats)
+    assert line == (
+        f"train: 3 records, {len(b.train)} examples (1 truncated, 1 dropped), {len(b.train)} rows, "
+        f"{tokens:,} tokens ({trained:,} trained)"
+    )
+    assert "{" not in line

@@ -147,6 +147,38 @@ def _tokenize(
     return ds, stats
 
 
+def describe_stats(stats: dict) -> str:
+    """:attr:`DataBundle.stats` in words, per split: records, examples kept (truncated, dropped),
+    rows, tokens (trained); a data factory's sample counts as they are.
+
+    Example: ``train: 96 records, 96 examples (3 truncated, 0 dropped), 96 rows, 20,480 tokens
+    (8,192 trained)``.
+    """
+    parts = []
+    for name in ("train", "eval"):
+        bare = ("dropped_empty", "truncated") if name == "train" else ()  # as _prefixed names them
+
+        def count(key: str, name: str = name, bare: tuple = bare) -> int | None:
+            return stats.get(key if key in bare else f"{name}_{key}")
+
+        if count("samples") is not None:
+            parts.append(f"{name}: {count('samples'):,} samples")
+            continue
+        words = []
+        if count("records") is not None:
+            words.append(f"{count('records'):,} records")
+        if count("examples") is not None:
+            kept = f"{count('examples'):,} examples"
+            words.append(f"{kept} ({count('truncated') or 0:,} truncated, {count('dropped_empty') or 0:,} dropped)")
+        if count("rows") is not None:
+            words.append(f"{count('rows'):,} rows")
+        if count("tokens") is not None:
+            words.append(f"{count('tokens'):,} tokens ({count('target_tokens') or 0:,} trained)")
+        if words:
+            parts.append(f"{name}: " + ", ".join(words))
+    return "; ".join(parts)
+
+
 def _prefixed(name: str, **counts: int) -> dict:
     # train's dropped/truncated counts go unprefixed (the trainer logs them); records, rows,
     # tokens are always prefixed.

@@ -4,7 +4,6 @@ continues."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -100,6 +99,8 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
     Raises:
         UserError: a stage with fewer sequences than one global batch.
     """
+    from scaletune.data.build import describe_stats
+
     plans: list[StagePlan] = []
     for stage in spec.stages:
         batch = spec.batch_for(stage)
@@ -113,7 +114,7 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
         plans.append(StagePlan(stage, batch, bundle, steps_per_epoch, total, total, origin))
         print0(
             f"[scaletune] stage {stage.name}: {len(bundle.train)} sequences, {steps_per_epoch} steps per epoch, "
-            f"{total} optimizer steps; data {json.dumps(bundle.stats)}"
+            f"{total} optimizer steps; {describe_stats(bundle.stats)}"
         )
     # A stage that continues the schedule extends the horizon of the stage that started it.
     for p in plans:
