@@ -125,3 +125,70 @@ def test_sound_safetensors_headers_pass(tiny_model_dir):
     from scaletune.models.checks import safetensors_problems
 
     assert safetensors_problems(tiny_model_dir / "model.safetensors") == []
+
+
+# -- a data factory's batches, checked at the first batch ----------------------------------------
+FACTORY = """
+import torch
+
+class Items:
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return i
+
+def build(tokenizer, case):
+    def collate(items):
+        g = torch.Generator().manual_seed(len(items))
+        ids = torch.randint(0, 100, (len(items), 16), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+        if case == "labels shorter":
+            batch["labels"] = ids[:, :12].clone()
+        elif case == "ids out of range":
+            batch["input_ids"] = ids + 10**6
+        elif case == "float ids":
+            batch["input_ids"] = ids.float()
+        elif case == "3-D ids":
+            batch["input_ids"] = ids[:, None, :]
+        elif case == "no mask, no positions":
+            del batch["attention_mask"]
+        elif case == "no labels":
+            del batch["labels"]
+        return batch
+    return Items(), collate
+"""
+
+BATCH_CASES = {
+    "labels shorter": "labels has shape [2, 12], input_ids [2, 16]",
+    "ids out of range": "outside the model's",
+    "float ids": "input_ids is float32, not an integer tensor",
+    "3-D ids": "input_ids has 3 dimensions",
+    "no mask, no positions": "lacks attention_mask or position_ids",
+    "no labels": "lacks labels",
+}
+
+
+def test_factory_batches_are_checked_before_anything_is_written(tiny_model_dir, tmp_path):
+    factory = tmp_path / "my_data.py"
+    factory.write_text(FACTORY)
+
+    def config(case: str, name: str) -> Path:
+        cfg = make_config(
+            tiny_model_dir,
+            tmp_path / name,
+            data={"train": None, "factory": f"{factory}:build", "factory_kwargs": {"case": case}},
+            training={"max_steps": 1, "save_every": 0},
+        )
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    for i, (case, needle) in enumerate(BATCH_CASES.items()):
+        proc = run_cli(["train", str(config(case, f"run{i}"))], timeout=300)
+        assert_exit_2(proc, f"data.factory '{factory}:build'", needle)
+        assert not (tmp_path / f"run{i}").exists(), case
+    # Control: the same factory's sound batches train.
+    proc = run_cli(["train", str(config("sound", "good"))], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "good" / "final").is_dir()

@@ -103,6 +103,84 @@ def build_custom_data(data_cfg: DataConfig, tokenizer: Any, *, seed: int) -> Dat
     return DataBundle(train, eval_set, stats, collator=collator)
 
 
+#: The keys a batch for a Hugging Face causal LM may hold (`trainer.batches.model_inputs`).
+TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def batch_problems(batch: Any, ref: str, *, vocab_size: int | None, text: bool) -> list[str]:
+    """What in one collated batch of `data.factory` would fail (or train wrongly) at the first step,
+    found before anything is written.
+
+    Args:
+        batch: what the factory's collator returned for a list of items.
+        ref: the factory reference, for messages.
+        vocab_size: the embedding's rows: `input_ids` must lie in [0, vocab_size) and `labels`
+            there or at -100 (None: not checked).
+        text: the batch feeds a Hugging Face causal LM (`input_ids`, `labels` of the same [batch,
+            seq] shape, integer; `attention_mask` or else `position_ids` of that shape); else a
+            factory's model, whose forward takes any keys: only `input_ids` and `num_units` are
+            checked there, and the target count (`labels` or `num_units`).
+
+    Returns:
+        the problems, each naming the key; empty for a batch the loop can run.
+    """
+    where = f"data.factory {ref!r}: a batch of its collator"
+    if not isinstance(batch, Mapping) or not all(isinstance(k, str) for k in batch):
+        return [f"{where} is a {type(batch).__name__}, not a mapping of names to tensors"]
+    problems: list[str] = []
+    ids = batch.get("input_ids")
+    if text:
+        missing = [k for k in ("input_ids", "labels") if k not in batch]
+        if "attention_mask" not in batch and "position_ids" not in batch:
+            missing.append("attention_mask or position_ids")
+        if missing:
+            return [f"{where} lacks {', '.join(missing)} (keys: {sorted(batch)}); a causal LM needs them"]
+        for key in TEXT_KEYS:
+            if key in batch:
+                problems += _tensor_problems(batch[key], key, where, 2, ids if key != "input_ids" else None)
+    elif ids is not None:
+        problems += _tensor_problems(ids, "input_ids", where, None, None)
+    if problems:
+        return problems
+    if ids is not None and vocab_size is not None and ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            problems.append(
+                f"{where}: input_ids range over [{low}, {high}], outside the model's {vocab_size} embeddings"
+            )
+    labels = batch.get("labels")
+    if text and vocab_size is not None and labels.numel():
+        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))]
+        if bad.numel():
+            problems.append(
+                f"{where}: labels hold {int(bad[0])}, neither a token id below {vocab_size} nor {IGNORE_INDEX} (no target)"
+            )
+    if text and "position_ids" in batch and batch["position_ids"].numel() and int(batch["position_ids"].min()) < 0:
+        problems.append(f"{where}: position_ids are negative")
+    if not text:
+        if NUM_UNITS in batch and not (isinstance(batch[NUM_UNITS], int) or _integer_scalar(batch[NUM_UNITS])):
+            problems.append(f"{where}: {NUM_UNITS} is a {type(batch[NUM_UNITS]).__name__}, not an integer")
+        elif NUM_UNITS not in batch and not torch.is_tensor(labels):
+            problems.append(f"{where} has neither {NUM_UNITS!r} nor a 'labels' tensor (keys: {sorted(batch)})")
+    return problems
+
+
+def _integer_scalar(value: Any) -> bool:
+    return torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool
+
+
+def _tensor_problems(value: Any, key: str, where: str, ndim: int | None, like: Any) -> list[str]:
+    if not torch.is_tensor(value):
+        return [f"{where}: {key} is a {type(value).__name__}, not a tensor"]
+    if value.is_floating_point() or value.is_complex() or (value.dtype == torch.bool and key != "attention_mask"):
+        return [f"{where}: {key} is {str(value.dtype).removeprefix('torch.')}, not an integer tensor"]
+    if ndim is not None and value.dim() != ndim:
+        return [f"{where}: {key} has {value.dim()} dimensions {list(value.shape)}, not [batch, sequence]"]
+    if like is not None and torch.is_tensor(like) and value.shape != like.shape:
+        return [f"{where}: {key} has shape {list(value.shape)}, input_ids {list(like.shape)}: they must be the same"]
+    return []
+
+
 def count_units(batch: dict[str, Any]) -> int:
     """Target units of a custom micro-batch: `batch["num_units"]`, else the entries of `labels`
     that are not -100 (no causal shift: mark every position without a target -100).

@@ -121,6 +121,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
     """Every problem of a factory run (or of stage patterns) found without writing anything; empty
     for a Hugging Face run with neither. Data factories are called on rank 0 only (they may
     download); rank 0 alone then reports their problems, as it does the run directory's."""
+    from scaletune.data.factory import batch_problems
     from scaletune.trainer.freezing import trainable_sets
 
     custom = spec.custom_model
@@ -155,9 +156,25 @@ def factory_problems(spec: RunSpec) -> list[str]:
                 raise
             # Called without the model's tokenizer (the model factory failed): the run stops anyway.
             log.info(f"data.factory {stage.data.factory}: not checked further without a model ({exc})")
-    if loss is not None and 0 in bundles:  # text data is not tokenized here: checked at the first step
+    first: dict[int, dict] = {}
+    if bundles:
+        vocab = _vocab_size(loss, spec) if not model_failed else None
+        for index, bundle in bundles.items():
+            ref = spec.stages[index].data.factory
+            try:
+                batch = _first_batch(bundle, processor, spec)
+            except Exception as exc:  # the factory's collator: its failure is bad input, said once
+                problems.append(
+                    f"data.factory {ref!r}: its collator fails on the first items: {type(exc).__name__}: {exc}"
+                )
+                continue
+            found = batch_problems(batch, ref, vocab_size=vocab, text=loss is None)
+            problems += found
+            if not found:
+                first[index] = batch
+    if loss is not None and 0 in first:  # text data is not tokenized here: checked at the first step
         try:
-            problems += _forward_problems(MetaRun(loss, processor, _first_batch(bundles[0], processor, spec)))
+            problems += _forward_problems(MetaRun(loss, processor, first[0]))
         except UserError as exc:
             problems += [p for p in exc.problems if p not in problems]
     if model is not None:
@@ -166,6 +183,25 @@ def factory_problems(spec: RunSpec) -> list[str]:
         except UserError as exc:
             problems += exc.problems
     return problems
+
+
+def _vocab_size(loss: Any, spec: RunSpec) -> int | None:
+    """Rows of the input embedding the data factory's ids index: the factory module's
+    `get_input_embeddings()` (None where it has none), else the Hugging Face config's vocab_size."""
+    if loss is not None:
+        get = getattr(loss.model, "get_input_embeddings", None)
+        try:
+            emb = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            emb = None
+        return getattr(emb, "num_embeddings", None)
+    from scaletune.models import load_config
+
+    try:
+        hf = load_config(spec.config.model)
+    except UserError:
+        return None  # model_facts reports it
+    return getattr(hf.get_text_config(), "vocab_size", None)
 
 
 def _forward_problems(run: MetaRun) -> list[str]:
