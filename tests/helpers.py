@@ -34,7 +34,9 @@ LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"},
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def make_config(model: Path | str, out: Path | str, /, *, as_config: bool = False, **sections: Any) -> dict | Config:
+def make_config(
+    model: Path | str, out: Path | str, /, *layers: dict[str, Any], as_config: bool = False, **sections: Any
+) -> dict | Config:
     """The config of a tiny run, as the dict a YAML file would hold (or, `as_config=True`, the
     validated :class:`scaletune.config.Config`; schema problems raise ConfigError).
 
@@ -43,7 +45,8 @@ def make_config(model: Path | str, out: Path | str, /, *, as_config: bool = Fals
     2 warmup steps, clip 1.0) saving a checkpoint at step 4 and at the end, one process
     (`strategy: single`), no TensorBoard. Each keyword names a top-level key: a mapping updates
     that section (a value of None removes the key, e.g. `data={"train": None, "dummy": {}}`),
-    anything else replaces it (`seed=7`)."""
+    anything else replaces it (`seed=7`). `layers` are such keywords as mappings (a test file's own
+    base), applied in order before `sections`."""
     cfg: dict[str, Any] = {
         "output_dir": str(out),
         "seed": 1234,
@@ -72,25 +75,22 @@ def make_config(model: Path | str, out: Path | str, /, *, as_config: bool = Fals
         "distributed": {"strategy": "single", "num_processes": 1},
         "logging": {"tensorboard": False},
     }
-    for name, values in sections.items():
-        if not isinstance(values, dict):
-            cfg[name] = values
-            continue
-        section = cfg.setdefault(name, {})
-        for key, value in values.items():
-            if value is None:
-                section.pop(key, None)
-            else:
-                section[key] = value
+    for layer in (*layers, sections):
+        for name, values in layer.items():
+            if not isinstance(values, dict):
+                cfg[name] = values
+                continue
+            section = cfg.setdefault(name, {})
+            for key, value in values.items():
+                if value is None:
+                    section.pop(key, None)
+                else:
+                    section[key] = value
     if not as_config:
         return cfg
     from scaletune.config import load_config
 
     return load_config(None, data=cfg)
-
-
-# The old name of make_config, for tests written while it was renamed.
-base_config = make_config
 
 
 def make_env(

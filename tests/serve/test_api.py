@@ -16,10 +16,8 @@ from tests.serve.conftest import client, read_events, wait_state
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 
 
-def job_config(tiny_model_dir, out: Path, steps: int = 4) -> str:
-    cfg = make_config(tiny_model_dir, out)
-    cfg["training"].update(max_steps=steps, save_every=0, micro_batch_size=8)
-    return yaml.safe_dump(cfg)
+# A job's training section over make_config's: 4 steps of one micro batch, no checkpoints.
+JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +25,7 @@ def uninterrupted(server, tiny_model_dir, module_tmp_path):
     """The control: a 4-step job run through the API without interruption; its SSE stream."""
     out = module_tmp_path / "whole"
     c = client(server, server.submit)
-    r = c.post("/api/jobs", json={"config": job_config(tiny_model_dir, out)})
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(make_config(tiny_model_dir, out, training=JOB))})
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     events = read_events(c, job_id, lambda k, d: k == "state" and d["state"] in TERMINAL)
@@ -65,7 +63,9 @@ def test_stop_then_resume_matches_uninterrupted(server, uninterrupted, tiny_mode
     _, whole, _ = uninterrupted
     c = client(server, server.submit)
     out = tmp_path / "stopped"
-    job_id = c.post("/api/jobs", json={"config": job_config(tiny_model_dir, out)}).json()["id"]
+    job_id = c.post(
+        "/api/jobs", json={"config": yaml.safe_dump(make_config(tiny_model_dir, out, training=JOB))}
+    ).json()["id"]
     assert c.post(f"/api/jobs/{job_id}/stop").json()["state"] == "stopping"
     job = wait_state(c, job_id, TERMINAL)
     assert job["state"] == "stopped", job
@@ -85,7 +85,10 @@ def test_restart_reattaches_then_cancel_ends_it(server, tiny_model_dir, tmp_path
     metrics, and its cancel ends the process it did not start."""
     c = client(server, server.submit)
     out = tmp_path / "long"
-    job_id = c.post("/api/jobs", json={"config": job_config(tiny_model_dir, out, steps=400)}).json()["id"]
+    job_id = c.post(
+        "/api/jobs",
+        json={"config": yaml.safe_dump(make_config(tiny_model_dir, out, training={**JOB, "max_steps": 400}))},
+    ).json()["id"]
     read_events(c, job_id, lambda k, d: k == "metric")
     pid = int(c.get(f"/api/jobs/{job_id}").json()["target_id"])
     server.restart()  # a new service on the same database; the run goes on meanwhile
@@ -103,7 +106,7 @@ def test_restart_reattaches_then_cancel_ends_it(server, tiny_model_dir, tmp_path
 
 
 def test_bad_config_lists_every_problem_like_the_cli(server, tiny_model_dir, tmp_path):
-    cfg = yaml.safe_load(job_config(tiny_model_dir, tmp_path / "bad"))
+    cfg = make_config(tiny_model_dir, tmp_path / "bad", training=JOB)
     cfg["model"]["dtype"] = "float99"
     cfg["training"]["micro_batch_size"] = 0
     cfg["data"]["train"]["path"] = str(tmp_path / "missing.json")
@@ -128,7 +131,10 @@ def test_bad_config_lists_every_problem_like_the_cli(server, tiny_model_dir, tmp
 
 def test_dry_run_returns_plan_and_command(server, tiny_model_dir, tmp_path):
     c = client(server, server.submit)
-    r = c.post("/api/jobs", json={"config": job_config(tiny_model_dir, tmp_path / "dry"), "dry_run": True})
+    r = c.post(
+        "/api/jobs",
+        json={"config": yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "dry", training=JOB)), "dry_run": True},
+    )
     assert r.status_code == 200, r.text
     plan = r.json()["plan"]
     assert plan["strategy"] == "single" and plan["world_size"] == 1
@@ -137,7 +143,11 @@ def test_dry_run_returns_plan_and_command(server, tiny_model_dir, tmp_path):
     assert plan["memory_per_rank"]["per_rank_bytes"]["params"] > 0
     r = c.post(
         "/api/jobs",
-        json={"config": job_config(tiny_model_dir, tmp_path / "dry"), "dry_run": True, "target": "slurm"},
+        json={
+            "config": yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "dry", training=JOB)),
+            "dry_run": True,
+            "target": "slurm",
+        },
     )
     assert "#SBATCH" in r.json()["plan"]["sbatch_script"]
     assert not (tmp_path / "dry").exists() and all(
@@ -147,7 +157,7 @@ def test_dry_run_returns_plan_and_command(server, tiny_model_dir, tmp_path):
 
 def test_auth(server, uninterrupted, tiny_model_dir, tmp_path):
     job_id, out, _ = uninterrupted
-    body = {"config": job_config(tiny_model_dir, tmp_path / "auth")}
+    body = {"config": yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "auth", training=JOB))}
     assert client(server, None).get("/api/jobs").status_code == 401
     assert client(server, "st_wrong").get("/api/jobs").status_code == 401
     assert client(server, server.read).get("/api/jobs").status_code == 200

@@ -13,30 +13,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from scaletune.config import load_config
-from scaletune.env import DistributedEnv
+from scaletune.errors import UserError
 from scaletune.models.loss import CausalLMLoss, target_index
 from scaletune.resolve import precision_for, resolve
 from scaletune.strategies import make_strategy
 from scaletune.strategies.process_group import MIXED_BACKEND, select_backend
-from tests.helpers import ALPACA_5000, run_cli
+from tests.helpers import make_config, make_env
 
-CPU = DistributedEnv("none")
-GPU = DistributedEnv("none", cuda_available=True, cuda_device_count=2, bf16_supported=True)
+CPU = make_env()
+GPU = make_env(gpus=2)
+
+# What these runs change in make_config's: bfloat16, 16 sequences a step, 2 steps, no checkpoints.
+RUN = {"model": {"dtype": "bfloat16"}, "training": {"global_batch_size": 16, "max_steps": 2, "save_every": 0}}
 
 
-def config(name: str = "runs/models/x", out: str = "runs/x", **sections):
-    data = {
-        "output_dir": out,
-        "model": {"name_or_path": name, "dtype": "bfloat16", "gradient_checkpointing": False},
-        "data": {"train": {"path": str(ALPACA_5000), "max_samples": 16}, "max_seq_length": 64},
-        "training": {"global_batch_size": 16, "micro_batch_size": 2, "max_steps": 2, "save_every": 0},
-        "distributed": {"strategy": "single", "num_processes": 1},
-        "logging": {"tensorboard": False},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value}
-    return load_config(None, data=data)
+def config(**sections):
+    """make_config's config with RUN and `sections` for a model that need not exist (nothing loads it)."""
+    return make_config("runs/models/x", "runs/x", RUN, as_config=True, **sections)
 
 
 # -- 1: the backend -----------------------------------------------------------------------------
@@ -63,7 +56,7 @@ def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading(monkeypatch):
     for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
+    env = make_env(2, gpus=2)
     precision = torch.get_float32_matmul_precision()  # setup sets TF32 for a bf16 run on GPUs
     try:
         for section in ({"strategy": "fsdp"}, {"strategy": "fsdp", "offload_params": True}, {"strategy": "ddp"}):
@@ -76,40 +69,28 @@ def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading(monkeypatch):
 # -- 2: FSDP + QLoRA ----------------------------------------------------------------------------
 
 
-def test_fsdp_with_quantization_is_refused_with_the_alternative(tmp_path, tiny_model_dir):
-    import yaml
-
-    out = tmp_path / "run"
-    cfg = config(
-        str(tiny_model_dir),
-        str(out),
-        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
-        distributed={"strategy": "fsdp", "num_processes": 2},
-    )
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    proc = run_cli(["train", str(path)], timeout=300)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "model.quantization cannot run under strategy fsdp" in proc.stderr
-    assert "use strategy ddp" in proc.stderr and "zero_stage 3" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert not out.exists()
-    # The same model under ZeRO-3 with a matching storage dtype is not refused by that rule.
-    zero3 = config(
-        model={"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}},
-        distributed={"strategy": "deepspeed", "zero_stage": 3},
-    )
-    resolve(zero3, DistributedEnv("torchrun", world_size=2, cuda_available=True, cuda_device_count=2))
+def test_fsdp_with_quantization_is_refused_with_the_alternative():
+    """Refused before anything loads, naming what runs instead (the CLI's exit 2 for it:
+    tests/e2e/test_preflight_cli.py); the same model under ZeRO-3 is not refused by that rule."""
+    qlora = {"lora": {"r": 8}, "quantization": {"bits": 4, "storage_dtype": "bfloat16"}}
+    env = make_env(2, gpus=2)
+    with pytest.raises(UserError) as info:
+        resolve(config(model=qlora, distributed={"strategy": "fsdp", "num_processes": 2}), env)
+    text = info.value.format()
+    assert "model.quantization cannot run under strategy fsdp" in text
+    assert "use strategy ddp" in text and "zero_stage 3" in text
+    resolve(config(model=qlora, distributed={"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2}), env)
 
 
 def test_the_planner_never_picks_fsdp_for_a_quantized_model(tmp_path):
     from scaletune.plan import GiB, plan
 
-    env = DistributedEnv(
-        "torchrun", world_size=8, cuda_available=True, cuda_device_count=8, device_memory_bytes=24 * GiB
-    )
-    cfg = config(
+    env = make_env(8, gpus=8, memory_gib=24)
+    cfg = make_config(
         "llama-3-70b",
+        "runs/x",
+        RUN,
+        as_config=True,
         model={
             "lora": {"r": 16},
             "quantization": {"bits": 4, "storage_dtype": "bfloat16"},
@@ -159,7 +140,7 @@ def fp16_run(tiny_model_dir, tmp_path, scaler: bool, init_scale: float = 2.0**8)
     from scaletune.strategies.base import torn_down
     from scaletune.trainer import seed_everything, train_step
 
-    cfg = config(str(tiny_model_dir), str(tmp_path / "run"), model={"dtype": "float16"})
+    cfg = make_config(tiny_model_dir, tmp_path / "run", RUN, as_config=True, model={"dtype": "float16"})
     spec = resolve(cfg, CPU)
     strategy = make_strategy(spec)
     tok = load_tokenizer(cfg.model)
@@ -212,7 +193,7 @@ def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_di
 
 
 def test_no_scaler_for_bf16_or_deepspeed_fp16():
-    env = DistributedEnv("torchrun", world_size=1, cuda_available=False)
+    env = make_env(launcher="torchrun")
     assert make_strategy(resolve(config(), CPU)).make_scaler() is None  # bf16 needs none
     ds = make_strategy(resolve(config(model={"dtype": "float16"}, distributed={"strategy": "deepspeed"}), env))
     assert ds.make_scaler() is None  # DeepSpeed's fp16 mode scales its own loss
@@ -367,7 +348,7 @@ def test_tf32_of_a_bf16_gpu_run_reads_back_through_every_getter(monkeypatch):
     for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "RANK": "0", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
-    env = DistributedEnv("torchrun", world_size=2, local_world_size=2, cuda_available=True, cuda_device_count=2)
+    env = make_env(2, gpus=2)
     before = torch.get_float32_matmul_precision()
     assert before == "highest", "another test left TF32 on"
     try:

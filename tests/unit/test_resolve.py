@@ -11,36 +11,26 @@ import pytest
 import torch
 
 from scaletune.config import load_config, read_config
-from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError, UserError
-from scaletune.plan import GiB, choose_auto, plan
+from scaletune.plan import choose_auto, plan
 from scaletune.resolve import decide, resolve, resolve_stages
 from scaletune.strategies import make_strategy
 from scaletune.strategies.deepspeed_config import engine_config
-
-
-def gpus(world: int, memory_gib: float) -> DistributedEnv:
-    """A job of `world` ranks on GPUs of `memory_gib` (facts as DistributedEnv.from_environ reports them)."""
-    return DistributedEnv(
-        "torchrun",
-        world_size=world,
-        local_world_size=world,
-        cuda_available=True,
-        cuda_device_count=world,
-        device_memory_bytes=int(memory_gib * GiB),
-        bf16_supported=True,
-    )
+from tests.helpers import make_config, make_env
 
 
 def llama70b_lora(tmp_path, **model):
-    return load_config(
-        None,
-        data={
-            "output_dir": str(tmp_path / "run"),
-            "model": {"name_or_path": "llama-3-70b", "dtype": "bfloat16", "lora": {"r": 16}, **model},
-            "data": {"dummy": {}, "max_seq_length": 2048},
-            "training": {"global_batch_size": 32, "micro_batch_size": 1, "save_every": 0},
-        },
+    """make_config's run of Llama 3 70B (a preset, no weights) with LoRA r=16 in bfloat16 and
+    gradient checkpointing (the planner's figures in the docstrings below assume it) on dummy
+    rows of 2048 tokens, 32 sequences a step of 1 a rank, no checkpoints, the strategy left to decide."""
+    return make_config(
+        "llama-3-70b",
+        tmp_path / "run",
+        as_config=True,
+        model={"dtype": "bfloat16", "lora": {"r": 16}, "gradient_checkpointing": True, **model},
+        data={"train": None, "dummy": {}, "max_seq_length": 2048},
+        training={"global_batch_size": 32, "micro_batch_size": 1, "save_every": 0},
+        distributed={"strategy": None, "num_processes": None},
     )
 
 
@@ -54,7 +44,7 @@ def test_auto_chosen_zero3_is_checked_like_a_configured_one(tmp_path, memory_gib
     the same rule as a configured ZeRO-3, before anything loads or is written (exit 2 at the CLI)."""
     from scaletune.run import prepare
 
-    env = gpus(8, memory_gib)
+    env = make_env(8, gpus=8, memory_gib=memory_gib)
     plain = resolve(llama70b_lora(tmp_path), env, choose_auto=choose_auto)
     assert plain.strategy_label == chosen and plain.requested == "auto"
     assert plain.offload_params == (memory_gib < 12)
@@ -73,25 +63,27 @@ def test_the_doctor_sees_the_auto_choice(tmp_path):
     from scaletune import doctor
 
     cfg = llama70b_lora(tmp_path, quantization={"bits": 8})
-    spec = resolve(cfg, gpus(8, 29.5), choose_auto=choose_auto, check=False)
+    spec = resolve(cfg, make_env(8, gpus=8, memory_gib=29.5), choose_auto=choose_auto, check=False)
     assert spec.requested == "auto" and spec.shards_params
     quant = doctor.check_quantization(spec.env, spec)[1]
     assert quant.status == "FAIL" and f"cannot be sharded by {spec.strategy_label}" in quant.message
 
 
 def tiny_cfg(dtype: str, **distributed):
-    return load_config(
-        None,
-        data={
-            "model": {"name_or_path": "llama-3.2-1b", "dtype": dtype},
-            "data": {"dummy": {}, "max_seq_length": 256},
-            "training": {"global_batch_size": 8, "micro_batch_size": 1},
-            "distributed": distributed,
-        },
+    """make_config's run of Llama 3.2 1B (a preset) in `dtype` on dummy rows of 256 tokens, 8
+    sequences a step of 1 a rank, `distributed` over the defaults."""
+    return make_config(
+        "llama-3.2-1b",
+        "runs/x",
+        as_config=True,
+        model={"dtype": dtype},
+        data={"train": None, "dummy": {}, "max_seq_length": 256},
+        training={"micro_batch_size": 1},
+        distributed={"strategy": None, "num_processes": None, **distributed},
     )
 
 
-@pytest.mark.parametrize("env, want", [(DistributedEnv("none"), "float32"), (gpus(1, 80), "bfloat16")])
+@pytest.mark.parametrize("env, want", [(make_env(), "float32"), (make_env(gpus=1, memory_gib=80), "bfloat16")])
 def test_dtype_auto_is_one_precision_everywhere(env, want):
     """`dtype: auto` is decided once: the strategy's compute dtype, DeepSpeed's JSON and the planner's
     bytes all equal those of the same run with the dtype written out."""
@@ -126,7 +118,7 @@ def test_engine_deepspeed_json_equals_config_deepspeed(zero_stage, offload, dtyp
         "offload_optimizer": offload != "none",
         "offload_params": offload == "both",
     }
-    spec = decide(tiny_cfg(dtype, **dist), DistributedEnv("torchrun", world_size=2, local_world_size=2))
+    spec = decide(tiny_cfg(dtype, **dist), make_env(2))
     engine = engine_config(spec)
     args = [
         "config",
@@ -167,12 +159,12 @@ def test_a_stage_that_names_only_its_train_file_inherits_the_rest(tmp_path):
     assert two.data.max_seq_length == 128 and two.data.packing is True and two.data.eval_fraction == 0.1
     assert one.data == cfg.data
     # The position check runs on the merged value: 128 fits a model of 512 positions.
-    spec = resolve(cfg, DistributedEnv("none"), max_positions=512)
+    spec = resolve(cfg, make_env(), max_positions=512)
     assert [s.data.max_seq_length for s in spec.stages] == [128, 128]
     with pytest.raises(
         UserError, match=r"data.max_seq_length \(128\) is larger than the model's max_position_embeddings \(64\)"
     ):
-        resolve(cfg, DistributedEnv("none"), max_positions=64)
+        resolve(cfg, make_env(), max_positions=64)
 
 
 def test_a_stage_source_replaces_the_top_level_source_of_either_kind():
@@ -193,7 +185,7 @@ def _config_problem(tmp_path, overrides: list[str]) -> str:
     path = tmp_path / "c.yaml"
     path.write_text("model: {name_or_path: some/model}\ndata: {dummy: {}}\n")
     with pytest.raises(ConfigError) as info:
-        resolve(read_config(path, overrides), DistributedEnv("none"))
+        resolve(read_config(path, overrides), make_env())
     [problem] = info.value.problems
     return problem.split(": ", 1)[1]
 
@@ -203,7 +195,7 @@ def test_quantization_needs_lora_is_one_rule(tmp_path, monkeypatch):
     arguments are named without the `model.` prefix)."""
     from scaletune import hf
 
-    monkeypatch.setattr(hf.DistributedEnv, "from_environ", staticmethod(lambda *a, **k: DistributedEnv("none")))
+    monkeypatch.setattr(hf.DistributedEnv, "from_environ", staticmethod(lambda *a, **k: make_env()))
     config = _config_problem(tmp_path, ["model.quantization={bits: 4}"])
     with pytest.raises(UserError) as info:
         hf.load_model_for_training(tmp_path, quantization={"bits": 4})

@@ -10,32 +10,31 @@ import torch
 from torch import nn
 
 from scaletune.config import Config
-from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError, UserError
 from scaletune.resolve import decide, precision_for, resolve, wanted_world_size
 from scaletune.strategies.base import check_devices
 from scaletune.strategies.deepspeed_config import engine_config, read_user_config
 from scaletune.strategies.optim import param_groups
+from tests.helpers import make_config, make_env
 
 
-def cfg(**dist) -> Config:
-    return Config.model_validate(
-        {
-            "model": {"name_or_path": "m", "dtype": dist.pop("dtype", "float32"), "lora": dist.pop("lora", None)},
-            "data": {"dummy": {"num_samples": 8}},
-            "training": {"global_batch_size": 16, "micro_batch_size": 2, "max_grad_norm": 0.5},
-            "distributed": dist,
-        }
+def cfg(dtype: str = "float32", lora: dict | None = None, **distributed) -> Config:
+    """make_config's run on 8 dummy rows, 16 sequences a step in micro batches of 2, gradients
+    clipped at 0.5, `distributed` over the defaults (the strategy and process count left to decide)."""
+    return make_config(
+        "m",
+        "runs/x",
+        as_config=True,
+        model={"dtype": dtype, "lora": lora},
+        data={"train": None, "dummy": {"num_samples": 8}},
+        training={"global_batch_size": 16, "max_grad_norm": 0.5},
+        distributed={"strategy": None, "num_processes": None, **distributed},
     )
-
-
-def env(world=1, cuda=0, launcher="none") -> DistributedEnv:
-    return DistributedEnv(launcher=launcher, world_size=world, cuda_available=cuda > 0, cuda_device_count=cuda)
 
 
 def ds(c: Config, world=2):
     """The engine's DeepSpeed config (the user's JSON, if the config names one, merged in)."""
-    return engine_config(decide(c, env(world, launcher="torchrun" if world > 1 else "none")))
+    return engine_config(decide(c, make_env(world)))
 
 
 def test_deepspeed_config_from_yaml():
@@ -124,11 +123,11 @@ def test_check_devices_names_offenders():
 
 
 def test_precision_keeps_trainable_master_weights_in_fp32():
-    full = precision_for(cfg(dtype="bfloat16"), env(), "single")
+    full = precision_for(cfg(dtype="bfloat16"), make_env(), "single")
     assert full.compute == "bfloat16" and full.storage == "float32" and full.mixed
-    lora = precision_for(cfg(dtype="bfloat16", lora={"r": 4}), env(), "single")
+    lora = precision_for(cfg(dtype="bfloat16", lora={"r": 4}), make_env(), "single")
     assert lora.storage == "bfloat16" and not lora.mixed
-    assert precision_for(cfg(dtype="auto"), env(), "single").compute == "float32"  # no GPU here
+    assert precision_for(cfg(dtype="auto"), make_env(), "single").compute == "float32"  # no GPU here
 
 
 def test_param_groups_exclude_norms_and_biases_from_decay():
@@ -139,17 +138,17 @@ def test_param_groups_exclude_norms_and_biases_from_decay():
 
 
 def test_choose_strategy():
-    assert decide(cfg(), env(1)).strategy == "single"
-    assert decide(cfg(), env(2, launcher="torchrun")).strategy == "ddp"
-    assert decide(cfg(strategy="fsdp"), env(1)).strategy == "fsdp"
+    assert decide(cfg(), make_env()).strategy == "single"
+    assert decide(cfg(), make_env(2)).strategy == "ddp"
+    assert decide(cfg(strategy="fsdp"), make_env()).strategy == "fsdp"
 
 
 def test_wanted_processes():
-    assert wanted_world_size(cfg(), env(cuda=0)) == 1
-    assert wanted_world_size(cfg(), env(cuda=4)) == 4  # auto: four GPUs, four processes
-    assert wanted_world_size(cfg(num_processes=2), env(cuda=0)) == 2  # CPU ranks with gloo
+    assert wanted_world_size(cfg(), make_env()) == 1
+    assert wanted_world_size(cfg(), make_env(gpus=4)) == 4  # auto: four GPUs, four processes
+    assert wanted_world_size(cfg(num_processes=2), make_env()) == 2  # CPU ranks with gloo
     with pytest.raises(UserError, match="num_processes is 8 but only 4 GPU"):
-        resolve(cfg(num_processes=8), env(cuda=4))
+        resolve(cfg(num_processes=8), make_env(gpus=4))
 
 
 def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_path):
@@ -159,17 +158,15 @@ def test_deepspeed_not_installed_is_bad_input(monkeypatch, tiny_model_dir, tmp_p
     from scaletune.run import prepare as preflight
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` raise ImportError
-    c = Config.model_validate(
-        {
-            "output_dir": str(tmp_path / "run"),
-            "model": {"name_or_path": str(tiny_model_dir)},
-            "data": {"dummy": {"num_samples": 8}, "max_seq_length": 32},
-            "training": {"global_batch_size": 4, "micro_batch_size": 2},
-            "distributed": {"strategy": "deepspeed"},
-        }
+    c = make_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        as_config=True,
+        data={"train": None, "dummy": {"num_samples": 8}, "max_seq_length": 32},
+        distributed={"strategy": "deepspeed", "num_processes": None},
     )
     with pytest.raises(UserError) as info:
-        preflight(c, env())
+        preflight(c, make_env())
     assert info.value.problems == [
         "distributed.strategy deepspeed needs DeepSpeed: pip install 'scaletune[deepspeed]' (or choose ddp or fsdp)"
     ]
