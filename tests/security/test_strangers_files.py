@@ -192,3 +192,62 @@ def test_factory_batches_are_checked_before_anything_is_written(tiny_model_dir, 
     proc = run_cli(["train", str(config("sound", "good"))], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "good" / "final").is_dir()
+
+
+# -- the preflight is linear in a record's size ---------------------------------------------------
+def test_a_record_of_100000_turns_is_checked_in_linear_time(tiny_model_dir, tmp_path):
+    """Locating the assistant turns rendered every prefix of the conversation (quadratic: this
+    record kept `train --check` busy past 300 s); only the turns inside max_seq_length are located now."""
+    import time
+
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}"} for i in range(100_000)]
+    short = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    data = tmp_path / "long.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": m}) for m in [turns] + [short] * 16) + "\n")
+    cfg = make_config(tiny_model_dir, tmp_path / "run", data={"train": {"path": str(data), "format": "messages"}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    start = time.monotonic()
+    proc = run_cli(["train", str(path), "--check"], timeout=240)
+    took = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert took < 90, f"train --check took {took:.0f} s"
+
+
+def test_located_turns_equal_every_prefix_rendered():
+    """Control for the linear encoder: the labels equal those of rendering every prefix and testing
+    each token against every span (the former quadratic method), truncated or not."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
+    from scaletune.data.sources import IGNORE_INDEX
+    from scaletune.data.templates import CHATML_TEMPLATE, _Encoder, render_chat
+    from tests.helpers import OLMO2_TOKENIZER
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(OLMO2_TOKENIZER), eos_token="<|endoftext|>")
+    rng = random.Random(0)
+    words = ["hello", "world", " ", "\n", "ok", "the cat", "é", "42", ""]
+    convs = []
+    for _ in range(30):
+        roles = [rng.choice(["system", "user", "assistant"]) for _ in range(rng.randint(1, 40))]
+        convs.append([{"role": r, "content": "".join(rng.choices(words, k=rng.randint(0, 6)))} for r in roles])
+    for max_len in (16, 64, 100_000):
+        got = _Encoder(tok, "messages", max_len, CHATML_TEMPLATE)._messages({"messages": convs})
+        for conv, (ids, labels) in zip(convs, got):
+            full = render_chat(tok, CHATML_TEMPLATE, [conv], False)[0]
+            enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+            spans = [
+                (
+                    len(render_chat(tok, CHATML_TEMPLATE, [conv[:i]], True)[0]),
+                    len(render_chat(tok, CHATML_TEMPLATE, [conv[: i + 1]], False)[0].rstrip()),
+                )
+                for i, m in enumerate(conv)
+                if m["role"] == "assistant"
+            ]
+            want = [
+                t if any(s <= a < e for s, e in spans) else IGNORE_INDEX
+                for t, (a, _) in zip(enc["input_ids"], enc["offset_mapping"])
+            ]
+            assert ids == enc["input_ids"]
+            assert labels[:max_len] == want[:max_len], (max_len, conv)

@@ -155,15 +155,36 @@ class _Encoder:
         # of ONE tokenization of the whole conversation, so no merge across a boundary can shift
         # them: the span of assistant turn i starts where render(turns[:i] + generation prompt)
         # ends and stops where render(turns[:i+1]) ends, less trailing whitespace (the newline
-        # templates put between turns is not the model's to produce).
-        texts, spans = [], []
-        for conv in batch["messages"]:
-            full = self._render([conv], False)[0]
-            turns = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
-            heads = self._render([conv[:i] for i in turns], True) if turns else []
-            ends = self._render([conv[: i + 1] for i in turns], False) if turns else []
-            conv_spans = []
+        # templates put between turns is not the model's to produce). Only the turns that start
+        # inside the first max_len tokens are located (the rest is cut): rendering every prefix of
+        # a long conversation is quadratic in its turns (100,000 turns took hours).
+        convs = batch["messages"]
+        texts = self._render(convs, False)
+        if not getattr(self.tok, "is_fast", False):
+            raise DataError("format messages needs a fast (Rust) tokenizer for character offsets", title="invalid data")
+        enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for conv, full, ids, offsets in zip(convs, texts, enc["input_ids"], enc["offset_mapping"]):
+            # The start of the last token kept: a span that starts after it labels nothing kept.
+            limit = offsets[self.max_len - 1][0] if len(ids) > self.max_len else len(full)
+            spans = self._spans(conv, full, limit)
+            out.append((ids, span_labels(ids, offsets, spans, self.max_len)))
+        return out
+
+    def _spans(self, conv: list[dict], full: str, limit: int) -> list[tuple[int, int]]:
+        """(start, end) characters of each assistant turn of `conv` (rendered as `full`) that starts
+        at or before character `limit`; the prefixes are rendered a few at a time, 8 then twice as
+        many, so a short conversation costs one render of its heads and one of its ends."""
+        turns = [i for i, m in enumerate(conv) if m["role"] == "assistant"]
+        spans: list[tuple[int, int]] = []
+        done, chunk = 0, 8
+        while done < len(turns):
+            part = turns[done : done + chunk]
+            heads = self._render([conv[:i] for i in part], True)
+            ends = self._render([conv[: i + 1] for i in part], False)
             for head, end in zip(heads, ends):
+                if len(head) > limit:
+                    return spans
                 if not (full.startswith(head) and full.startswith(end) and len(end) >= len(head)):
                     raise DataError(
                         "the chat template does not render a conversation as a prefix of the longer "
@@ -171,16 +192,31 @@ class _Encoder:
                         "cannot be located; set data.chat_template to a template that does",
                         title="invalid data",
                     )
-                conv_spans.append((len(head), len(end.rstrip())))
-            texts.append(full)
-            spans.append(conv_spans)
-        if not getattr(self.tok, "is_fast", False):
-            raise DataError("format messages needs a fast (Rust) tokenizer for character offsets", title="invalid data")
-        enc = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
-        out = []
-        for ids, offsets, conv_spans in zip(enc["input_ids"], enc["offset_mapping"], spans):
-            labels = [
-                t if any(s <= start < e for s, e in conv_spans) else IGNORE_INDEX for t, (start, _) in zip(ids, offsets)
-            ]
-            out.append((ids, labels))
-        return out
+                spans.append((len(head), len(end.rstrip())))
+            done, chunk = done + len(part), chunk * 2
+        return spans
+
+
+def span_labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]], keep: int) -> list[int]:
+    """Labels of a tokenized conversation: a token whose first character lies in an assistant span
+    `[start, end)` is its own target, any other -100; tokens from `keep` on are -100 (truncated
+    away). One pass over the tokens and the merged spans (offsets of a fast tokenizer increase; a
+    step back restarts the span pointer)."""
+    merged: list[list[int]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    labels = [IGNORE_INDEX] * len(ids)
+    j, previous = 0, -1
+    for t in range(min(len(ids), keep)):
+        start = offsets[t][0]
+        if start < previous:
+            j = 0
+        previous = start
+        while j < len(merged) and merged[j][1] <= start:
+            j += 1
+        if j < len(merged) and merged[j][0] <= start:
+            labels[t] = ids[t]
+    return labels
