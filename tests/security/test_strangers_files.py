@@ -251,3 +251,66 @@ def test_located_turns_equal_every_prefix_rendered():
             ]
             assert ids == enc["input_ids"]
             assert labels[:max_len] == want[:max_len], (max_len, conv)
+
+
+# -- chat templates run with time and memory bounds -----------------------------------------------
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}{% endfor %}"
+BUILDS = "{{ 'a' * 10**8 * 60 }}"
+
+
+def test_chat_templates_that_never_end_or_build_gigabytes_stop_fast(tiny_model_dir, tmp_path):
+    import time
+
+    from transformers import AutoTokenizer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    for name, template, needle in (("loops", LOOPS, "loops too long"), ("builds", BUILDS, "builds too much")):
+        folder = tmp_path / name
+        shutil.copytree(tiny_model_dir, folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        tok.chat_template = template
+        tok.save_pretrained(folder)
+        start = time.monotonic()
+        proc = run_cli(
+            ["generate", str(folder), "--prompts", str(prompts), "--template", "chat", "--max-new-tokens", "2"],
+            timeout=120,
+        )
+        took = time.monotonic() - start
+        assert_exit_2(proc, "chat template", needle)
+        assert took < 60, (name, took)
+    # The same from a config's data.chat_template, in the preflight: exit 2, nothing written.
+    data = tmp_path / "chat.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+    )
+    cfg = make_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        data={"train": {"path": str(data), "format": "messages"}, "chat_template": LOOPS},
+    )
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli(["train", str(path), "--check"], timeout=120)
+    assert_exit_2(proc, "loops too long")
+    assert not (tmp_path / "run").exists()
+
+
+def test_bounded_rendering_is_transformers_rendering(tiny_model_dir):
+    """Control: the child renders exactly what transformers renders in this process."""
+    from transformers import AutoTokenizer
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from scaletune.data.templates import CHATML_TEMPLATE, render_chat
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    convs = [
+        [{"role": "system", "content": "be kind"}, {"role": "user", "content": "é\\n{{ x }}"}],
+        [{"role": "user", "content": ""}],
+    ]
+    template = CHATML_TEMPLATE + "{{ bos_token }}{% if messages|length > 1 %}{{ eos_token }}{% endif %}"
+    for gen in (False, True):
+        want, _ = render_jinja_template(
+            conversations=convs, chat_template=template, add_generation_prompt=gen, **tok.special_tokens_map
+        )
+        assert render_chat(tok, template, convs, gen) == want

@@ -63,16 +63,16 @@ def resolve_chat_template(data_cfg: DataConfig | None, tokenizer) -> str:
 def render_chat(tokenizer, template: str, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
     """Each conversation rendered to text with the Jinja `template` (and the tokenizer's special
     tokens as template variables): the one rendering of training data and of inference prompts, which
-    are then tokenized without added special tokens."""
-    from transformers.utils.chat_template_utils import render_jinja_template
+    are then tokenized without added special tokens. Rendered by transformers in a child process,
+    bounded in time and memory (:mod:`scaletune.data.render`).
 
-    rendered, _ = render_jinja_template(
-        conversations=conversations,
-        chat_template=template,
-        add_generation_prompt=add_generation_prompt,
-        **tokenizer.special_tokens_map,
-    )
-    return rendered
+    Raises:
+        DataError: the template ran out of time or memory.
+        jinja2.TemplateError: the template's own error.
+    """
+    from scaletune.data.render import render_bounded
+
+    return render_bounded(template, conversations, add_generation_prompt, dict(tokenizer.special_tokens_map))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
