@@ -28,6 +28,8 @@ BY_HAND = {
     "scaletune.cli.run_verbs": ["tests/e2e/test_train_cli.py", "tests/security/test_bad_input.py"],
     "scaletune.cli.serve_verbs": ["tests/serve/test_auth_cli.py"],
     "scaletune.config.yamlfile": ["tests/unit/test_config.py"],
+    "scaletune.data.render": ["tests/unit/test_data.py", "tests/security/test_strangers_files.py"],
+    "scaletune.data.render_worker": ["tests/security/test_strangers_files.py"],
     "scaletune.data.factory": ["tests/e2e/test_custom_models.py", "tests/distributed/test_custom_model.py"],
     "scaletune.data.packing": ["tests/unit/test_data.py", "tests/e2e/test_packing.py"],
     "scaletune.doctor.comm": ["tests/distributed/test_doctor_comm.py"],
