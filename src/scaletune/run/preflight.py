@@ -72,7 +72,7 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
     warnings: list = []
     problems += [p.text() for p in environment_problems(spec, environ, warn=warnings)]
     for w in warnings:
-        print0(f"[scaletune] warning: {w.name}: {w.message} (fix: {w.fix})")
+        print0(f"[scaletune] warning: {w.name}: {w.message}" + (f" (fix: {w.fix})" if w.fix else ""))
     if spec.strategy == "deepspeed":
         try:
             engine_config(spec)
