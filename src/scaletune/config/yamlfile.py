@@ -80,8 +80,8 @@ def _check_graph(root: yaml.Node, source: str) -> list[str]:
     return problems
 
 
-def depth_problem(text: str, source: str) -> str | None:
-    """A located problem when the YAML `text` nests deeper than :data:`MAX_DEPTH` (an alias counts
+def depth_problem(text: str, source: str, max_depth: int = MAX_DEPTH) -> str | None:
+    """A located problem when the YAML `text` nests deeper than `max_depth` (an alias counts
     as deep as the collection it names); None otherwise, and None for text the parser refuses (the
     composer then says why, with its line)."""
     depth = 0
@@ -106,10 +106,10 @@ def depth_problem(text: str, source: str) -> str | None:
                 depth -= 1
             if open_ and here > open_[-1][2]:
                 open_[-1] = (open_[-1][0], open_[-1][1], here)
-            if here > MAX_DEPTH:
+            if here > max_depth:
                 line = event.start_mark.line + 1 if event.start_mark else 0
                 return (
-                    f"{source}:{line}: nested more than {MAX_DEPTH} levels deep (aliases expanded); "
+                    f"{source}:{line}: nested more than {max_depth} levels deep (aliases expanded); "
                     "a config nests a few levels"
                 )
     except yaml.YAMLError:

@@ -20,8 +20,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 # Variables a job may set: communication, threading, allocator and hub settings. An allow-list,
 # because the variables that load code are many (PYTHONPATH, PYTHONSTARTUP, LD_PRELOAD,
 # LD_LIBRARY_PATH, PATH, BASH_ENV, ENV, PERL5LIB, NODE_OPTIONS, ...) and new ones appear.
@@ -84,40 +82,6 @@ class Places:
     db_file: Path | None
     other_runs: list[Path] = field(default_factory=list)
     workdir: Path = field(default_factory=Path.cwd)
-
-
-# -- nesting ------------------------------------------------------------------------------------
-def nesting_problem(text: str, max_depth: int, source: str) -> str | None:
-    """A problem when the YAML `text` nests deeper than `max_depth` (an alias counts as deep as
-    what it names); None otherwise, and None for text that is not YAML (the parser says why)."""
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    depth = 0
-    open_: list[tuple[str | None, int, int]] = []  # (anchor, depth at start, deepest inside)
-    anchors: dict[str, int] = {}
-    try:
-        for ev in yaml.parse(text, Loader=loader):
-            here = depth
-            if isinstance(ev, yaml.AliasEvent):
-                here = depth + anchors.get(ev.anchor, 0)
-            elif isinstance(ev, yaml.CollectionStartEvent):
-                depth += 1
-                here = depth
-                open_.append((ev.anchor, depth, depth))
-            elif isinstance(ev, yaml.CollectionEndEvent) and open_:
-                anchor, start, deepest = open_.pop()
-                if anchor:
-                    anchors[anchor] = deepest - start + 1
-                depth -= 1
-            if open_ and here > open_[-1][2]:
-                open_[-1] = (open_[-1][0], open_[-1][1], here)
-                for i in range(len(open_) - 1):  # the enclosing collections reach as deep
-                    if here > open_[i][2]:
-                        open_[i] = (open_[i][0], open_[i][1], here)
-            if here > max_depth:
-                return f"{source}: nested more than {max_depth} levels deep (aliases expanded): refused"
-    except yaml.YAMLError:
-        return None
-    return None
 
 
 # -- the rules on the raw mapping ---------------------------------------------------------------

@@ -13,9 +13,8 @@ from typing import Any
 import yaml
 
 from scaletune.config import is_secret_name, parse_override
-from scaletune.config.yamlfile import parse
+from scaletune.config.yamlfile import depth_problem, parse
 from scaletune.errors import UserError
-from scaletune.serve.policy import nesting_problem
 
 
 @dataclass
@@ -51,8 +50,8 @@ def read(text: str, overrides: list[str], max_depth: int) -> Submission:
     Raises:
         UserError: the text nests too deep or is not a YAML mapping (before anything else).
     """
-    problems = [p for p in [nesting_problem(text, max_depth, "config")] if p]
-    problems += [p for o in overrides if (p := nesting_problem(o.partition("=")[2], max_depth, "override"))]
+    problems = [p for p in [depth_problem(text, "config", max_depth)] if p]
+    problems += [p for o in overrides if (p := depth_problem(o.partition("=")[2], "override", max_depth))]
     if problems:
         raise UserError(problems, title="invalid config")
     raw, _, problems = parse(text.encode(), "config")
