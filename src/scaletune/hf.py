@@ -56,11 +56,24 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+# How long the exit handler leaves the GIL to gloo's worker threads (seconds): far above the
+# microseconds a worker needs to release a finished collective, short against a training run.
+_WORKER_DRAIN_S = 0.25
+
+
 def _destroy_process_group() -> None:
+    import time
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        # destroy_process_group joins gloo's threads only when nothing else holds the group, and
+        # the Trainer's DDP wrapper still does (gloo has no shutdown of its own in torch 2.13), so
+        # the threads live on into finalization. Sleeping releases the GIL while the interpreter
+        # still answers: a worker that just finished the last collective takes it now and drops
+        # its tensors, instead of asking during finalization (the abort the docstring below names).
+        time.sleep(_WORKER_DRAIN_S)
 
 
 @functools.cache
@@ -72,9 +85,11 @@ def _destroy_process_group_at_exit() -> None:
     objects) asks for the GIL while the interpreter finalizes, CPython ends that thread with a
     forced unwind through a noexcept destructor, and the rank dies with "terminate called without an
     active exception" (SIGABRT) after training, now and then (5 of 12 runs of a two-rank gloo
-    all_reduce + barrier script that ends without destroying its group). atexit runs
-    before finalization, and destroying the group joins those threads while Python still answers.
-    Registered once (cached), by the helpers a Trainer script calls."""
+    all_reduce + barrier script that ends without destroying its group; it also failed once in CI
+    with the group destroyed at exit, because the Trainer's DDP wrapper kept it, and its threads,
+    alive). atexit runs before finalization: destroying the group joins those threads where nothing
+    else holds it, and a short sleep lets them finish while Python still answers where something
+    does. Registered once (cached), by the helpers a Trainer script calls."""
     atexit.register(_destroy_process_group)
 
 
