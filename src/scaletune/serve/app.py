@@ -16,6 +16,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from scaletune.errors import UserError
 from scaletune.serve import auth
+from scaletune.serve.db import kept_key
 from scaletune.serve.guard import Guard
 from scaletune.serve.jobs import JobNotFound, JobService
 from scaletune.serve.records import MAX_INT, validated
@@ -89,7 +90,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
     app = FastAPI(title="scaletune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.svc = svc
-    app.state.csrf = auth.Csrf()
+    app.state.csrf = auth.Csrf(kept_key(svc.Session, "csrf"))
     app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=lambda: not auth.has_tokens(svc.Session))
 
     @app.exception_handler(JobNotFound)

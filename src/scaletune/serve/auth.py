@@ -3,8 +3,8 @@
 Without any token in the database the service is open, and then it binds loopback only
 (:func:`bind_problems`). The page logs in with a token: an HTTP-only, SameSite=Strict cookie
 holds it; forms and the page's requests carry a CSRF token, an HMAC of the cookie under a key
-made at start (double submit, OWASP's CSRF cheat sheet), checked on every unsafe request that
-authenticates by cookie.
+kept in the database (`db.kept_key`: a page opened before a restart still works after it; double
+submit, OWASP's CSRF cheat sheet), checked on every unsafe request that authenticates by cookie.
 """
 
 from __future__ import annotations
@@ -82,8 +82,8 @@ class Caller:
 
 
 class Csrf:
-    def __init__(self) -> None:
-        self.key = secrets.token_bytes(32)
+    def __init__(self, key: bytes) -> None:
+        self.key = key
 
     def token(self, cookie: str) -> str:
         return hmac.new(self.key, cookie.encode(), hashlib.sha256).hexdigest()

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -108,6 +110,32 @@ class Token(Base):
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     scope: Mapped[str] = mapped_column(String(8))
     created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
+
+
+class Setting(Base):
+    """A value the service keeps across restarts and shares between its processes (the page's
+    CSRF signing key): in the database, beside the tokens, and never printed."""
+
+    __tablename__ = "settings"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+def kept_key(Session: sessionmaker, name: str) -> bytes:  # noqa: N803 - a sessionmaker
+    """The 32-byte random key stored as setting `name`, made on first use. A key made at start
+    instead would void every open page's signed tokens at each restart; services starting at once
+    on one database race to insert it, and the loser reads the winner's."""
+    with Session() as s:
+        row = s.get(Setting, name)
+        if row is not None:
+            return bytes.fromhex(row.value)
+        s.add(Setting(name=name, value=secrets.token_hex(32)))
+        try:
+            s.commit()
+        except IntegrityError:
+            s.rollback()
+    with Session() as s:
+        return bytes.fromhex(s.get(Setting, name).value)
 
 
 def default_url(home: Path | None = None) -> str:

@@ -1,0 +1,169 @@
+"""The job page's buttons in a real headless Chromium (issue 22, items 3 and 4): a tab opened before
+a service restart still stops a job after it (the CSRF key is kept in the database), and every
+refused action shows the service's own message on the page (Stop on a finished job, a Resume the
+API refuses, invalid Resources JSON, which is caught before anything is sent).
+
+One service and one logged-in browser serve every case of the module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+from sse_starlette.sse import AppStatus
+
+from scaletune.serve.auth import create_token
+from scaletune.serve.db import Job
+from tests.helpers import make_config, wait_for
+from tests.serve.conftest import client, plant_job, wait_state
+from tests.serve.test_browser import CHROMIUM, DRIVER
+
+JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def page(server, module_tmp_path):
+    """A Chromium logged in to `server` with a submit token (module-wide: starting one costs seconds)."""
+    if not (CHROMIUM and DRIVER):
+        reason = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {reason}")
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--window-size=1200,1000",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-quic",
+        f"--user-data-dir={module_tmp_path / 'chromium-profile'}",
+    ):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    try:
+        driver.get(server.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(create_token(server.svc.Session, "submit"))
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shown(driver, list_id: str) -> list[str]:
+    from selenium.webdriver.common.by import By
+
+    return [li.text for li in driver.find_elements(By.CSS_SELECTOR, f"#{list_id} li") if li.is_displayed()]
+
+
+def test_invalid_resources_json_is_shown_and_nothing_is_submitted(server, page, tiny_model_dir, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    c = client(server, server.submit)
+    before = len(c.get("/api/jobs").json())
+    page.get(server.url + "/")
+    cfg = yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run", training=JOB))
+    page.execute_script("document.getElementById('config').value = arguments[0]", cfg)
+    field = page.find_element(By.ID, "resources")
+    field.clear()
+    field.send_keys('{"nodes": 2,')
+    assert "Resources (JSON)" in page.find_element(By.ID, "resources-problem").text  # said while typing
+    page.find_element(By.ID, "submit").click()
+    lines = wait_for(lambda: shown(page, "problems"), 10, "the Resources problem")
+    assert any("Resources (JSON)" in t and "nothing was sent" in t for t in lines), lines
+    # Valid JSON but not an object: refused in the form as well.
+    field.clear()
+    field.send_keys("[2, 8]")
+    page.find_element(By.ID, "preview").click()
+    wait_for(lambda: any("[2, 8]" in t for t in shown(page, "problems")), 10, "the not-an-object problem")
+    assert len(c.get("/api/jobs").json()) == before
+    assert "/jobs/" not in page.current_url
+
+
+def test_refused_stop_and_resume_show_the_services_message(server, page, tiny_model_dir, tmp_path):
+    """The control is the API itself: the same refusals asked with curl-like requests."""
+    from selenium.webdriver.common.by import By
+
+    c = client(server, server.submit)
+    done = plant_job(server.svc, tmp_path / "done", state="succeeded")
+    stop_api = c.post(f"/api/jobs/{done}/stop")
+    resume_api = c.post(f"/api/jobs/{done}/resume", json={})
+    assert (stop_api.status_code, resume_api.status_code) == (409, 422), (stop_api.text, resume_api.text)
+
+    page.get(f"{server.url}/jobs/{done}")
+    assert shown(page, "errors") == []
+    page.find_element(By.ID, "stop").click()
+    lines = wait_for(lambda: shown(page, "errors"), 10, "Stop's refusal on the page")
+    assert "(409)" in lines[0], lines
+    for problem in stop_api.json()["problems"]:
+        assert any(problem in t for t in lines), (problem, lines)
+    page.find_element(By.ID, "resume").click()
+    lines = wait_for(lambda: "(422)" in " ".join(shown(page, "errors")) and shown(page, "errors"), 10, "Resume's")
+    for problem in resume_api.json()["problems"]:
+        assert any(problem in t for t in lines), (problem, lines)
+    assert c.get(f"/api/jobs/{done}").json()["state"] == "succeeded"
+
+    # A resumable job whose config no longer passes the checks: a 422 with several problems, every one shown.
+    bad = make_config(tiny_model_dir, tmp_path / "bad", training=JOB)
+    bad["model"]["dtype"] = "float99"
+    bad["training"]["micro_batch_size"] = 0
+    stopped = plant_job(server.svc, tmp_path / "stopped", state="stopped")
+    with server.svc.Session() as s:
+        s.get(Job, stopped).config_yaml = yaml.safe_dump(bad)
+        s.commit()
+    page.get(f"{server.url}/jobs/{stopped}")
+    page.find_element(By.ID, "resume").click()
+    lines = wait_for(lambda: shown(page, "errors"), 60, "the resume's problems")
+    problems = c.post(f"/api/jobs/{stopped}/resume", json={}).json()["problems"]
+    assert len(problems) >= 2, problems
+    for problem in problems:
+        assert any(problem in t for t in lines), (problem, lines)
+    assert any("model.dtype" in t for t in lines) and any("training.micro_batch_size" in t for t in lines), lines
+    assert c.get(f"/api/jobs/{stopped}").json()["state"] == "stopped"
+
+
+def test_tab_opened_before_a_restart_still_stops_the_job(server, page, tiny_model_dir, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    c = client(server, server.submit)
+    cfg = make_config(tiny_model_dir, tmp_path / "long", training={**JOB, "max_steps": 10000})
+    job_id = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)}).json()["id"]
+    try:
+        wait_state(c, job_id, {"running"}, timeout=120)
+        page.get(f"{server.url}/jobs/{job_id}")
+        wait_for(lambda: page.find_element(By.ID, "state").text == "running", 30, "the page showing running")
+        # A new service on the same database; the tab is not reloaded. Its event stream ends as
+        # SIGTERM ends it in a `scaletune serve` process (sse_starlette's exit flag); uvicorn in a
+        # thread gets no signal and would wait for the stream instead.
+        before = server.thread
+        AppStatus.should_exit = True
+        try:
+            server.stop()
+        finally:
+            AppStatus.should_exit = False
+        assert not before.is_alive(), "the first service still runs"
+        server.start()
+        c = client(server, server.submit)
+        assert c.get(f"/api/jobs/{job_id}").json()["state"] == "running"
+        page.find_element(By.ID, "stop").click()
+        wait_for(
+            lambda: c.get(f"/api/jobs/{job_id}").json()["state"] in ("stopping", "stopped") or shown(page, "errors"),
+            30,
+            "the stop to reach the service",
+        )
+        assert shown(page, "errors") == []
+        assert c.get(f"/api/jobs/{job_id}").json()["state"] in ("stopping", "stopped")
+        wait_for(lambda: page.find_element(By.ID, "state").text in ("stopping", "stopped"), 30, "the page's state")
+    finally:
+        if c.get(f"/api/jobs/{job_id}").json()["state"] not in ("succeeded", "failed", "cancelled", "stopped"):
+            c.post(f"/api/jobs/{job_id}/cancel")
