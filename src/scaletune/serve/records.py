@@ -112,6 +112,7 @@ def set_state(s: Session, job: Job, state: str, **fields: Any) -> None:
     job.state = state
     if state in S.TERMINAL:
         job.token_hash = ""  # the run's report token ends with the job
+        fields.setdefault("phase", None)  # an ended job does nothing: no phase (a cancel sets none)
     for k, v in fields.items():
         setattr(job, k, v)
     event(s, job, "state", {"state": state, **{k: v for k, v in fields.items() if k in _STATE_FIELDS}})
@@ -147,6 +148,15 @@ def add_metric(s: Session, job: Job, record: dict) -> bool:
     return True
 
 
+def _checkpoint_known(s: Session, job: Job, *, path: str | None = None, step: int | None = None) -> bool:
+    """Whether the job's stream has the checkpoint saved in `path` (or at `step`)."""
+    s.flush()
+    known = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint"))
+    if path is not None:
+        return any(d.get("path") == path for d in known)
+    return step is not None and any(d.get("step") == step for d in known)
+
+
 def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
     """One reported event (`report.EventKind`'s value, as posted or parsed from the log) applied to
     the record; 1 when it was new, 0 when known or of a kind the record does not keep."""
@@ -158,8 +168,12 @@ def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
     if kind is EventKind.METRIC:
         return int(add_metric(s, job, data))
     if kind is EventKind.PHASE:
+        if job.state in S.TERMINAL:
+            return 0  # read from the log of a job already ended (cancelled): it has no phase
         if job.phase == data.get("phase") and job.stage == data.get("stage", job.stage):
             return 0
+        if data.get("phase") == "checkpointing" and _checkpoint_known(s, job, step=data.get("step")):
+            return 0  # the log's copy of a posted phase whose checkpoint is already saved
         job.phase = data.get("phase")
         job.stage = data.get("stage", job.stage)
         if job.state == S.STARTING:
@@ -167,10 +181,13 @@ def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
         event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
         return 1
     if kind is EventKind.CHECKPOINT:
-        s.flush()
-        known = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint"))
-        if any(d.get("path") == data.get("path") for d in known):
+        if _checkpoint_known(s, job, path=data.get("path")):
             return 0  # posted by the run and read from its log: once
         event(s, job, "checkpoint", data)
+        if job.phase == "checkpointing" and job.state not in S.TERMINAL:
+            # The trainer reports the start of a save, not its end: the saved checkpoint is it,
+            # and the run goes back to training (a later phase, e.g. exporting, is reported).
+            job.phase = "training"
+            event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
         return 1
     return 0  # STOPPED: the job's end is settled from its exit (watch.Watcher.settle)

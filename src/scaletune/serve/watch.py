@@ -6,9 +6,11 @@ the jobs a previous service left running. How far each file was read is kept on 
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from scaletune.errors import UserError
 from scaletune.report import PREFIX, parse_event_line
 from scaletune.serve import states as S
-from scaletune.serve.db import Job
+from scaletune.serve.db import Job, now
 from scaletune.serve.dispatch import Dispatcher, JobFiles
 from scaletune.serve.dispatch.base import LOG_FILE
 from scaletune.serve.records import add_metric, apply_report, event, set_state
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"  # in the run directory; the other files are in the job folder
 # Lines of a run's log that are scaletune's own (shown as log events; the rest via /logs).
 _OWN_LINES = (PREFIX, "error:", "Traceback", "scaletune:")
+LOST_RECHECK_S = 600  # how long after a job was settled lost its target is still asked about it
+LOST_RECHECK_EVERY_S = 2.0  # and how often
 
 
 def json_lines(text: str) -> list[dict]:
@@ -65,6 +69,7 @@ class Watcher:
         self.Session, self.lock, self.dispatchers = Session, lock, dispatchers
         self.files, self.issue_token, self.poll_s = files, issue_token, poll_s
         self._stop = threading.Event()
+        self._rechecked: dict[str, float] = {}  # job id -> when a lost job's target was last asked
         self._thread: threading.Thread | None = None
 
     # -- the thread ------------------------------------------------------------------------
@@ -95,9 +100,14 @@ class Watcher:
 
     # -- one tick --------------------------------------------------------------------------
     def start_queued(self, s: Session) -> None:
+        # Every live process takes a slot: an active job's, a cancelled one's not yet seen ended,
+        # and any the dispatcher itself still runs whatever its record says.
         running: dict[str, int] = {}
-        for job in s.scalars(select(Job).where(Job.state.in_(list(S.ACTIVE)))):
+        ending = (Job.state == S.CANCELLED) & Job.exit_code.is_(None) & Job.target_id.is_not(None)
+        for job in s.scalars(select(Job).where(Job.state.in_(list(S.ACTIVE)) | ending)):
             running[job.target] = running.get(job.target, 0) + 1
+        for name, d in self.dispatchers.items():
+            running[name] = max(running.get(name, 0), d.running())
         for job in s.scalars(select(Job).where(Job.state == S.QUEUED).order_by(Job.created)):
             if job.target_id:  # submitted, waiting in the target's own queue
                 continue
@@ -125,6 +135,7 @@ class Watcher:
         jobs = s.scalars(
             select(Job).where(Job.state.in_([*S.ACTIVE, S.QUEUED, S.CANCELLED]), Job.target_id.is_not(None))
         ).all()
+        self.recheck_lost(s)
         for job in jobs:
             if job.state == S.CANCELLED and job.exit_code is not None:
                 continue
@@ -134,13 +145,44 @@ class Watcher:
                 if status.state in ("exited", "lost"):
                     job.exit_code = status.exit_code if status.exit_code is not None else -1
                 continue
-            if status.state == "queued":
+            if status.state in ("queued", "ending"):
                 continue
             if status.state == "running":
                 if job.state == S.QUEUED:
                     set_state(s, job, S.RUNNING, phase=job.phase)
                 continue
             self.settle(s, job, status.exit_code)
+
+    def recheck_lost(self, s: Session) -> None:
+        """Jobs settled `lost` in the last LOST_RECHECK_S (e.g. by a restart that could not see
+        their process) polled again: one whose process runs is running again, one that left an
+        exit code is settled by it. A lost verdict is the absence of news, so news overrules it."""
+        since = now() - dt.timedelta(seconds=LOST_RECHECK_S)
+        lost = select(Job).where(
+            Job.state == S.FAILED,
+            Job.reason == S.LOST,
+            Job.exit_code.is_(None),
+            Job.target_id.is_not(None),
+            Job.updated >= since,
+        )
+        jobs = s.scalars(lost).all()
+        self._rechecked = {j.id: self._rechecked.get(j.id, 0.0) for j in jobs}  # only those still lost
+        for job in jobs:
+            # Not every tick: a SLURM or Modal poll asks the target (a command, the network).
+            if time.monotonic() < self._rechecked.get(job.id, 0) + LOST_RECHECK_EVERY_S:
+                continue
+            self._rechecked[job.id] = time.monotonic()
+            status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
+            if status.state == "running":
+                event(s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} runs: not lost"})
+                set_state(s, job, S.RUNNING, reason=None, message=None)
+            elif status.state == "exited" and status.exit_code is not None:
+                event(
+                    s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} exited {status.exit_code}"}
+                )
+                job.reason = job.message = None
+                self.read_outputs(s, job)
+                self.settle(s, job, status.exit_code)
 
     def read_outputs(self, s: Session, job: Job) -> None:
         """What the run wrote to its files (the fallback of its posts; shared file system: local,

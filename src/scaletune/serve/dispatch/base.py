@@ -36,10 +36,11 @@ class JobFiles:
 
 @dataclass(frozen=True)
 class Status:
-    """`queued` (waiting at the target), `running`, `exited` (with its code, None when unknown)
-    or `lost` (no trace of it any more)."""
+    """`queued` (waiting at the target), `running`, `ending` (gone, how it ended not known yet:
+    its exit code may still appear), `exited` (with its code, None when unknown) or `lost` (no
+    trace of it any more)."""
 
-    state: Literal["queued", "running", "exited", "lost"]
+    state: Literal["queued", "running", "ending", "exited", "lost"]
     exit_code: int | None = None
 
 
@@ -56,6 +57,11 @@ class Dispatcher:
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
         raise NotImplementedError
+
+    def running(self) -> int:
+        """How many jobs this dispatcher knows to run now, whatever their records say (0: it keeps
+        no such count; the records' count stands)."""
+        return 0
 
     def stop(self, target_id: str, job: JobFiles) -> None:
         """Ask for a checkpoint at the next step boundary and a clean end (the stop file)."""
@@ -92,12 +98,38 @@ def exit_code(job: JobFiles) -> int | None:
         return None
 
 
-def pid_alive(pid: int, marker: str) -> bool:
-    """Whether `pid` runs and is ours (its command line names `marker`, against PID reuse)."""
+def start_mark(pid: int) -> str | None:
+    """What tells process `pid` from a later one given the same PID: its start time in clock
+    ticks since boot (/proc/PID/stat, fixed for the life of the process, readable from the moment
+    it exists, unlike its command line), or psutil's create time where /proc has none. None when
+    `pid` does not run (a zombie, ended but not yet reaped, does not)."""
     try:
-        return any(marker in arg for arg in psutil.Process(pid).cmdline())
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name before ")" may hold spaces
+        return None if fields[0] in (b"Z", b"X") else f"t{int(fields[19])}"
+    except FileNotFoundError:
+        pass
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else f"c{proc.create_time():.3f}"
+    except psutil.Error:
+        return None
+
+
+def pid_alive(pid: int, marker: str) -> bool:
+    """Whether `pid` runs and its command line names `marker` (a check against PID reuse for a
+    process whose start mark was not recorded). An empty command line is one not set up yet (a
+    process in the middle of its exec): alive, never taken for gone."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmd = proc.cmdline()
     except psutil.Error:
         return False
+    return not cmd or any(marker in arg for arg in cmd)
 
 
 def log_files(job: JobFiles) -> list[Path]:
