@@ -113,7 +113,8 @@ def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):
     for k in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "no-modal.toml"))
-    cfg = yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run"))
+    # ddp: the dry run's 2 GPUs are 2 ranks (single would be refused, as `scaletune modal --gpu-count 2` refuses it).
+    cfg = yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run", distributed={"strategy": "ddp"}))
     with TestClient(create_app(svc, start=False), base_url=LOOPBACK) as c:
         r = c.post("/api/jobs", json={"config": cfg, "target": "modal", "dry_run": True, "resources": {"gpu_count": 2}})
         app = r.json()["plan"]["modal_app"]

@@ -29,8 +29,22 @@ def _model_positions(cfg: Config, problems: list[str]) -> int | None:
     return positions
 
 
-def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[str, str] | None = None) -> RunSpec:
+def prepare(
+    cfg: Config | LoadedConfig,
+    env: DistributedEnv,
+    environ: Mapping[str, str] | None = None,
+    *,
+    world_size: int | None = None,
+    here: bool = True,
+) -> RunSpec:
     """Resolve and check a run; nothing is written.
+
+    Args:
+        env: the environment the run is decided for: this process's, or the machine a launcher
+            elsewhere starts it on (`plan.target_env`: a SLURM node, a Modal container).
+        world_size: the job's ranks where that launcher decides them (default: `wanted_world_size`).
+        here: False for a run another machine starts: this machine's checks (GPU, packages,
+            launcher variables, disk, port) say nothing of that one's and are skipped.
 
     Raises:
         UserError: (exit 2) every problem of the config, model, checkpoint, environment, data and
@@ -53,11 +67,11 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
     positions = _model_positions(base, problems) if base is not None else None
     spec = None
     try:
-        spec = resolve(cfg, env, choose_auto=choose_auto, max_positions=positions)
+        spec = resolve(cfg, env, choose_auto=choose_auto, world_size=world_size, max_positions=positions)
     except UserError as exc:
         problems = exc.problems + problems
     # The data are checked even when the config is not valid: one message, not one run each.
-    probe = spec or (decide(base, env, max_positions=positions) if base is not None else None)
+    probe = spec or (decide(base, env, world_size=world_size, max_positions=positions) if base is not None else None)
     for stage in probe.stages if probe is not None else ():
         try:
             validate_data(stage.data)
@@ -70,7 +84,7 @@ def prepare(cfg: Config | LoadedConfig, env: DistributedEnv, environ: Mapping[st
     except UserError as exc:
         problems += exc.problems
     warnings: list = []
-    problems += [p.text() for p in environment_problems(spec, environ, warn=warnings)]
+    problems += [p.text() for p in (environment_problems(spec, environ, warn=warnings) if here else [])]
     for w in warnings:
         print0(f"[scaletune] warning: {w.name}: {w.message}" + (f" (fix: {w.fix})" if w.fix else ""))
     if spec.strategy == "deepspeed":

@@ -1,6 +1,7 @@
 """A submitted config checked as `scaletune train` checks it (`run.prepare`: schema, rules, model,
-data, environment, run directory; every problem at once, the CLI's messages), and the dry run:
-the resolved plan and the exact command, sbatch script or Modal app.
+data, environment, run directory; every problem at once, the CLI's messages) for the machine that
+runs it (a SLURM or Modal job at its target's world size, without this host's GPU checks), and the
+dry run: the resolved plan and the exact command, sbatch script or Modal app.
 
 A config that names code (a factory or remote code, where the admin allowed it) is checked in a
 child process (`python -m scaletune.serve.validate`): nothing submitted is imported into the
@@ -20,6 +21,7 @@ from scaletune.resolve import RunSpec
 from scaletune.serve.dispatch import Dispatcher, JobFiles
 
 CHILD_TIMEOUT_S = 600
+REMOTE = ("slurm", "modal")  # targets whose jobs run on other machines
 
 
 def check(job: JobFiles, dispatcher: Dispatcher, *, in_child: bool = False, dry_run: bool = False) -> dict | None:
@@ -31,17 +33,41 @@ def check(job: JobFiles, dispatcher: Dispatcher, *, in_child: bool = False, dry_
     """
     if in_child:
         return _in_child(job, dispatcher.name, dry_run)
-    spec = prepare(job)
+    spec = prepare(job, dispatcher)
     return plan(spec, job, dispatcher) if dry_run else None
 
 
-def prepare(job: JobFiles) -> RunSpec:
+def prepare(job: JobFiles, dispatcher: Dispatcher) -> RunSpec:
+    """The run as `scaletune train` prepares it on the machine that runs it: for `local` this
+    process's environment; for SLURM and Modal, whose jobs start on other machines, the target's
+    shape (world size and GPUs per node, as its sbatch script or Modal app starts the ranks) with
+    the devices `scaletune plan --gpus` assumes (`plan.target_env`), and none of this machine's
+    checks (its GPU, packages, launcher variables): a QLoRA job for Modal is not refused because
+    the web host has no GPU, and a SLURM job's batch arithmetic is judged at its world size.
+
+    Raises:
+        UserError: every problem; the resources' alone when they have any (the world size the
+            config is judged at comes from them).
+    """
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
     from scaletune.run import prepare as prepare_run
 
     assert job.workdir == Path.cwd(), "jobs run from the service's working directory"
-    return prepare_run(read_config(job.config_path, list(job.overrides)), DistributedEnv.from_environ())
+    cfg = read_config(job.config_path, list(job.overrides))
+    if dispatcher.name not in REMOTE:
+        return prepare_run(cfg, DistributedEnv.from_environ())
+    from scaletune.plan import target_env
+    from scaletune.serve.dispatch import modal, slurm
+
+    try:
+        nodes, gpus_per_node, world = (slurm if dispatcher.name == "slurm" else modal).shape(job)
+    except UserError:  # a ValueError too: its problems as they are
+        raise
+    except (TypeError, ValueError) as exc:  # a value of the wrong kind, e.g. "partition": 3
+        raise UserError(f"resources: {exc} (target {dispatcher.name})", title="invalid job") from None
+    env = target_env(gpus_per_node, None, nodes)[0]
+    return prepare_run(cfg, env, world_size=world, here=False)
 
 
 def plan(spec: RunSpec, job: JobFiles, dispatcher: Dispatcher) -> dict:

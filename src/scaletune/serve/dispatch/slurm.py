@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from scaletune.errors import UserError
-from scaletune.launch.slurm import SlurmOptions, render_sbatch
+from scaletune.launch.slurm import SlurmOptions, ranks_per_node, render_sbatch, validate
 from scaletune.launch.slurm import submit as sbatch_submit
 from scaletune.report import STOP_ENV
 from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status
@@ -49,6 +49,32 @@ def options(job: JobFiles, python: str = sys.executable) -> SlurmOptions:
         workdir=str(job.workdir),
         python=python,
     )
+
+
+def shape(job: JobFiles) -> tuple[int, int, int]:
+    """(nodes, GPUs per node, world size) of the job as its sbatch script starts it: one torchrun
+    per node with `ranks_per_node` ranks, as `render_sbatch` counts them.
+
+    Raises:
+        UserError: the resources `options` and the sbatch script refuse (every problem).
+    """
+    r = job.resources
+    # `options` converts with int(), which would take 8.7 as 8, and leaves procs_per_node as given.
+    counts = ("nodes", "gpus_per_node", "procs_per_node")
+    problems = [
+        f"resources.{k}: must be a whole number, got {r[k]!r}" for k in counts if k in r and type(r[k]) is not int
+    ]
+    try:
+        opts = options(job)
+    except UserError as exc:  # unknown keys, named with the counts
+        raise UserError(exc.problems + problems, title="invalid resources") from None
+    except (TypeError, ValueError):  # int() of a count named above
+        if not problems:
+            raise
+    if problems:
+        raise UserError(problems, title="invalid resources")
+    validate(opts)
+    return opts.nodes, opts.gpus_per_node or 0, ranks_per_node(opts) * opts.nodes
 
 
 def _run(argv: list[str]) -> str:
