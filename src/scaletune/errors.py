@@ -35,6 +35,12 @@ def texts(problems: Iterable[Problem | str]) -> list[str]:
     return [p.text() if isinstance(p, Problem) else p for p in problems]
 
 
+def problems_of(exc: UserError, check: str) -> list[Problem]:
+    """The problems of a raised error (text already: `file:line: ...`) as :class:`Problem` objects
+    of `check`, to be reported with others; `text()` gives the same lines back."""
+    return [Problem(check, None, p) for p in exc.problems]
+
+
 class UserError(ValueError):
     """Bad input (config, data, arguments): the CLI prints every problem and exits with code 2.
 

@@ -51,7 +51,7 @@ def test_token_create_prints_it_last_and_stores_its_hash(tmp_path):
 
 def test_refuses_public_bind_without_tokens(svc, tmp_path):
     assert bind_problems("127.0.0.1", svc.Session) == [] and bind_problems("::1", svc.Session) == []
-    assert "without API tokens" in bind_problems("0.0.0.0", svc.Session)[0]
+    assert "without API tokens" in bind_problems("0.0.0.0", svc.Session)[0].text()
     r = cli("serve", "--host", "0.0.0.0", "--db", f"sqlite:///{tmp_path / 'db.sqlite'}", "--jobs-dir", str(tmp_path))
     assert r.returncode == 2 and "loopback" in r.stderr and "Traceback" not in r.stderr
     create_token(svc.Session, "admin")

@@ -14,7 +14,7 @@ import torch
 from scaletune.checkpoint.resume import checkpoint_problems, read_progress
 from scaletune.checkpoint.save import latest_checkpoint, single_process_dcp
 from scaletune.config import Config, read_config
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 from scaletune.safe_load import dcp_reader, enforce
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
@@ -40,25 +40,30 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     return state["model"]
 
 
-def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> list[str]:
+def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> list[Problem]:
     """What stops an export, found before any model loads or anything is written."""
-    problems = []
+    problems: list[Problem] = []
     if not _SIZE.match(max_shard_size):
-        problems.append(f"--max-shard-size {max_shard_size!r}: give a size such as 5GB, 500MB or 2GiB")
+        problems.append(_option(f"--max-shard-size {max_shard_size!r}: give a size such as 5GB, 500MB or 2GiB"))
     if out_dir.exists() and not out_dir.is_dir():
-        problems.append(f"-o {out_dir}: exists and is not a folder")
+        problems.append(_option(f"-o {out_dir}: exists and is not a folder"))
     elif out_dir.is_dir() and any(out_dir.iterdir()):
-        problems.append(f"output folder {out_dir} is not empty")
+        problems.append(_option(f"output folder {out_dir} is not empty"))
     parent = out_dir.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        problems.append(f"-o {out_dir}: cannot create it under {parent} (not a writable folder)")
+        problems.append(_option(f"-o {out_dir}: cannot create it under {parent} (not a writable folder)"))
     if not (checkpoint / "progress.json").is_file():
-        problems.append(f"{checkpoint} is not a checkpoint (no progress.json)")
+        problems.append(Problem("checkpoint", None, f"{checkpoint} is not a checkpoint (no progress.json)"))
     else:
         problems += checkpoint_problems(checkpoint)
     return problems
+
+
+def _option(message: str) -> Problem:
+    """A problem with an export option (a command-line flag: no config key)."""
+    return Problem("export options", None, message)
 
 
 def export_checkpoint(

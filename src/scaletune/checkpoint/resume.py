@@ -12,7 +12,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from scaletune.checkpoint.save import FORMAT_VERSION, LATEST, Progress, latest_checkpoint, set_rng_state
 from scaletune.config import Config, error_messages, read_config
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 from scaletune.safe_load import (
     UnsafeCheckpointError,
     dcp_reader,
@@ -24,15 +24,20 @@ from scaletune.safe_load import (
 _FORMATS = ("dcp", "deepspeed")
 
 
-def _read_json(path: Path, problems: list[str]) -> Any:
+def _problem(message: str) -> Problem:
+    """A problem with a checkpoint's files (the message names the file)."""
+    return Problem("checkpoint", None, message)
+
+
+def _read_json(path: Path, problems: list[Problem]) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        problems.append(f"{path}: missing")
+        problems.append(_problem(f"{path}: missing"))
     except (OSError, UnicodeDecodeError) as exc:
-        problems.append(f"{path}: cannot be read: {exc}")
+        problems.append(_problem(f"{path}: cannot be read: {exc}"))
     except json.JSONDecodeError as exc:
-        problems.append(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}")
+        problems.append(_problem(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}"))
     return None
 
 
@@ -42,59 +47,62 @@ def read_progress(path: Path) -> Progress:
     Raises:
         UserError: missing, not JSON, a field missing or of the wrong type, another format version.
     """
-    problems: list[str] = []
-    data = _read_json(path / "progress.json", problems)
-    progress = None
-    if data is not None:
-        try:
-            progress = TypeAdapter(Progress).validate_python(data)
-        except ValidationError as exc:
-            problems += [f"{path / 'progress.json'}: {m}" for m in error_messages(exc)]
-    if progress is not None and progress.version != FORMAT_VERSION:
-        problems.append(
-            f"{path / 'progress.json'}: format version {progress.version}; this scaletune reads {FORMAT_VERSION}"
-        )
-    if progress is not None and progress.checkpoint_format not in _FORMATS:
-        problems.append(f"{path / 'progress.json'}: unknown checkpoint_format {progress.checkpoint_format!r}")
+    progress, problems = _progress(path)
     if problems:
         raise UserError(problems, title="corrupt checkpoint")
     assert progress is not None
     return progress
 
 
-def checkpoint_problems(path: Path) -> list[str]:
+def _progress(path: Path) -> tuple[Progress | None, list[Problem]]:
+    """`progress.json` of the checkpoint `path` (None where it cannot be read), and its problems."""
+    problems: list[Problem] = []
+    data = _read_json(path / "progress.json", problems)
+    progress = None
+    if data is not None:
+        try:
+            progress = TypeAdapter(Progress).validate_python(data)
+        except ValidationError as exc:
+            problems += [_problem(f"{path / 'progress.json'}: {m}") for m in error_messages(exc)]
+    if progress is not None and progress.version != FORMAT_VERSION:
+        problems.append(
+            _problem(
+                f"{path / 'progress.json'}: format version {progress.version}; this scaletune reads {FORMAT_VERSION}"
+            )
+        )
+    if progress is not None and progress.checkpoint_format not in _FORMATS:
+        problems.append(_problem(f"{path / 'progress.json'}: unknown checkpoint_format {progress.checkpoint_format!r}"))
+    return (progress if not problems else None), problems
+
+
+def checkpoint_problems(path: Path) -> list[Problem]:
     """Everything wrong with a checkpoint folder that can be known without the model: its files
     present and parseable, every pickle-bearing file through the restricted scan, every DCP shard
     long enough for the entries it holds. Reads no tensor data."""
-    problems: list[str] = []
-    try:
-        progress = read_progress(path)
-    except UserError as exc:
-        problems += exc.problems
-        progress = None
+    progress, problems = _progress(path)
     if not isinstance(_read_json(path / "scheduler.json", problems), dict | type(None)):
-        problems.append(f"{path / 'scheduler.json'}: not a JSON object")
+        problems.append(_problem(f"{path / 'scheduler.json'}: not a JSON object"))
     saved = path / "config.yaml"
     if not saved.is_file():
-        problems.append(f"{saved}: missing")
+        problems.append(_problem(f"{saved}: missing"))
     else:
-        problems += [f"saved config {p}" for p in read_config(saved).problems]
+        problems += [_problem(f"saved config {p}") for p in read_config(saved).problems]
     try:
         verify_checkpoint(path)
     except UnsafeCheckpointError as exc:
-        problems += exc.problems
+        problems += [_problem(p) for p in exc.problems]
         return problems
     if progress is not None and progress.checkpoint_format == "dcp":
         problems += _dcp_problems(path / "state")
     elif progress is not None and not any((path / "deepspeed" / "state").glob("*.pt")):
-        problems.append(f"{path / 'deepspeed' / 'state'}: no DeepSpeed state files")
+        problems.append(_problem(f"{path / 'deepspeed' / 'state'}: no DeepSpeed state files"))
     return problems
 
 
-def _dcp_problems(state: Path) -> list[str]:
+def _dcp_problems(state: Path) -> list[Problem]:
     meta_path = state / ".metadata"
     if not meta_path.is_file():
-        return [f"{meta_path}: missing"]
+        return [_problem(f"{meta_path}: missing")]
     meta = restricted_unpickle(meta_path.read_bytes(), str(meta_path))
     sizes: dict[str, int] = {}
     for info in (getattr(meta, "storage_data", None) or {}).values():
@@ -104,9 +112,9 @@ def _dcp_problems(state: Path) -> list[str]:
     for name, need in sorted(sizes.items()):
         f = state / name
         if not f.is_file():
-            out.append(f"{f}: missing (the checkpoint's metadata names it)")
+            out.append(_problem(f"{f}: missing (the checkpoint's metadata names it)"))
         elif f.stat().st_size < need:
-            out.append(f"{f}: truncated ({f.stat().st_size:,} bytes, its entries need {need:,})")
+            out.append(_problem(f"{f}: truncated ({f.stat().st_size:,} bytes, its entries need {need:,})"))
     return out
 
 
@@ -142,7 +150,7 @@ def resolve_resume(cfg: Config, run_dir: Path) -> Path | None:
     if not problems:
         saved = read_config(path / "config.yaml").config
         assert saved is not None
-        problems = [f"{path}: {p}" for p in incompatible_changes(saved.model_dump(mode="json"), cfg)]
+        problems = [_problem(f"{path}: {p}") for p in incompatible_changes(saved.model_dump(mode="json"), cfg)]
     if problems:
         raise UserError(problems, title="cannot resume")
     return path

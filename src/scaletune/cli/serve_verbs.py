@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from scaletune.cli.app import app
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 
 serve_app = typer.Typer(
     help="Job API and web page: submit, watch, stop, cancel, resume and clone runs (local, slurm, modal).",
@@ -68,7 +68,9 @@ def serve(
     from scaletune.serve.jobs import JobService
     from scaletune.serve.policy import SAFE_ENV_PREFIXES, Policy
 
-    problems = [] if max_concurrent >= 1 else [f"--max-concurrent must be 1 or more, got {max_concurrent}"]
+    problems: list[Problem] = []
+    if max_concurrent < 1:
+        problems.append(Problem("serve options", None, f"--max-concurrent must be 1 or more, got {max_concurrent}"))
     jobs_dir = (jobs_dir or Path.home() / ".scaletune" / "jobs").resolve()
     policy = Policy(
         allow_factories=allow_factories,

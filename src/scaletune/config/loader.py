@@ -192,7 +192,7 @@ def read_config(
             continue
         _set_path(data, parts, value)
         override_keys.add(tuple(parts))
-    for loc, what in yamlfile.control_character_problems(data):
+    for loc, what in yamlfile.control_characters(data):
         problems.append(f"{_where(source, lines, loc, override_keys)}: {'.'.join(map(str, loc))}: {what}")
     cfg = best = None
     try:

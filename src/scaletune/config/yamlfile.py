@@ -180,19 +180,20 @@ def parse(raw: bytes, source: str) -> tuple[Any, dict[tuple, int], list[str]]:
             loader.dispose()
 
 
-def control_character_problems(data: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
+def control_characters(data: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
     """(key path, what) for every string value holding a control character, outside the keys whose
     values are multi-line text. A newline or an escape in a path, a name or an environment value
-    would reach a log line, a job name or a generated script."""
+    would reach a log line, a job name or a generated script. Locations, not :class:`Problem`s: the
+    loader turns each key path into `file:line` (or the override that set it)."""
     out: list[tuple[tuple, str]] = []
     if isinstance(data, dict):
         for k, v in data.items():
             if k in MULTILINE_KEYS:
                 continue
-            out += control_character_problems(v, path + (k,))
+            out += control_characters(v, path + (k,))
     elif isinstance(data, list):
         for i, v in enumerate(data):
-            out += control_character_problems(v, path + (i,))
+            out += control_characters(v, path + (i,))
     elif isinstance(data, str):
         bad = sorted({c for c in data if ord(c) < 0x20 or ord(c) == 0x7F})
         if bad:

@@ -20,7 +20,7 @@ from scaletune.config import DataConfig
 from scaletune.config.references import call_checked, import_callable
 from scaletune.data.build import DataBundle
 from scaletune.data.sources import IGNORE_INDEX, split_records
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 
 #: The optional batch key that says how many target units a micro-batch has (not passed to forward).
 NUM_UNITS = "num_units"
@@ -107,7 +107,7 @@ def build_custom_data(data_cfg: DataConfig, tokenizer: Any, *, seed: int) -> Dat
 TEXT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
-def batch_problems(batch: Any, ref: str, *, vocab_size: int | None, text: bool) -> list[str]:
+def batch_problems(batch: Any, ref: str, *, vocab_size: int | None, text: bool) -> list[Problem]:
     """What in one collated batch of `data.factory` would fail (or train wrongly) at the first step,
     found before anything is written.
 
@@ -126,15 +126,15 @@ def batch_problems(batch: Any, ref: str, *, vocab_size: int | None, text: bool) 
     """
     where = f"data.factory {ref!r}: a batch of its collator"
     if not isinstance(batch, Mapping) or not all(isinstance(k, str) for k in batch):
-        return [f"{where} is a {type(batch).__name__}, not a mapping of names to tensors"]
-    problems: list[str] = []
+        return [_batch(f"{where} is a {type(batch).__name__}, not a mapping of names to tensors")]
+    problems: list[Problem] = []
     ids = batch.get("input_ids")
     if text:
         missing = [k for k in ("input_ids", "labels") if k not in batch]
         if "attention_mask" not in batch and "position_ids" not in batch:
             missing.append("attention_mask or position_ids")
         if missing:
-            return [f"{where} lacks {', '.join(missing)} (keys: {sorted(batch)}); a causal LM needs them"]
+            return [_batch(f"{where} lacks {', '.join(missing)} (keys: {sorted(batch)}); a causal LM needs them")]
         for key in TEXT_KEYS:
             if key in batch:
                 problems += _tensor_problems(batch[key], key, where, 2, ids if key != "input_ids" else None)
@@ -146,38 +146,47 @@ def batch_problems(batch: Any, ref: str, *, vocab_size: int | None, text: bool) 
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab_size:
             problems.append(
-                f"{where}: input_ids range over [{low}, {high}], outside the model's {vocab_size} embeddings"
+                _batch(f"{where}: input_ids range over [{low}, {high}], outside the model's {vocab_size} embeddings")
             )
     labels = batch.get("labels")
     if text and vocab_size is not None and labels.numel():
         bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))]
         if bad.numel():
             problems.append(
-                f"{where}: labels hold {int(bad[0])}, neither a token id below {vocab_size} nor {IGNORE_INDEX} (no target)"
+                _batch(
+                    f"{where}: labels hold {int(bad[0])}, neither a token id below {vocab_size} nor {IGNORE_INDEX} (no target)"
+                )
             )
     if text and "position_ids" in batch and batch["position_ids"].numel() and int(batch["position_ids"].min()) < 0:
-        problems.append(f"{where}: position_ids are negative")
+        problems.append(_batch(f"{where}: position_ids are negative"))
     if not text:
         if NUM_UNITS in batch and not (isinstance(batch[NUM_UNITS], int) or _integer_scalar(batch[NUM_UNITS])):
-            problems.append(f"{where}: {NUM_UNITS} is a {type(batch[NUM_UNITS]).__name__}, not an integer")
+            problems.append(_batch(f"{where}: {NUM_UNITS} is a {type(batch[NUM_UNITS]).__name__}, not an integer"))
         elif NUM_UNITS not in batch and not torch.is_tensor(labels):
-            problems.append(f"{where} has neither {NUM_UNITS!r} nor a 'labels' tensor (keys: {sorted(batch)})")
+            problems.append(_batch(f"{where} has neither {NUM_UNITS!r} nor a 'labels' tensor (keys: {sorted(batch)})"))
     return problems
+
+
+def _batch(message: str) -> Problem:
+    """A problem with a batch of `data.factory` (the message names the factory and the key)."""
+    return Problem("data factory batch", None, message)
 
 
 def _integer_scalar(value: Any) -> bool:
     return torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool
 
 
-def _tensor_problems(value: Any, key: str, where: str, ndim: int | None, like: Any) -> list[str]:
+def _tensor_problems(value: Any, key: str, where: str, ndim: int | None, like: Any) -> list[Problem]:
     if not torch.is_tensor(value):
-        return [f"{where}: {key} is a {type(value).__name__}, not a tensor"]
+        return [_batch(f"{where}: {key} is a {type(value).__name__}, not a tensor")]
     if value.is_floating_point() or value.is_complex() or (value.dtype == torch.bool and key != "attention_mask"):
-        return [f"{where}: {key} is {str(value.dtype).removeprefix('torch.')}, not an integer tensor"]
+        return [_batch(f"{where}: {key} is {str(value.dtype).removeprefix('torch.')}, not an integer tensor")]
     if ndim is not None and value.dim() != ndim:
-        return [f"{where}: {key} has {value.dim()} dimensions {list(value.shape)}, not [batch, sequence]"]
+        return [_batch(f"{where}: {key} has {value.dim()} dimensions {list(value.shape)}, not [batch, sequence]")]
     if like is not None and torch.is_tensor(like) and value.shape != like.shape:
-        return [f"{where}: {key} has shape {list(value.shape)}, input_ids {list(like.shape)}: they must be the same"]
+        return [
+            _batch(f"{where}: {key} has shape {list(value.shape)}, input_ids {list(like.shape)}: they must be the same")
+        ]
     return []
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletune.config import DataConfig, DataSource
-from scaletune.errors import DataError
+from scaletune.errors import DataError, Problem, texts
 
 IGNORE_INDEX = -100
 
@@ -247,12 +247,12 @@ def validate_data(data_cfg: DataConfig) -> None:
         except DataError as exc:
             problems += exc.problems
     if data_cfg.chat_template is not None:
-        problems += template_problems(data_cfg.chat_template)
+        problems += texts(template_problems(data_cfg.chat_template))
     if problems:
         raise DataError(problems, title="invalid data")
 
 
-def template_problems(template: str) -> list[str]:
+def template_problems(template: str) -> list[Problem]:
     """A chat template must parse as Jinja (in the sandbox transformers renders it in)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -260,7 +260,7 @@ def template_problems(template: str) -> list[str]:
     try:
         ImmutableSandboxedEnvironment().parse(template)
     except jinja2.TemplateSyntaxError as exc:
-        return [f"data.chat_template: line {exc.lineno} of the template: {exc.message}"]
+        return [Problem("chat template", None, f"data.chat_template: line {exc.lineno} of the template: {exc.message}")]
     return []
 
 

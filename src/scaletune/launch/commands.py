@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from scaletune.config.secrets import public_overrides
-from scaletune.errors import UserError
-from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
+from scaletune.errors import Problem, UserError
+from scaletune.launch.presets import env_name_problems, merged_env, preset_problems, split_secrets
 from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join
 
 LauncherName = Literal["torchrun", "deepspeed"]
@@ -118,10 +118,10 @@ def single_node_torchrun_argv(
     """
     problems = []
     if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        problems.append(f"the number of processes must be a positive integer, got {nproc_per_node!r}")
+        problems.append(_option(f"the number of processes must be a positive integer, got {nproc_per_node!r}"))
     problems += _port_problems(master_port, "master port")
     if max_restarts < 0:
-        problems.append(f"max restarts must be 0 or more, got {max_restarts}")
+        problems.append(_option(f"max restarts must be 0 or more, got {max_restarts}"))
     if problems:
         raise UserError(problems, title="invalid launch options")
     return torchrun_argv(
@@ -237,25 +237,34 @@ class LaunchCommand:
 _HOST = re.compile(r"^[A-Za-z0-9_.:\[\]%-]+$")
 
 
-def _port_problems(port: int | None, what: str) -> list[str]:
+def _option(message: str) -> Problem:
+    """A problem with a launch option (a command-line flag: no config key)."""
+    return Problem("launch options", None, message)
+
+
+def _port_problems(port: int | None, what: str) -> list[Problem]:
     if port is None:
         return []
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        return [f"{what} must be between 1 and 65535, got {port!r}"]
+        return [_option(f"{what} must be between 1 and 65535, got {port!r}")]
     return []
 
 
-def nproc_problems(gpus_per_node: int | None, procs_per_node: int | None) -> list[str]:
+def nproc_problems(gpus_per_node: int | None, procs_per_node: int | None) -> list[Problem]:
+    """Problems with `--gpus-per-node G` / `--procs-per-node P` (None: not given)."""
     out = []
     if gpus_per_node is not None and gpus_per_node < 0:
-        out.append(f"--gpus-per-node must be 0 or more, got {gpus_per_node}")
+        out.append(_option(f"--gpus-per-node must be 0 or more, got {gpus_per_node}"))
     if procs_per_node is not None and procs_per_node < 1:
-        out.append(f"--procs-per-node must be 1 or more, got {procs_per_node}")
+        out.append(_option(f"--procs-per-node must be 1 or more, got {procs_per_node}"))
     if gpus_per_node == 0 and procs_per_node is None:
-        out.append("--gpus-per-node 0 (CPU nodes) needs --procs-per-node P: how many ranks to start per node")
+        out.append(_option("--gpus-per-node 0 (CPU nodes) needs --procs-per-node P: how many ranks to start per node"))
     if gpus_per_node and procs_per_node and procs_per_node > gpus_per_node:
         out.append(
-            f"--procs-per-node {procs_per_node} is more than --gpus-per-node {gpus_per_node}: ranks would share a GPU"
+            _option(
+                f"--procs-per-node {procs_per_node} is more than --gpus-per-node {gpus_per_node}: "
+                "ranks would share a GPU"
+            )
         )
     return out
 
@@ -275,27 +284,27 @@ def validate(opts: LaunchOptions) -> None:
     Raises:
         UserError: listing each problem.
     """
-    p: list[str] = []
+    p: list[Problem] = []
     if opts.launcher not in LAUNCHERS:
-        p.append(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {opts.launcher!r}")
+        p.append(_option(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {opts.launcher!r}"))
     if opts.nodes < 1:
-        p.append(f"--nodes must be 1 or more, got {opts.nodes}")
+        p.append(_option(f"--nodes must be 1 or more, got {opts.nodes}"))
     elif not 0 <= opts.node_rank < opts.nodes:
-        p.append(f"--node-rank {opts.node_rank} is outside 0..{opts.nodes - 1} (--nodes {opts.nodes})")
+        p.append(_option(f"--node-rank {opts.node_rank} is outside 0..{opts.nodes - 1} (--nodes {opts.nodes})"))
     p += _port_problems(opts.master_port, "--master-port")
     p += nproc_problems(opts.gpus_per_node, opts.procs_per_node)
     if opts.max_restarts < 0:
-        p.append(f"--max-restarts must be 0 or more, got {opts.max_restarts}")
+        p.append(_option(f"--max-restarts must be 0 or more, got {opts.max_restarts}"))
     if opts.nodes > 1 and not opts.master_addr:
-        p.append(f"--nodes {opts.nodes} needs --master-addr: the address of node 0 that every node can reach")
+        p.append(_option(f"--nodes {opts.nodes} needs --master-addr: the address of node 0 that every node can reach"))
     if opts.master_addr is not None and not _HOST.match(opts.master_addr):
-        p.append(f"--master-addr {opts.master_addr!r} is not a host name or IP address")
+        p.append(_option(f"--master-addr {opts.master_addr!r} is not a host name or IP address"))
     if opts.rdzv_id is not None and not re.match(r"^[A-Za-z0-9_.-]+$", opts.rdzv_id):
-        p.append(f"--rdzv-id {opts.rdzv_id!r} may contain only letters, digits, '.', '_' and '-'")
+        p.append(_option(f"--rdzv-id {opts.rdzv_id!r} may contain only letters, digits, '.', '_' and '-'"))
     if opts.launcher == "deepspeed" and opts.max_restarts:
-        p.append("--max-restarts needs --launcher torchrun (the deepspeed launcher does not restart workers)")
+        p.append(_option("--max-restarts needs --launcher torchrun (the deepspeed launcher does not restart workers)"))
     p += preset_problems(opts.env_presets)
-    p += check_env_names(opts.config_env, "distributed.env")
+    p += env_name_problems(opts.config_env, "distributed.env")
     if p:
         raise UserError(p, title="invalid launch options")
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from scaletune.config import secret_names
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 
 
 @dataclass(frozen=True)
@@ -94,24 +94,20 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IFNAME = re.compile(r"^\^?[A-Za-z0-9_.:=,-]+$")
 
 
-def check_env_names(env: Mapping[str, str], where: str) -> list[str]:
-    """Problems with variable names/values that could not be exported safely."""
+def env_name_problems(env: Mapping[str, str], where: str) -> list[Problem]:
+    """Variable names/values in `env` (the config key `where`) that could not be exported safely."""
     out = []
     for k, v in env.items():
         if not _NAME.match(k):
-            out.append(f"{where}: {k!r} is not a valid environment variable name")
+            out.append(Problem("environment", where, f"{where}: {k!r} is not a valid environment variable name"))
         if "\x00" in str(v):
-            out.append(f"{where}: the value of {k} contains a NUL character")
+            out.append(Problem("environment", where, f"{where}: the value of {k} contains a NUL character"))
     return out
 
 
-def preset_problems(names: Iterable[str]) -> list[str]:
+def preset_problems(names: Iterable[str]) -> list[Problem]:
     """The problems :func:`preset_env` would raise, as a list (for all-at-once reporting)."""
-    try:
-        preset_env(names)
-    except UserError as exc:
-        return exc.problems
-    return []
+    return _presets(names)[1]
 
 
 def preset_env(names: Iterable[str]) -> dict[str, str]:
@@ -120,22 +116,30 @@ def preset_env(names: Iterable[str]) -> dict[str, str]:
     Raises:
         UserError: an unknown preset, a missing or unexpected value.
     """
+    env, problems = _presets(names)
+    if problems:
+        raise UserError(problems, title="invalid --env-preset")
+    return env
+
+
+def _presets(names: Iterable[str]) -> tuple[dict[str, str], list[Problem]]:
+    """The variables of the presets that are valid, and a problem for each that is not."""
     env: dict[str, str] = {}
     problems = []
     for raw in names:
         name, sep, value = raw.partition("=")
         preset = PRESETS.get(name)
         if preset is None:
-            problems.append(f"unknown env preset {raw!r}; known: {', '.join(describe_names())}")
+            problems.append(_preset(f"unknown env preset {raw!r}; known: {', '.join(describe_names())}"))
             continue
         if preset.takes_value and not value:
-            problems.append(f"env preset {name} needs a value: {name}=VALUE")
+            problems.append(_preset(f"env preset {name} needs a value: {name}=VALUE"))
             continue
         if not preset.takes_value and sep:
-            problems.append(f"env preset {name} takes no value (got {raw!r})")
+            problems.append(_preset(f"env preset {name} takes no value (got {raw!r})"))
             continue
         if preset.takes_value and not _IFNAME.match(value):
-            problems.append(f"env preset {name}: {value!r} is not an interface name or list")
+            problems.append(_preset(f"env preset {name}: {value!r} is not an interface name or list"))
             continue
         env.update({k: v.replace("{value}", value) for k, v in preset.env.items()})
         if name == "socket-ifname":
@@ -143,9 +147,11 @@ def preset_env(names: Iterable[str]) -> dict[str, str]:
             if not value.startswith("^"):
                 # gloo takes the names themselves (NCCL's '=' means exact names, which gloo's are anyway).
                 env["GLOO_SOCKET_IFNAME"] = value.removeprefix("=")
-    if problems:
-        raise UserError(problems, title="invalid --env-preset")
-    return env
+    return env, problems
+
+
+def _preset(message: str) -> Problem:
+    return Problem("env preset", None, message)
 
 
 def describe_names() -> list[str]:
@@ -159,7 +165,7 @@ def merged_env(config_env: Mapping[str, str] | None, presets: Iterable[str] = ()
         UserError: unknown preset, or a name that is not a valid variable name.
     """
     config_env = dict(config_env or {})
-    problems = check_env_names(config_env, "distributed.env")
+    problems = env_name_problems(config_env, "distributed.env")
     if problems:
         raise UserError(problems, title="invalid distributed.env")
     env = {k: str(v) for k, v in config_env.items()}

@@ -21,9 +21,9 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field
 
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 from scaletune.launch.commands import nproc_problems, torchrun_argv, train_argv
-from scaletune.launch.presets import check_env_names, merged_env, preset_problems, split_secrets
+from scaletune.launch.presets import env_name_problems, merged_env, preset_problems, split_secrets
 from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join
 
 _TIME = re.compile(
@@ -32,7 +32,12 @@ _TIME = re.compile(
 _MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
 
 
-def time_problems(value: str | None) -> list[str]:
+def _option(message: str, fix: str = "") -> Problem:
+    """A problem with an sbatch option (a command-line flag: no config key)."""
+    return Problem("slurm options", None, message, fix)
+
+
+def time_problems(value: str | None) -> list[Problem]:
     """Problems with a SLURM time limit. Accepted, as sbatch documents them: `M`, `M:S`,
     `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S`, `UNLIMITED`/`INFINITE`; minutes and seconds after a
     colon must be below 60 (sbatch silently carries them over, which hides typos)."""
@@ -44,28 +49,31 @@ def time_problems(value: str | None) -> list[str]:
     m = _TIME.match(v)
     if not m:
         return [
-            f"--time {value!r} is not a SLURM time limit; use MINUTES, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+            _option(
+                f"--time {value!r} is not a SLURM time limit",
+                "use MINUTES, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED",
+            )
         ]
     g = m.groupdict()
     if g["days"] is not None:
         if int(g["dh"]) > 23:
-            return [f"--time {value!r}: hours after 'D-' must be below 24"]
+            return [_option(f"--time {value!r}: hours after 'D-' must be below 24")]
         below60 = [x for x in (g["dm"], g["ds"]) if x is not None]
     else:
         parts = [x for x in (g["a"], g["b"], g["c"]) if x is not None]
         below60 = parts[1:]
         if all(int(x) == 0 for x in parts):
-            return [f"--time {value!r} is zero; give a positive limit or UNLIMITED"]
+            return [_option(f"--time {value!r} is zero", "give a positive limit or UNLIMITED")]
     if any(int(x) >= 60 for x in below60):
-        return [f"--time {value!r}: minutes and seconds must be below 60"]
+        return [_option(f"--time {value!r}: minutes and seconds must be below 60")]
     return []
 
 
-def _sbatch_value_problems(name: str, value: str | None) -> list[str]:
+def _sbatch_value_problems(name: str, value: str | None) -> list[Problem]:
     if value is None:
         return []
     if value == "" or any(c in value for c in '"\\\n\r\x00'):
-        return [f"--{name} {value!r}: empty, or contains a double quote, backslash or line break"]
+        return [_option(f"--{name} {value!r}: empty, or contains a double quote, backslash or line break")]
     return []
 
 
@@ -97,36 +105,36 @@ class SlurmOptions:
 
 def validate(opts: SlurmOptions) -> None:
     """Raises UserError naming every problem."""
-    p: list[str] = []
+    p: list[Problem] = []
     if opts.nodes < 1:
-        p.append(f"--nodes must be 1 or more, got {opts.nodes}")
+        p.append(_option(f"--nodes must be 1 or more, got {opts.nodes}"))
     if opts.gpus_per_node is None:
-        p.append("--gpus-per-node is required (0 for CPU nodes, with --procs-per-node)")
+        p.append(_option("--gpus-per-node is required (0 for CPU nodes, with --procs-per-node)"))
     else:
         p += nproc_problems(opts.gpus_per_node, opts.procs_per_node)
     if opts.cpus_per_task is not None and opts.cpus_per_task < 1:
-        p.append(f"--cpus-per-task must be 1 or more, got {opts.cpus_per_task}")
+        p.append(_option(f"--cpus-per-task must be 1 or more, got {opts.cpus_per_task}"))
     if opts.mem_per_gpu is not None:
         if not _MEM.match(opts.mem_per_gpu):
-            p.append(f"--mem-per-gpu {opts.mem_per_gpu!r} is not a SLURM memory size (e.g. 80G, 81920M)")
+            p.append(_option(f"--mem-per-gpu {opts.mem_per_gpu!r} is not a SLURM memory size (e.g. 80G, 81920M)"))
         if not opts.gpus_per_node:
-            p.append("--mem-per-gpu needs GPUs; on CPU nodes use --mem")
+            p.append(_option("--mem-per-gpu needs GPUs; on CPU nodes use --mem"))
         if opts.mem is not None:
-            p.append("give --mem-per-gpu or --mem, not both")
+            p.append(_option("give --mem-per-gpu or --mem, not both"))
     if opts.mem is not None and not _MEM.match(opts.mem):
-        p.append(f"--mem {opts.mem!r} is not a SLURM memory size (e.g. 64G)")
+        p.append(_option(f"--mem {opts.mem!r} is not a SLURM memory size (e.g. 64G)"))
     p += time_problems(opts.time)
     if opts.max_restarts < 0:
-        p.append(f"--max-restarts must be 0 or more, got {opts.max_restarts}")
+        p.append(_option(f"--max-restarts must be 0 or more, got {opts.max_restarts}"))
     for name in ("partition", "account", "job_name", "output", "workdir"):
         p += _sbatch_value_problems(name.replace("_", "-"), getattr(opts, name))
     for extra in opts.extra_sbatch:
         if not re.match(r"^--[a-z][a-z-]*(=.*)?$", extra):
-            p.append(f"--sbatch {extra!r} must look like --option=value")
+            p.append(_option(f"--sbatch {extra!r} must look like --option=value"))
         else:
             p += _sbatch_value_problems("sbatch", extra.partition("=")[2] or "x")
     p += preset_problems(opts.env_presets)
-    p += check_env_names(opts.config_env, "distributed.env")
+    p += env_name_problems(opts.config_env, "distributed.env")
     if p:
         raise UserError(p, title="invalid slurm options")
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from scaletune.config import ModelConfig
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError, texts
 from scaletune.models.introspection import max_positions
 from scaletune.models.loading import load_config
 from scaletune.safe_load import scan_torch_file
@@ -25,7 +25,7 @@ _ST_BYTES |= {"U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 _ST_MAX_HEADER = 100_000_000
 
 
-def safetensors_problems(path: Path, limit: int = 3) -> list[str]:
+def safetensors_problems(path: Path, limit: int = 3) -> list[Problem]:
     """What in a safetensors file's header does not fit the file, read without loading a tensor:
     the header's length, its JSON, and per tensor its dtype, shape and `data_offsets` (inside the
     data area, as long as the shape and dtype say). A header placing a tensor at offset 10^13
@@ -40,25 +40,34 @@ def safetensors_problems(path: Path, limit: int = 3) -> list[str]:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
             if n < 0 or n > min(size - 8, _ST_MAX_HEADER):
-                return [f"{path}: not a safetensors file: its header length {n} does not fit the file ({size} bytes)"]
+                return [
+                    _weights(
+                        f"{path}: not a safetensors file: its header length {n} does not fit the file ({size} bytes)"
+                    )
+                ]
             header = json.loads(f.read(n))
     except OSError as exc:
-        return [f"{path}: cannot be read: {exc.strerror or exc}"]
+        return [_weights(f"{path}: cannot be read: {exc.strerror or exc}")]
     except ValueError as exc:
-        return [f"{path}: not a safetensors file: its header is not JSON ({exc})"]
+        return [_weights(f"{path}: not a safetensors file: its header is not JSON ({exc})")]
     if not isinstance(header, dict):
-        return [f"{path}: not a safetensors file: its header is not a JSON object"]
+        return [_weights(f"{path}: not a safetensors file: its header is not a JSON object")]
     data = size - 8 - n
-    problems = []
+    problems: list[Problem] = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         what = _tensor_problem(info, data)
         if what:
-            problems.append(f"{path}: tensor {name!r}: {what}")
+            problems.append(_weights(f"{path}: tensor {name!r}: {what}"))
             if len(problems) >= limit:
                 break
     return problems
+
+
+def _weights(message: str) -> Problem:
+    """A problem with a weights file (the message names it)."""
+    return Problem("weights", None, message)
 
 
 def _tensor_problem(info: object, data: int) -> str | None:
@@ -112,7 +121,7 @@ def model_facts(cfg: ModelConfig) -> tuple[int | None, list[str]]:
             except UserError as exc:
                 problems += exc.problems
         for f in sorted(folder.glob("*.safetensors")):
-            problems += safetensors_problems(f)
+            problems += texts(safetensors_problems(f))
     try:
         hf_config = load_config(cfg)
     except UserError as exc:

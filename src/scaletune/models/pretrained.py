@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.name != _MARKER and p.is_file()}
 
 
-def cache_problems(folder: Path, src: PretrainedSource) -> list[str]:
+def cache_problems(folder: Path, src: PretrainedSource) -> list[Problem]:
     """What makes a cached folder of `src` other than what scaletune converted: a file its
     conversion did not write (anything not in the marker's `files`), a file whose SHA-256 differs
     from the recorded one, weights other than the pinned :attr:`PretrainedSource.weights_sha256`.
@@ -175,17 +175,19 @@ def cache_problems(folder: Path, src: PretrainedSource) -> list[str]:
     except (OSError, ValueError):
         recorded = None
     expected = set(recorded) | {_MARKER} if isinstance(recorded, dict) else _LEGACY_FILES
-    problems = []
+    problems: list[Problem] = []
     for p in sorted(folder.iterdir()):
         if p.name not in expected or not p.is_file() or p.is_symlink():
-            problems.append(f"{p}: not written by scaletune's conversion of {src.name}")
+            problems.append(Problem("model cache", None, f"{p}: not written by scaletune's conversion of {src.name}"))
     want = {**(recorded if isinstance(recorded, dict) else {}), WEIGHTS: src.weights_sha256}
     for name, digest in want.items():
         path = folder / name
         got = sha256_of(path) if path.is_file() else "missing"
         if got != digest:
             whose = "pinned for" if name == WEIGHTS else "recorded when converting"
-            problems.append(f"{path}: SHA-256 {got} is not the one {whose} {src.name} ({digest})")
+            problems.append(
+                Problem("model cache", None, f"{path}: SHA-256 {got} is not the one {whose} {src.name} ({digest})")
+            )
     return problems
 
 

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError, problems_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -117,7 +117,7 @@ def meta_forward(loss: nn.Module, batch: dict) -> int:
     return total
 
 
-def factory_problems(spec: RunSpec) -> list[str]:
+def factory_problems(spec: RunSpec) -> list[Problem]:
     """Every problem of a factory run (or of stage patterns) found without writing anything; empty
     for a Hugging Face run with neither. Data factories are called on rank 0 only (they may
     download); rank 0 alone then reports their problems, as it does the run directory's."""
@@ -128,7 +128,7 @@ def factory_problems(spec: RunSpec) -> list[str]:
     data_factories = [s for s in spec.stages if s.data.factory is not None]
     if not (custom or spec.freezes_per_stage or data_factories):
         return []
-    problems: list[str] = []
+    problems: list[Problem] = []
     model: Any = None
     loss: Any = None
     processor: Any = None
@@ -143,14 +143,14 @@ def factory_problems(spec: RunSpec) -> list[str]:
             processor = load_tokenizer(spec.config.model)
             model = meta_model(spec) if spec.freezes_per_stage else None
     except UserError as exc:
-        problems += exc.problems
+        problems += problems_of(exc, "model factory")
     bundles: dict[int, Any] = {}
     model_failed = bool(problems)
     for stage in data_factories if spec.env.is_main else []:
         try:
             bundles[stage.index] = _stage_bundle(stage, processor, spec)
         except UserError as exc:
-            problems += [p for p in exc.problems if p not in problems]
+            problems += _new(problems_of(exc, "data factory"), problems)
         except Exception as exc:
             if not model_failed:
                 raise
@@ -165,7 +165,11 @@ def factory_problems(spec: RunSpec) -> list[str]:
                 batch = _first_batch(bundle, processor, spec)
             except Exception as exc:  # the factory's collator: its failure is bad input, said once
                 problems.append(
-                    f"data.factory {ref!r}: its collator fails on the first items: {type(exc).__name__}: {exc}"
+                    Problem(
+                        "data factory",
+                        None,
+                        f"data.factory {ref!r}: its collator fails on the first items: {type(exc).__name__}: {exc}",
+                    )
                 )
                 continue
             found = batch_problems(batch, ref, vocab_size=vocab, text=loss is None)
@@ -176,13 +180,19 @@ def factory_problems(spec: RunSpec) -> list[str]:
         try:
             problems += _forward_problems(MetaRun(loss, processor, first[0]))
         except UserError as exc:
-            problems += [p for p in exc.problems if p not in problems]
+            problems += _new(problems_of(exc, "model factory"), problems)
     if model is not None:
         try:
             trainable_sets(model, spec.stages, numbered=bool(spec.config.stages))
         except UserError as exc:
-            problems += exc.problems
+            problems += problems_of(exc, "stage patterns")
     return problems
+
+
+def _new(found: list[Problem], known: list[Problem]) -> list[Problem]:
+    """`found` without the problems already in `known` (by their text: one message said once)."""
+    seen = {p.text() for p in known}
+    return [p for p in found if p.text() not in seen]
 
 
 def _vocab_size(loss: Any, spec: RunSpec) -> int | None:
@@ -204,7 +214,7 @@ def _vocab_size(loss: Any, spec: RunSpec) -> int | None:
     return getattr(hf.get_text_config(), "vocab_size", None)
 
 
-def _forward_problems(run: MetaRun) -> list[str]:
+def _forward_problems(run: MetaRun) -> list[Problem]:
     from scaletune.trainer.batches import CUSTOM
 
     assert run.batch is not None
@@ -212,7 +222,7 @@ def _forward_problems(run: MetaRun) -> list[str]:
         CUSTOM.targets(run.batch)
         meta_forward(run.loss, run.batch)
     except UserError as exc:
-        return exc.problems
+        return problems_of(exc, "model factory")
     except Exception as exc:  # an op that needs values: checked at the first step instead
         log.info(
             f"model.factory: the forward cannot run on the meta device ({type(exc).__name__}: {exc}); "

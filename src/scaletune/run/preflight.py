@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from scaletune.config import Config, LoadedConfig
 from scaletune.env import DistributedEnv, print0
-from scaletune.errors import UserError
+from scaletune.errors import UserError, texts
 from scaletune.resolve import RunSpec, decide, resolve
 
 
@@ -92,7 +92,7 @@ def prepare(
             engine_config(spec)
         except UserError as exc:
             problems += exc.problems
-    problems += factory_problems(spec)
+    problems += texts(factory_problems(spec))
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import func, select
 
+from scaletune.errors import Problem
 from scaletune.serve.db import Token
 
 SCOPES = ("read", "submit", "admin")
@@ -65,12 +66,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def bind_problems(host: str, Session) -> list[str]:  # noqa: N803
+def bind_problems(host: str, Session) -> list[Problem]:  # noqa: N803
+    """Why the service may not listen on `host`: a non-loopback address needs an API token first."""
     if is_loopback(host) or has_tokens(Session):
         return []
     return [
-        f"--host {host}: without API tokens the service binds only loopback (127.0.0.1, ::1); "
-        "create one first: scaletune serve token create --scope admin"
+        Problem(
+            "serve bind",
+            None,
+            f"--host {host}: without API tokens the service binds only loopback (127.0.0.1, ::1)",
+            "create one first: scaletune serve token create --scope admin",
+        )
     ]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scaletune.env import print0
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError, problems_of
 from scaletune.resolve import BatchArithmetic, RunSpec, Stage, steps_for
 
 if TYPE_CHECKING:
@@ -76,20 +76,20 @@ def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
     )
 
 
-def data_problems(spec: RunSpec, tokenizer: Any) -> list[str]:
+def data_problems(spec: RunSpec, tokenizer: Any) -> list[Problem]:
     """Build every stage's data in this process (filling the cache the ranks then read; a
     `data.factory` is called as the ranks will call it, with `tokenizer`) and say what stops
     training: for a parent that starts the ranks, so bad data ends in one message and exit 2
     rather than in every rank."""
-    problems: list[str] = []
+    problems: list[Problem] = []
     for stage in spec.stages:
         try:
             bundle = _builder(stage)(stage.data, tokenizer, seed=spec.config.seed)
         except UserError as exc:
-            problems += [p for p in exc.problems if p not in problems]
+            problems += [p for p in problems_of(exc, "data") if p not in problems]
             continue
         small = _too_small(stage, len(bundle.train), spec.batch_for(stage))
-        problems += [small] if small else []
+        problems += [Problem("data", None, small)] if small else []
     return problems
 
 
