@@ -45,10 +45,10 @@ def launch(
     import os
     import tempfile
 
-    from scaletune.launch.commands import LaunchOptions, build_launch
+    from scaletune.launch.commands import LaunchOptions, build_launch, ranks_per_node
 
     output_file(script, "--script")
-    per_node = procs_per_node or gpus_per_node
+    per_node = ranks_per_node(gpus_per_node, procs_per_node)
     spec = resolved(config, overrides, world_size=nodes * per_node if per_node else None)
     cfg = spec.config
     opts = LaunchOptions(
@@ -123,11 +123,12 @@ def slurm(
     """Write an sbatch script that runs the config across the nodes (one torchrun per node)."""
     import os
 
+    from scaletune.launch.commands import ranks_per_node
     from scaletune.launch.slurm import SlurmOptions, render_sbatch
     from scaletune.launch.slurm import submit as sbatch_submit
 
     output_file(output, "-o/--output")
-    per_node = procs_per_node if procs_per_node is not None else gpus_per_node
+    per_node = ranks_per_node(gpus_per_node, procs_per_node)
     cfg = resolved(config, overrides, world_size=nodes * per_node if per_node else None).config
     text = render_sbatch(
         SlurmOptions(

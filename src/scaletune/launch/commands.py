@@ -269,13 +269,18 @@ def nproc_problems(gpus_per_node: int | None, procs_per_node: int | None) -> lis
     return out
 
 
-def nproc_per_node(gpus_per_node: int | None, procs_per_node: int | None) -> str:
-    """torchrun's `--nproc-per-node` value: P, else G, else `gpu` (all visible GPUs)."""
+def ranks_per_node(gpus_per_node: int | None, procs_per_node: int | None) -> int | None:
+    """Ranks each node starts: `--procs-per-node` P where given, else one per GPU (G), else None
+    (not known here: one per visible GPU on the node). The one rule for launch, sbatch and serve."""
     if procs_per_node is not None:
-        return str(procs_per_node)
-    if gpus_per_node:
-        return str(gpus_per_node)
-    return "gpu"
+        return procs_per_node
+    return gpus_per_node or None
+
+
+def nproc_per_node(gpus_per_node: int | None, procs_per_node: int | None) -> str:
+    """torchrun's `--nproc-per-node` value: :func:`ranks_per_node`, else `gpu` (all visible GPUs)."""
+    ranks = ranks_per_node(gpus_per_node, procs_per_node)
+    return "gpu" if ranks is None else str(ranks)
 
 
 def validate(opts: LaunchOptions) -> None:

@@ -22,6 +22,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 from scaletune.errors import Problem, UserError
+from scaletune.launch import commands
 from scaletune.launch.commands import nproc_problems, torchrun_argv, train_argv
 from scaletune.launch.presets import env_name_problems, merged_env, preset_problems, split_secrets
 from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join
@@ -140,7 +141,10 @@ def validate(opts: SlurmOptions) -> None:
 
 
 def ranks_per_node(opts: SlurmOptions) -> int:
-    return opts.procs_per_node if opts.procs_per_node is not None else opts.gpus_per_node
+    """Ranks each node of the job starts (validated options: never unknown)."""
+    ranks = commands.ranks_per_node(opts.gpus_per_node, opts.procs_per_node)
+    assert ranks is not None, "validate() requires gpus_per_node or procs_per_node"
+    return ranks
 
 
 def sbatch_directives(opts: SlurmOptions) -> list[tuple[str, str]]:
