@@ -33,5 +33,18 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, standalone_mode=True)
     except UserError as exc:
-        typer.echo(f"error: {exc.format()}", err=True)
+        typer.echo(_error_text(exc), err=True)
         sys.exit(2)
+
+
+def _error_text(exc: UserError) -> str:
+    """The error as printed. Under a launcher (`torchrun -m scaletune train ...`) every rank checks
+    the same config and data and meets the same problems: local rank 0 of each node prints them in
+    full, the other ranks one line, so a node's log names each problem once. (Each node's first
+    rank still prints in full: what is missing on one node may be present on another.)"""
+    import os
+
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if local_rank in ("", "0") or len(exc.problems) == 0:
+        return f"error: {exc.format()}"
+    return f"error (local rank {local_rank}): {exc.title}; the problems are listed by local rank 0"
