@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -64,7 +64,7 @@ def serve(
 
     from scaletune.serve.app import create_app
     from scaletune.serve.auth import bind_problems
-    from scaletune.serve.db import default_url
+    from scaletune.serve.db import DatabaseUnavailable, database_url, default_url, redacted
     from scaletune.serve.jobs import JobService
     from scaletune.serve.policy import SAFE_ENV_PREFIXES, Policy
 
@@ -81,12 +81,21 @@ def serve(
         trusted_hosts=tuple(trusted_host or ()),
         max_request_bytes=int(max_request_mb * 2**20),
     )
-    svc = JobService(
-        db or default_url(), jobs_dir, f"http://{host}:{port}", max_concurrent=max_concurrent, policy=policy
-    )
+    db = db or default_url()
+    address = f"http://{host}:{port}"
+    try:
+        svc = JobService(db, jobs_dir, address, max_concurrent=max_concurrent, policy=policy)
+    except DatabaseUnavailable as exc:
+        _unavailable(exc)
     problems += bind_problems(host, svc.Session)
     if problems:
         raise UserError(problems, title="cannot serve")
+    # One line an operator (or a platform's log) sees at start; the password is never printed.
+    typer.echo(
+        f"scaletune serve: {address} | database {redacted(database_url(db))} | targets {', '.join(svc.dispatchers)}"
+        f" | at most {max_concurrent} local job{'s' if max_concurrent > 1 else ''} at once",
+        err=True,
+    )
     uvicorn.run(create_app(svc), host=host, port=port, log_level="warning")
 
 
@@ -97,11 +106,21 @@ def token_create(
 ) -> None:
     """Create an API token; it is printed once, as the last word (stored hashed)."""
     from scaletune.serve.auth import create_token
-    from scaletune.serve.db import default_url, open_db
+    from scaletune.serve.db import DatabaseUnavailable, default_url, open_db
 
-    _, Session = open_db(db or default_url())
+    try:
+        _, Session = open_db(db or default_url())
+    except DatabaseUnavailable as exc:
+        _unavailable(exc)
     try:
         token = create_token(Session, scope)
     except ValueError as exc:
         raise UserError(str(exc), title="invalid arguments") from None
     typer.echo(f"created a {scope} token (shown once): {token}")
+
+
+def _unavailable(exc: Exception) -> NoReturn:
+    """A database that cannot be reached is a wrong environment (exit 1), told in one line: its
+    traceback says nothing more, and the driver's exception inside it could hold the password."""
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(1)

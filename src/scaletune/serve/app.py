@@ -4,23 +4,28 @@ tokens exist) and the web page (web.py); `guard.Guard` stands before both."""
 import asyncio
 import contextlib
 import json
+import logging
 import posixpath
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field, model_validator
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
 from sse_starlette.sse import EventSourceResponse
 
 from scaletune.errors import UserError
 from scaletune.serve import auth
-from scaletune.serve.db import kept_key
+from scaletune.serve.db import kept_key, scrubbed
 from scaletune.serve.guard import Guard
 from scaletune.serve.jobs import JobNotFound, JobService
 from scaletune.serve.records import MAX_INT, validated
 
+log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
 ARTIFACTS = ("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints")
 MAX_LOG_BYTES = 8 << 20  # one /logs answer at most
@@ -91,7 +96,16 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     app = FastAPI(title="scaletune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.svc = svc
     app.state.csrf = auth.Csrf(kept_key(svc.Session, "csrf"))
-    app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=lambda: not auth.has_tokens(svc.Session))
+
+    def open_mode() -> bool:
+        # A database that does not answer cannot say whether tokens exist: answer as a tokenless
+        # service does (loopback names only), the stricter, so /healthz can still say 503.
+        try:
+            return not auth.has_tokens(svc.Session)
+        except SQLAlchemyError:
+            return True
+
+    app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=open_mode)
 
     @app.exception_handler(JobNotFound)
     async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
@@ -139,6 +153,18 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         page.headers["content-security-policy"] = DOCS_CSP
         return page
 
+    @app.get("/healthz", tags=["service"])
+    def healthz():
+        """200 `{"status": "ok"}` once the job database answers, else 503; no token needed (for a
+        load balancer or a platform's health check)."""
+        try:
+            with svc.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except SQLAlchemyError as exc:
+            log.warning("healthz: the job database does not answer: %s", scrubbed(exc, svc.engine.url))
+            return JSONResponse({"status": "unavailable", "detail": "the job database does not answer"}, 503)
+        return {"status": "ok"}
+
     @app.get("/api/admin/policy", dependencies=[admin])
     def get_policy():
         return svc.policy.public()
@@ -181,13 +207,31 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     @app.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse)
     def get_logs(
         job_id: str,
-        rank: Annotated[int | None, Query(ge=0, le=1 << 20)] = None,
+        rank: Annotated[int | None, Query(ge=0, le=1 << 20, description="Refused: see below.")] = None,
         offset: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Bytes; default: the end.")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES, description="Bytes at most.")] = 1 << 20,
     ):
-        """At most `limit` bytes of the job's log from `offset` (default: its last `limit` bytes)."""
+        """At most `limit` bytes of the job's log from `offset` (default: its last `limit` bytes).
+
+        `rank` is refused (422): the log does not separate ranks. Rank 0 prints for the run and the
+        other ranks stay quiet; torchrun runs without `--tee`, so only an uncaught error's traceback
+        is prefixed `[rankN]:`, and a filter would return nearly the whole log as if it were rank N's.
+        """
+        if rank is not None:
+            raise RequestValidationError(
+                [
+                    {
+                        "type": "value_error",
+                        "loc": ("query", "rank"),
+                        "msg": "ranks are not separated in this log (rank 0 prints for the run; only an uncaught "
+                        "error's traceback lines are prefixed [rankN]:), so it cannot be filtered by rank; "
+                        "leave out rank",
+                        "input": str(rank),
+                    }
+                ]
+            )
         job = job_or_404(job_id)
-        return svc.dispatchers[job.target].logs(svc.files(job), rank, offset, limit)
+        return svc.dispatchers[job.target].logs(svc.files(job), None, offset, limit)
 
     @app.get("/api/jobs/{job_id}/events", dependencies=[read])
     async def events(job_id: str, request: Request):

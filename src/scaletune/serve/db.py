@@ -1,21 +1,26 @@
 """Job records in SQL through SQLAlchemy (SQLite by default, any SQLAlchemy URL such as
-`postgresql://...`); the schema is created and upgraded by the Alembic scripts in `migrations/`,
+`postgresql://...`, or the `postgres://...` Render and Heroku give); the schema is created and upgraded by the Alembic scripts in `migrations/`,
 applied when the service starts (:func:`open_db`)."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint, create_engine
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+# The driver of a Postgres URL that names none: psycopg 3, the one the serve extra installs
+# (SQLAlchemy's own default, psycopg2, is not installed by it).
+POSTGRES_DRIVER = "postgresql+psycopg"
+CONNECT_TIMEOUT_S = 10  # a server that does not answer fails the start and /healthz, not hangs them
 
 
 def now() -> dt.datetime:
@@ -138,6 +143,56 @@ def kept_key(Session: sessionmaker, name: str) -> bytes:  # noqa: N803 - a sessi
         return bytes.fromhex(s.get(Setting, name).value)
 
 
+class DatabaseUnavailable(RuntimeError):
+    """The job database cannot be reached or migrated (a wrong environment). The message names the
+    database with its password hidden and never holds the password."""
+
+
+def database_url(url: str) -> URL:
+    """`url` as SQLAlchemy takes it: `postgres://` (what Render and Heroku give; SQLAlchemy refuses
+    that scheme) and a `postgresql://` naming no driver become `postgresql+psycopg://`.
+
+    Raises:
+        UserError: `url` is no database URL (the message hides anything that may be a password).
+    """
+    from scaletune.errors import UserError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise UserError(
+            f"--db {redacted(url)}: not a database URL (sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DB)",
+            title="invalid database URL",
+        ) from None
+    if parsed.drivername in ("postgres", "postgresql"):
+        parsed = parsed.set(drivername=POSTGRES_DRIVER)
+    return parsed
+
+
+def redacted(url: str | URL) -> str:
+    """`url` with its password shown as `***`, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:  # not parsable: hide whatever stands between `user:` and `@`
+        return re.sub(r"(://[^/@:]*:)[^/]*@", r"\1***@", str(url))
+
+
+def scrubbed(exc: BaseException, url: str | URL) -> str:
+    """The text of a database error with the URL's password, if it appears anywhere, hidden (a
+    driver may echo its connection string)."""
+    text = str(exc)
+    try:
+        password = make_url(url).password
+    except ArgumentError:
+        password = None
+    if password:
+        from urllib.parse import quote_plus
+
+        for form in {str(password), quote_plus(str(password))}:
+            text = text.replace(form, "***")
+    return text
+
+
 def default_url(home: Path | None = None) -> str:
     home = home or Path.home() / ".scaletune"
     home.mkdir(parents=True, exist_ok=True)
@@ -175,18 +230,29 @@ def upgrade(url: str) -> None:
 
 
 def open_db(url: str) -> tuple[Engine, sessionmaker]:
-    """Migrate the database at `url` and return its engine and session factory.
+    """Migrate the database at `url` (normalized by :func:`database_url`) and return its engine
+    and session factory.
 
     Raises:
-        RuntimeError: the database cannot be reached or migrated.
+        UserError: `url` is no database URL.
+        DatabaseUnavailable: the database cannot be reached or migrated.
     """
+    parsed = database_url(url)
     try:
-        upgrade(url)
+        upgrade(parsed.render_as_string(hide_password=False))
     except Exception as exc:  # noqa: BLE001 - one clear message for a wrong environment
-        raise RuntimeError(f"cannot open the job database {url}: {exc}") from exc
-    args = {"check_same_thread": False, "timeout": 30} if url.startswith("sqlite") else {}
-    engine = create_engine(url, connect_args=args)
-    if url.startswith("sqlite"):
+        # Not chained: the driver's exception (printed with a traceback) could carry the password.
+        raise DatabaseUnavailable(f"cannot open the job database {redacted(parsed)}: {scrubbed(exc, parsed)}") from None
+    sqlite = parsed.get_backend_name() == "sqlite"
+    if sqlite:
+        args: dict[str, Any] = {"check_same_thread": False, "timeout": 30}
+    elif parsed.drivername == POSTGRES_DRIVER and "connect_timeout" not in parsed.query:
+        args = {"connect_timeout": CONNECT_TIMEOUT_S}
+    else:
+        args = {}
+    # pre_ping: a server database restarted under the service is reconnected to, not failed on.
+    engine = create_engine(parsed, connect_args=args, pool_pre_ping=not sqlite)
+    if sqlite:
         from sqlalchemy import event
 
         @event.listens_for(engine, "connect")

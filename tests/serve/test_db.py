@@ -1,0 +1,166 @@
+"""The job database as deployed: the `postgres://` URLs platforms give, passwords never printed,
+and a real Postgres (Debian's server, started here in a temporary folder) migrated and watched
+through the real `scaletune serve`."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, inspect, text
+
+from scaletune.serve.db import MIGRATIONS, database_url, redacted, scrubbed
+from tests.helpers import REPO_ROOT, run_cli, subprocess_env
+from tests.serve.conftest import free_port
+
+PASSWORD = "s3cret-Pg"
+
+
+def test_postgres_urls_name_the_shipped_driver():
+    # Written out by hand: what SQLAlchemy must be given for each URL a platform or a user writes.
+    cases = {
+        "postgres://u:pw@db.example:5432/jobs": "postgresql+psycopg://u:pw@db.example:5432/jobs",
+        "postgresql://u:pw@db.example/jobs?sslmode=require": "postgresql+psycopg://u:pw@db.example/jobs?sslmode=require",
+        "postgresql+psycopg2://u:pw@h/j": "postgresql+psycopg2://u:pw@h/j",  # a driver named: kept
+        "sqlite:////var/lib/scaletune/serve.db": "sqlite:////var/lib/scaletune/serve.db",
+    }
+    for given, wanted in cases.items():
+        assert database_url(given).render_as_string(hide_password=False) == wanted, given
+
+
+def test_passwords_are_hidden_in_urls_and_errors():
+    assert redacted("postgres://u:s3cret@h:5432/j") == "postgres://u:***@h:5432/j"
+    assert redacted("postgresql://u:p%40ss@h/j") == "postgresql://u:***@h/j"
+    assert redacted("not a url://u:s3cret@h") == "not a url://u:***@h"  # unparsable: hidden all the same
+    err = RuntimeError("conninfo 'password=s3cret host=h' and p%40ss")
+    assert "s3cret" not in scrubbed(err, "postgresql://u:s3cret@h/j")
+    assert "p%40ss" not in scrubbed(err, "postgresql://u:p%40ss@h/j")
+
+
+@pytest.mark.parametrize("scheme", ["postgresql", "postgres"])
+def test_unreachable_database_fails_the_start_without_the_password(tmp_path, scheme):
+    url = f"{scheme}://user:s3cret@127.0.0.1:1/x"  # nothing listens on port 1
+    r = run_cli(["serve", "--db", url, "--jobs-dir", str(tmp_path), "--port", str(free_port())], timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "cannot open the job database postgresql+psycopg://user:***@127.0.0.1:1/x" in r.stderr, out
+    assert "s3cret" not in out and "Traceback" not in out
+    r = run_cli(["serve", "token", "create", "--db", url], timeout=120)
+    assert r.returncode == 1 and "s3cret" not in r.stdout + r.stderr and "user:***@" in r.stderr
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).resolve().parent if initdb else None
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A Postgres server on 127.0.0.1 (password auth) in a temporary folder; its URL."""
+    pg_bin = _pg_bin()
+    if pg_bin is None:
+        pytest.skip(
+            "NO POSTGRES SERVER HERE: Debian's postgresql package (initdb, pg_ctl) is not installed, "
+            "so the job database is not tested on Postgres (apt-get install postgresql)"
+        )
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        pytest.skip("NO POSTGRES DRIVER: psycopg is not installed (pip install -e '.[serve]')")
+    root = Path(tempfile.mkdtemp(prefix="scaletune-pg-"))
+    # initdb refuses to run as root: the server then runs as Debian's postgres user.
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    if as_user:
+        shutil.chown(root, "postgres")
+    pwfile = root / "pw"
+    pwfile.write_text(PASSWORD + "\n")
+    if as_user:
+        shutil.chown(pwfile, "postgres")
+    port = free_port()
+
+    def pg(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)
+
+    r = pg(str(pg_bin / "initdb"), "-D", str(root / "data"), "-U", "scaletune", "--auth=scram-sha-256",
+           f"--pwfile={pwfile}")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    start = [str(pg_bin / "pg_ctl"), "-D", str(root / "data"), "-o", opts, "-l", str(root / "log"), "-w"]
+    r = pg(*start, "start")
+    assert r.returncode == 0, r.stdout + r.stderr + (root / "log").read_text()
+    server = {"url": f"postgres://scaletune:{PASSWORD}@127.0.0.1:{port}/postgres", "pg": pg, "start": start}
+    yield server
+    pg(*start[:3], "-m", "immediate", "stop")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_migrations_run_on_postgres(postgres):
+    from alembic.script import ScriptDirectory
+
+    r = run_cli(["serve", "token", "create", "--scope", "admin", "--db", postgres["url"]], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert PASSWORD not in r.stdout + r.stderr
+    head = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    engine = create_engine(database_url(postgres["url"]))
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == head
+            assert conn.execute(text("SELECT scope FROM tokens")).scalars().all() == ["admin"]
+        tables = set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    assert {"jobs", "events", "metrics", "tokens", "settings", "alembic_version"} <= tables
+
+
+def _health(url: str, want: int, timeout: float = 60) -> dict:
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{url}/healthz", timeout=15)
+            if resp.status_code == want:
+                return resp.json()
+            last = f"{resp.status_code} {resp.text}"
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        time.sleep(0.3)
+    raise AssertionError(f"/healthz did not answer {want} in {timeout} s; last: {last}")
+
+
+def test_service_on_postgres_says_how_it_starts_and_answers_healthz(postgres, tmp_path):
+    port = free_port()
+    err = tmp_path / "stderr"
+    argv = [sys.executable, "-m", "scaletune", "serve", "--db", postgres["url"], "--port", str(port),
+            "--jobs-dir", str(tmp_path / "jobs"), "--max-concurrent", "2"]  # fmt: skip
+    with err.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=subprocess_env(), cwd=REPO_ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _health(url, 200) == {"status": "ok"}
+        line = next(ln for ln in err.read_text().splitlines() if ln.startswith("scaletune serve:"))
+        pg_port = postgres["url"].rsplit(":", 1)[1].split("/")[0]
+        assert re.fullmatch(
+            rf"scaletune serve: {url} \| database postgresql\+psycopg://scaletune:\*\*\*@127\.0\.0\.1:{pg_port}/postgres"
+            r" \| targets local, slurm, modal \| at most 2 local jobs at once",
+            line,
+        ), line
+        postgres["pg"](*postgres["start"][:3], "-m", "fast", "stop")  # the database goes away
+        assert _health(url, 503)["status"] == "unavailable"
+        r = postgres["pg"](*postgres["start"], "start")
+        assert r.returncode == 0, r.stderr
+        assert _health(url, 200) == {"status": "ok"}  # and comes back without restarting the service
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert PASSWORD not in err.read_text()
