@@ -231,7 +231,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
                 ]
             )
         job = job_or_404(job_id)
-        return svc.dispatchers[job.target].logs(svc.files(job), None, offset, limit)
+        return svc.dispatchers[job.target].logs(svc.files(job), offset, limit)
 
     @app.get("/api/jobs/{job_id}/events", dependencies=[read])
     async def events(job_id: str, request: Request):

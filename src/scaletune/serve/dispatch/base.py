@@ -71,15 +71,11 @@ class Dispatcher:
         """End the job now."""
         raise NotImplementedError
 
-    def logs(self, job: JobFiles, rank: int | None = None, offset: int | None = None, limit: int = 1 << 20) -> str:
+    def logs(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> str:
         """At most `limit` bytes of the job's output (its logs one after another) from `offset`, or
-        its last `limit` bytes; never the whole of a long log. Ranks share one log here: `rank`
-        keeps torchrun's `[rank]:` lines of that rank (and the unprefixed ones)."""
-        text = read_range(log_files(job), offset, limit)[0].decode(errors="replace")
-        if rank is None:
-            return text
-        keep = [ln for ln in text.splitlines(True) if ln.startswith(f"[rank{rank}]") or not ln.startswith("[rank")]
-        return "".join(keep)
+        its last `limit` bytes; never the whole of a long log. The ranks share one log (the API
+        refuses a `rank` filter: app.py says why)."""
+        return read_range(log_files(job), offset, limit)[0].decode(errors="replace")
 
     def adopt(self, job: JobFiles) -> str | None:
         """After a service stopped while starting `job`: its target id if it was started, else None."""
