@@ -113,6 +113,8 @@ def test_serve_reads_the_line_the_trainer_prints(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(loop, "reporter", lambda: SimpleNamespace(add=lambda k, d, flush: posted.append((k, d))))
     trainer = SimpleNamespace(env=SimpleNamespace(is_main=True))
     ckpt = str(tmp_path / "run dir" / "checkpoints" / "step-2")
+    # Saved, as the line says: the watcher offers the checkpoints whose folder exists.
+    (tmp_path / "run dir" / "checkpoints" / "step-2").mkdir(parents=True)
     capsys.readouterr()
     loop.Trainer.report(trainer, "phase", phase="loading model")
     loop.Trainer.report(trainer, "phase", phase="training", stage="warm up")

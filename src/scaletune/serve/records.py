@@ -157,6 +157,14 @@ def _checkpoint_known(s: Session, job: Job, *, path: str | None = None, step: in
     return step is not None and any(d.get("step") == step for d in known)
 
 
+def checkpoint_events(s: Session, job: Job) -> dict[str, dict]:
+    """Each checkpoint path of the job's stream -> its last event (`removed: true` once its folder
+    was found gone: see watch.sync_checkpoints)."""
+    s.flush()
+    rows = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint").order_by(Event.id))
+    return {d["path"]: d for d in rows if isinstance(d.get("path"), str)}
+
+
 def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
     """One reported event (`report.EventKind`'s value, as posted or parsed from the log) applied to
     the record; 1 when it was new, 0 when known or of a kind the record does not keep."""

@@ -2,7 +2,8 @@
 the active ones at their target, reads what their runs append to their files (`metrics.jsonl`,
 the log's event lines) and settles how each ended; and, when the service starts, the re-attach to
 the jobs a previous service left running. How far each file was read is kept on the job record
-(`Job.offsets`), so a restarted service reads on where the last one stopped."""
+(`Job.offsets`), so a restarted service, and a resumed run appending to the same log, read on
+where the last read stopped; the checkpoints offered follow the run directory (`sync_checkpoints`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from scaletune.serve import states as S
 from scaletune.serve.db import Job, now
 from scaletune.serve.dispatch import Dispatcher, JobFiles
 from scaletune.serve.dispatch.base import LOG_FILE
-from scaletune.serve.records import add_metric, apply_report, event, set_state
+from scaletune.serve.records import add_metric, apply_report, checkpoint_events, event, set_state
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,21 @@ def json_lines(text: str) -> list[dict]:
         if isinstance(record, dict):
             out.append(record)
     return out
+
+
+def sync_checkpoints(s: Session, job: Job) -> None:
+    """The job's offered checkpoints made to match its run directory: `keep_last` removes old
+    ones while the run goes on, so one whose folder is gone gets a `removed` event (the page drops
+    it), and one removed and saved again (a resume) is offered again."""
+    if job.target == "modal":
+        return  # its checkpoints are on the Modal volume, not in a folder this service can see
+    root = (Path(job.run_dir) / "checkpoints").resolve()
+    for path, data in checkpoint_events(s, job).items():
+        p = Path(path).resolve()
+        # Only the run's own checkpoints/step-N: a reported path elsewhere is not looked at.
+        there = p.parent == root and p.is_dir()
+        if there == bool(data.get("removed")):
+            event(s, job, "checkpoint", {"step": data.get("step"), "path": path, "removed": not there})
 
 
 class Watcher:
@@ -115,7 +131,10 @@ class Watcher:
             if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
                 continue
             self.issue_token(job)
-            job.offsets = {}  # a resumed job's files are read from their start again
+            # A resumed job's log is appended to (the dispatcher opens it O_APPEND; a SLURM run
+            # writes a new slurm-ID.out): read on after what is stored, never from the start again.
+            # metrics.jsonl is read again (a resume truncates it; its lines are stored once a step).
+            job.offsets = {k: v for k, v in (job.offsets or {}).items() if k != METRICS_FILE}
             # Recorded before the start: a service that dies before it learns the target id
             # finds the job `starting` and adopts its process (reattach_all), never starts it twice.
             set_state(s, job, S.STARTING, phase=None)
@@ -197,6 +216,7 @@ class Watcher:
                 parsed = parse_event_line(line)
                 if parsed is not None:
                     apply_report(s, job, *parsed)
+        sync_checkpoints(s, job)
 
     def read_new(self, job: Job, name: str) -> str:
         """What was appended to a file of the job since the last read (whole lines only); the new
