@@ -45,7 +45,13 @@ class Server:
 
     def start(self) -> None:
         self.svc = JobService(
-            self.db, self.home, self.url, max_concurrent=self.max_concurrent, poll_s=0.3, policy=self.policy
+            self.db,
+            self.home,
+            self.url,
+            max_concurrent=self.max_concurrent,
+            poll_s=0.3,
+            policy=self.policy,
+            public_url=self.url,  # Modal jobs need one; loopback here, as no job leaves this machine
         )
         config = uvicorn.Config(create_app(self.svc), host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)

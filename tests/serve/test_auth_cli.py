@@ -23,7 +23,13 @@ LOOPBACK = "http://127.0.0.1"  # a tokenless service answers loopback names only
 
 @pytest.fixture
 def svc(tmp_path):
-    s = JobService(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", "http://127.0.0.1:9", policy=TEST_POLICY)
+    s = JobService(
+        f"sqlite:///{tmp_path / 'db.sqlite'}",
+        tmp_path / "jobs",
+        "http://127.0.0.1:9",
+        policy=TEST_POLICY,
+        public_url="https://jobs.example.com",  # Modal jobs are refused without one
+    )
     yield s
     s.engine.dispose()
 

@@ -199,7 +199,7 @@ def modal(
     import re
 
     from scaletune.config import load_config
-    from scaletune.launch.modal_app import ModalOptions, plan_inputs, render_modal_app, scaletune_requirements
+    from scaletune.launch.modal_app import ModalOptions, image_requirements, plan_inputs, render_modal_app
 
     output_file(output, "-o/--output")
     resolved(config, overrides, world_size=gpu_count if gpu_count > 0 else None)  # every problem, before writing
@@ -214,7 +214,7 @@ def modal(
         secrets=tuple(secret or ()),
         timeout_hours=timeout_hours,
         env_presets=tuple(env_preset or ()),
-        requirements=tuple(scaletune_requirements(deepspeed=cfg.distributed.strategy in ("auto", "deepspeed"))),
+        requirements=image_requirements(cfg.distributed.strategy),
     )
     dirs = frozenset(p for p in plan.mounts if Path(p).is_dir())
     text = render_modal_app(opts, plan, local_dirs=dirs)

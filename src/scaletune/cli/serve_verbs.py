@@ -55,6 +55,17 @@ def serve(
         list[str] | None, typer.Option(help="A Host name answered besides loopback's (repeatable).")
     ] = None,
     max_request_mb: Annotated[float, typer.Option(help="Largest request body, in MiB.")] = 4.0,
+    root_path: Annotated[
+        str,
+        typer.Option(
+            "--root-path",
+            help="The path prefix a reverse proxy serves this under and strips (e.g. /team/st); links carry it.",
+        ),
+    ] = "",
+    public_url: Annotated[
+        str | None,
+        typer.Option(help="The address jobs on other machines (Modal, SLURM) post their reports to; Modal needs it."),
+    ] = None,
 ) -> None:
     """Serve the job API (/api, OpenAPI at /docs) and the web page (/). What submitted configs may
     do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options."""
@@ -71,6 +82,15 @@ def serve(
     problems: list[Problem] = []
     if max_concurrent < 1:
         problems.append(Problem("serve options", None, f"--max-concurrent must be 1 or more, got {max_concurrent}"))
+    root_path = root_path.rstrip("/")
+    if root_path and (not root_path.startswith("/") or "//" in root_path or any(c in root_path for c in "?#%\\\"' <>")):
+        problems.append(
+            Problem("serve options", None, f"--root-path must be a path such as /team/st, got {root_path!r}")
+        )
+    if public_url is not None and not public_url.startswith(("http://", "https://")):
+        problems.append(
+            Problem("serve options", None, f"--public-url must be an http(s):// address, got {public_url!r}")
+        )
     jobs_dir = (jobs_dir or Path.home() / ".scaletune" / "jobs").resolve()
     policy = Policy(
         allow_factories=allow_factories,
@@ -84,7 +104,7 @@ def serve(
     db = db or default_url()
     address = f"http://{host}:{port}"
     try:
-        svc = JobService(db, jobs_dir, address, max_concurrent=max_concurrent, policy=policy)
+        svc = JobService(db, jobs_dir, address, max_concurrent=max_concurrent, policy=policy, public_url=public_url)
     except DatabaseUnavailable as exc:
         _unavailable(exc)
     problems += bind_problems(host, svc.Session)
@@ -93,10 +113,11 @@ def serve(
     # One line an operator (or a platform's log) sees at start; the password is never printed.
     typer.echo(
         f"scaletune serve: {address} | database {redacted(database_url(db))} | targets {', '.join(svc.dispatchers)}"
-        f" | at most {max_concurrent} local job{'s' if max_concurrent > 1 else ''} at once",
+        f" | at most {max_concurrent} local job{'s' if max_concurrent > 1 else ''} at once"
+        + (f" | under {root_path}/ (--root-path)" if root_path else ""),
         err=True,
     )
-    uvicorn.run(create_app(svc), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(svc), host=host, port=port, log_level="warning", root_path=root_path)
 
 
 @token_app.command("create")

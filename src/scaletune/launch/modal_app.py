@@ -122,16 +122,19 @@ def plan_inputs(config: dict[str, Any], cwd: Path) -> ModalPlan:
         if isinstance(d, dict):
             localize(d.get("train"), "path")
             localize(d.get("eval"), "path")
-    out = PurePosixPath(str(cfg.get("output_dir") or "runs/default"))
-    # The run directory's last name only, inside the volume: `..` or a path cannot step out of it.
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", out.name).strip(".-") or "run"
-    cfg["output_dir"] = str(PurePosixPath(RUNS_MOUNT) / name)
+    cfg["output_dir"] = str(PurePosixPath(RUNS_MOUNT) / volume_run_name(str(cfg.get("output_dir") or "runs/default")))
     dist = cfg.get("distributed") or {}
     env = dist.get("env") or {}
     secrets = secret_names(env, dist.get("secret_env") or ())
     for k in secrets:
         del env[k]
     return ModalPlan(config=cfg, mounts=mounts, secret_env_names=secrets)
+
+
+def volume_run_name(output_dir: str) -> str:
+    """The run directory's path inside the volume: the last name of `output_dir` only, so `..` or
+    a path cannot step out of it."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", PurePosixPath(output_dir).name).strip(".-") or "run"
 
 
 _TEMPLATE = '''\
@@ -190,7 +193,7 @@ app = modal.App(APP_NAME)
     secrets=[{% for s in secrets %}modal.Secret.from_name({{ s | py }}){% if not loop.last %}, {% endif %}{% endfor %}],
     timeout={{ timeout_s | py }},
 )
-def train() -> None:
+def train() -> dict:
     import os
     import subprocess
 
@@ -200,14 +203,19 @@ def train() -> None:
     # add_local_python_source puts scaletune in /root; the ranks are new interpreters.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, ["/root", os.environ.get("PYTHONPATH")])))
     try:
-        subprocess.run(COMMAND, cwd=WORKDIR, env=env, check=True)
+        code = subprocess.run(COMMAND, cwd=WORKDIR, env=env).returncode
     finally:
         volume.commit()  # keep checkpoints and logs even when the run fails
+    # How the run ended, as the call's result: what a `scaletune serve` job is settled by (the
+    # service cannot see the volume's run directory).
+    return {"exit_code": code, "final": os.path.isdir(os.path.join(OUTPUT_DIR, "final"))}
 
 
 @app.local_entrypoint()
 def main() -> None:
-    train.remote()
+    result = train.remote()
+    if result["exit_code"]:
+        raise SystemExit(f"scaletune train exited {result['exit_code']} (the volume keeps its logs)")
 '''
 
 
@@ -253,6 +261,24 @@ def render_modal_app(opts: ModalOptions, plan: ModalPlan, local_dirs: frozenset[
         secrets=list(opts.secrets),
         timeout_s=int(opts.timeout_hours * 3600),
     )
+
+
+def image_requirements(strategy: str) -> tuple[str, ...]:
+    """What the app's image installs for a run of distributed `strategy`: scaletune's own
+    dependencies, and deepspeed's where the strategy may pick it (`auto` decides on Modal's GPUs).
+    The one list both `scaletune modal` and a `scaletune serve` Modal job use.
+
+    Raises:
+        RuntimeError: scaletune's package metadata is missing (a source tree run without
+            installing it): the image would install none of its dependencies.
+    """
+    reqs = scaletune_requirements(deepspeed=strategy in ("auto", "deepspeed"))
+    if not reqs:
+        raise RuntimeError(
+            "scaletune's package metadata is missing, so the Modal image would install none of its "
+            "dependencies: install scaletune (pip install -e .) in the environment that writes the app"
+        )
+    return tuple(reqs)
 
 
 def scaletune_requirements(deepspeed: bool = False) -> list[str]:

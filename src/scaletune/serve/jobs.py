@@ -40,7 +40,9 @@ class JobService:
     """Args:
     db_url: SQLAlchemy URL of the job records.
     home: folder of the job folders (config, log, exit code, stop request).
-    base_url: how a job reaches this service (its report endpoint), e.g. http://127.0.0.1:8000.
+    base_url: how a local job reaches this service (its report endpoint), e.g. http://127.0.0.1:8000.
+    public_url: how a job on another machine reaches it (`--public-url`, e.g. https://jobs.example.com);
+        SLURM jobs use `base_url` without it, Modal jobs are refused (loopback is not reachable there).
     max_concurrent: local jobs running at once.
     policy: what a submitted config may do (the admin settings); default: `policy.Policy()`.
     """
@@ -53,6 +55,7 @@ class JobService:
         max_concurrent: int = 1,
         poll_s: float = 0.5,
         policy: P.Policy | None = None,
+        public_url: str | None = None,
     ) -> None:
         self.engine, self.Session = open_db(db_url)
         self.db_file = sqlite_file(db_url)
@@ -60,6 +63,7 @@ class JobService:
         self.home = home
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base_url = base_url.rstrip("/")
+        self.public_url = public_url.rstrip("/") if public_url else None
         self.workdir = Path.cwd()
         self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
         self.lock = threading.RLock()  # one writer at a time (SQLite)
@@ -75,7 +79,8 @@ class JobService:
         env = dict(self._secrets.get(job.id, {}))
         token = self._tokens.get(job.id)
         if token:
-            env |= {URL_ENV: f"{self.base_url}/api/jobs/{job.id}/report", TOKEN_ENV: token}
+            base = self.public_url if job.target != "local" and self.public_url else self.base_url
+            env |= {URL_ENV: f"{base}/api/jobs/{job.id}/report", TOKEN_ENV: token}
         return JobFiles(
             job_id=job.id,
             job_dir=Path(job.job_dir),
@@ -117,6 +122,11 @@ class JobService:
             problems.append(f"target {target!r}: one of {', '.join(TARGETS)}")
         if not isinstance(resources, dict):
             problems.append("resources: must be a mapping")
+        if target == "modal" and not self.public_url:
+            problems.append(
+                "target modal: this service has no --public-url, the address a Modal job posts its reports to "
+                f"({self.base_url} cannot be reached from Modal); start it with --public-url https://..."
+            )
         if problems:
             raise UserError(problems, title="invalid job")
         job_id = job_id or uuid.uuid4().hex[:12]

@@ -170,7 +170,7 @@ class Watcher:
                 if job.state == S.QUEUED:
                     set_state(s, job, S.RUNNING, phase=job.phase)
                 continue
-            self.settle(s, job, status.exit_code)
+            self.settle(s, job, status.exit_code, status.final)
 
     def recheck_lost(self, s: Session) -> None:
         """Jobs settled `lost` in the last LOST_RECHECK_S (e.g. by a restart that could not see
@@ -201,7 +201,7 @@ class Watcher:
                 )
                 job.reason = job.message = None
                 self.read_outputs(s, job)
-                self.settle(s, job, status.exit_code)
+                self.settle(s, job, status.exit_code, status.final)
 
     def read_outputs(self, s: Session, job: Job) -> None:
         """What the run wrote to its files (the fallback of its posts; shared file system: local,
@@ -238,12 +238,15 @@ class Watcher:
             job.offsets = offsets  # a new dict: a JSON column is saved on assignment only
         return chunk[:end].decode(errors="replace")
 
-    def settle(self, s: Session, job: Job, code: int | None) -> None:
-        """The final state of a job whose process / SLURM job / Modal call ended with `code`."""
+    def settle(self, s: Session, job: Job, code: int | None, final: bool | None = None) -> None:
+        """The final state of a job whose process / SLURM job / Modal call ended with `code`;
+        `final`: whether the run wrote `final/` where its target says so (a Modal call's result:
+        its run directory is on the volume), else looked for in the run directory."""
         job.exit_code = code
         if job.state == S.CANCELLED:
             return
-        final = (Path(job.run_dir) / "final").is_dir()
+        if final is None:
+            final = (Path(job.run_dir) / "final").is_dir()
         if code == 0 and final:
             set_state(s, job, S.SUCCEEDED, phase=None)
         elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
@@ -267,7 +270,7 @@ class Watcher:
                 event(s, job, "log", {"line": line})
                 if status.state == "exited":
                     self.read_outputs(s, job)
-                    self.settle(s, job, status.exit_code)
+                    self.settle(s, job, status.exit_code, status.final)
                 elif status.state == "lost":
                     set_state(s, job, S.FAILED, reason=S.LOST, message=f"{job.target} {job.target_id} is gone")
             s.commit()

@@ -38,10 +38,12 @@ class JobFiles:
 class Status:
     """`queued` (waiting at the target), `running`, `ending` (gone, how it ended not known yet:
     its exit code may still appear), `exited` (with its code, None when unknown) or `lost` (no
-    trace of it any more)."""
+    trace of it any more). `final`: whether the run wrote `final/`, where the target says so (a
+    Modal call's result); None: the service looks in the run directory."""
 
     state: Literal["queued", "running", "ending", "exited", "lost"]
     exit_code: int | None = None
+    final: bool | None = None
 
 
 class Dispatcher:
