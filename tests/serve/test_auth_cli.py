@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -128,6 +129,9 @@ def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):
         assert "import modal" in app and "GPU_COUNT = 2" in app and "--nproc-per-node" in app
         r = c.post("/api/jobs", json={"config": cfg, "target": "modal"})
         assert r.status_code == 201
-        job = c.get(f"/api/jobs/{r.json()['id']}").json()
+        deadline = time.monotonic() + 30
+        while (job := c.get(f"/api/jobs/{r.json()['id']}").json())["state"] == "starting":  # a worker deploys
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
     assert job["state"] == "failed" and job["reason"] == "submit failed", job
     assert "Modal refused the job" in job["message"] and "token" in job["message"].lower()

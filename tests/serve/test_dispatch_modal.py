@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+import time
 import warnings
 from importlib.metadata import requires
 from pathlib import Path
@@ -197,9 +198,14 @@ class ResultDispatcher(modal_dispatch.ModalDispatcher):
 def test_settled_by_the_calls_result_not_a_local_final(svc, tiny_model_dir, tmp_path, result, state):
     svc.dispatchers["modal"] = svc.watcher.dispatchers["modal"] = ResultDispatcher(result)
     r = svc.submit(config_text(tiny_model_dir, tmp_path / "run"), [], "modal", {"gpu_count": 1})
-    svc.kick()
-    with svc.Session() as s:
-        job = s.get(Job, r["id"])
+    deadline = time.monotonic() + 20
+    while True:  # the submit and the poll run in the watcher's workers; each tick asks again
+        svc.kick()
+        with svc.Session() as s:
+            job = s.get(Job, r["id"])
+        if job.state in S.TERMINAL or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert not (Path(job.run_dir) / "final").exists()  # the run directory is on the volume
     assert (job.state, job.exit_code) == (state, result["exit_code"]), (job.state, job.reason, job.message)
 

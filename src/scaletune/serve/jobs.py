@@ -194,7 +194,7 @@ class JobService:
                 set_state(s, job, S.STOPPED)
             elif job.state in (S.STARTING, S.RUNNING):
                 job.stop_requested = 1
-                self.dispatchers[job.target].stop(job.target_id or "", self.files(job))
+                self._call(job, "stop")
                 set_state(s, job, S.STOPPING)
             else:
                 raise UserError(f"job {job_id} is {job.state}: only a queued or running job can be stopped")
@@ -207,10 +207,19 @@ class JobService:
             if job.state in S.TERMINAL:
                 raise UserError(f"job {job_id} is already {job.state}")
             if job.state in S.ACTIVE and job.target_id:
-                self.dispatchers[job.target].cancel(job.target_id, self.files(job))
+                self._call(job, "cancel")
             set_state(s, job, S.CANCELLED)
             s.commit()
             return job
+
+    def _call(self, job: Job, verb: str) -> None:
+        """The target's stop or cancel of `job`: a slow target's (scancel, Modal) in a worker, off
+        the request and the lock (the record says stopping / cancelled at once; the watcher sees
+        the end); a local process's now."""
+        d, target_id, files = self.dispatchers[job.target], job.target_id or "", self.files(job)
+        call = getattr(d, verb)
+        if not d.slow or not self.watcher.later(lambda: call(target_id, files)):
+            call(target_id, files)
 
     def resume(
         self,

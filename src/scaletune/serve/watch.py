@@ -3,7 +3,12 @@ the active ones at their target, reads what their runs append to their files (`m
 the log's event lines) and settles how each ended; and, when the service starts, the re-attach to
 the jobs a previous service left running. How far each file was read is kept on the job record
 (`Job.offsets`), so a restarted service, and a resumed run appending to the same log, read on
-where the last read stopped; the checkpoints offered follow the run directory (`sync_checkpoints`)."""
+where the last read stopped; the checkpoints offered follow the run directory (`sync_checkpoints`).
+
+A dispatcher marked `slow` (SLURM: sbatch/squeue commands; Modal: deploy and calls over the
+network) is called in a worker thread, never under the service's lock nor in a tick or a request:
+one slow sbatch or Modal answer would otherwise hold every other job's reports and reads. A worker
+takes the lock only to store what the target answered; one job has at most one call in flight."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sqlalchemy import select
@@ -22,7 +28,7 @@ from scaletune.errors import UserError
 from scaletune.report import PREFIX, parse_event_line
 from scaletune.serve import states as S
 from scaletune.serve.db import Job, now
-from scaletune.serve.dispatch import Dispatcher, JobFiles
+from scaletune.serve.dispatch import Dispatcher, JobFiles, Status
 from scaletune.serve.dispatch.base import LOG_FILE
 from scaletune.serve.records import add_metric, apply_report, checkpoint_events, event, set_state
 
@@ -33,6 +39,7 @@ METRICS_FILE = "metrics.jsonl"  # in the run directory; the other files are in t
 _OWN_LINES = (PREFIX, "error:", "Traceback", "scaletune:")
 LOST_RECHECK_S = 600  # how long after a job was settled lost its target is still asked about it
 LOST_RECHECK_EVERY_S = 2.0  # and how often
+SUBMIT_ERRORS = (UserError, OSError, ImportError, RuntimeError)  # a target's refusal: the job fails
 
 
 def json_lines(text: str) -> list[dict]:
@@ -87,6 +94,9 @@ class Watcher:
         self._stop = threading.Event()
         self._rechecked: dict[str, float] = {}  # job id -> when a lost job's target was last asked
         self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="scaletune-serve-target")
+        self._busy: set[str] = set()  # jobs with a call to a slow target in flight
+        self._busy_lock = threading.Lock()
 
     # -- the thread ------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,6 +109,35 @@ class Watcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+        # Not waited for: an sbatch may take minutes; its answer is learned again at the next start.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def later(self, fn: Callable[[], object], job_id: str | None = None) -> bool:
+        """Run `fn` (a call to a slow target) in a worker thread; with `job_id`, not while another
+        call for that job is in flight (then False: the next tick asks again)."""
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - a worker outlives one bad call
+                log.warning("watcher worker: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            finally:
+                if job_id is not None:
+                    with self._busy_lock:
+                        self._busy.discard(job_id)
+
+        if job_id is not None:
+            with self._busy_lock:
+                if job_id in self._busy:
+                    return False
+                self._busy.add(job_id)
+        try:
+            self._pool.submit(run)
+        except RuntimeError:  # shut down
+            with self._busy_lock:
+                self._busy.discard(job_id or "")
+            return False
+        return True
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -139,16 +178,43 @@ class Watcher:
             # finds the job `starting` and adopts its process (reattach_all), never starts it twice.
             set_state(s, job, S.STARTING, phase=None)
             s.commit()
-            try:
-                job.target_id = d.submit(self.files(job))
-            except (UserError, OSError, ImportError) as exc:
-                set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(exc)[:2000])
-                s.commit()
-                continue
             running[job.target] = running.get(job.target, 0) + 1
-            if job.target != "local":
-                set_state(s, job, S.QUEUED, phase=None)
+            files = self.files(job)
+            if d.slow:
+                self.later(lambda job_id=job.id, d=d, files=files: self._submit(job_id, d, files), job.id)
+                continue
+            try:
+                target_id, error = d.submit(files), None
+            except SUBMIT_ERRORS as exc:
+                target_id, error = None, exc
+            self.submitted(s, job, target_id, error)
             s.commit()
+
+    def _submit(self, job_id: str, d: Dispatcher, files: JobFiles) -> None:
+        """A slow target's submit, in a worker: the call off the lock, its answer stored under it."""
+        try:
+            target_id, error = d.submit(files), None
+        except SUBMIT_ERRORS as exc:
+            target_id, error = None, exc
+        with self.lock, self.Session() as s:
+            job = s.get(Job, job_id)
+            cancelled = job is not None and job.state == S.CANCELLED
+            if job is not None:
+                self.submitted(s, job, target_id, error)
+                s.commit()
+        if cancelled and target_id:  # cancelled while sbatch / deploy ran: it must not run on
+            d.cancel(target_id, files)
+
+    def submitted(self, s: Session, job: Job, target_id: str | None, error: BaseException | None) -> None:
+        """What a submit answered: the target id, or the target's refusal (the job failed, unless it
+        was cancelled meanwhile)."""
+        if error is not None:
+            if job.state == S.STARTING:
+                set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(error)[:2000])
+            return
+        job.target_id = target_id
+        if job.state == S.STARTING and job.target != "local":
+            set_state(s, job, S.QUEUED, phase=None)
 
     def poll_active(self, s: Session) -> None:
         jobs = s.scalars(
@@ -158,19 +224,51 @@ class Watcher:
         for job in jobs:
             if job.state == S.CANCELLED and job.exit_code is not None:
                 continue
-            status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
+            d = self.dispatchers[job.target]
+            if d.slow:  # asked in a worker; the files a SLURM job shares are read here meanwhile
+                target_id, files = job.target_id, self.files(job)
+                self.later(lambda i=job.id, t=target_id, f=files: self._poll(i, t, f), job.id)
+                self.read_outputs(s, job)
+                continue
+            status = d.poll(job.target_id, self.files(job))
             self.read_outputs(s, job)
-            if job.state == S.CANCELLED:
-                if status.state in ("exited", "lost"):
-                    job.exit_code = status.exit_code if status.exit_code is not None else -1
-                continue
-            if status.state in ("queued", "ending"):
-                continue
-            if status.state == "running":
-                if job.state == S.QUEUED:
-                    set_state(s, job, S.RUNNING, phase=job.phase)
-                continue
-            self.settle(s, job, status.exit_code, status.final)
+            self.apply(s, job, status)
+
+    def _poll(self, job_id: str, target_id: str, files: JobFiles, lost: bool = False) -> None:
+        """A slow target's poll, in a worker: asked off the lock (with the log tail a failure's
+        reason is read from), stored under it if the job is still that target's (`lost`: a job
+        settled lost, `recheck_lost`'s)."""
+        with self.Session() as s:
+            job = s.get(Job, job_id)
+            d = self.dispatchers[job.target] if job is not None else None
+        if d is None:
+            return
+        status = d.poll(target_id, files)
+        tail = d.logs(files, limit=4000) if status.state in ("exited", "lost") else None
+        with self.lock, self.Session() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.target_id != target_id:
+                return
+            if lost and (job.state, job.reason) == (S.FAILED, S.LOST):
+                self.relive(s, job, status, tail)
+            elif not lost and job.state in (*S.ACTIVE, S.QUEUED, S.CANCELLED):
+                self.read_outputs(s, job)
+                self.apply(s, job, status, tail)
+            s.commit()
+
+    def apply(self, s: Session, job: Job, status: Status, tail: str | None = None) -> None:
+        """An active (or cancelled, not yet ended) job's record after its target answered `status`."""
+        if job.state == S.CANCELLED:
+            if status.state in ("exited", "lost") and job.exit_code is None:
+                job.exit_code = status.exit_code if status.exit_code is not None else -1
+            return
+        if status.state in ("queued", "ending"):
+            return
+        if status.state == "running":
+            if job.state == S.QUEUED:
+                set_state(s, job, S.RUNNING, phase=job.phase)
+            return
+        self.settle(s, job, status.exit_code, status.final, tail)
 
     def recheck_lost(self, s: Session) -> None:
         """Jobs settled `lost` in the last LOST_RECHECK_S (e.g. by a restart that could not see
@@ -191,17 +289,23 @@ class Watcher:
             if time.monotonic() < self._rechecked.get(job.id, 0) + LOST_RECHECK_EVERY_S:
                 continue
             self._rechecked[job.id] = time.monotonic()
-            status = self.dispatchers[job.target].poll(job.target_id, self.files(job))
-            if status.state == "running":
-                event(s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} runs: not lost"})
-                set_state(s, job, S.RUNNING, reason=None, message=None)
-            elif status.state == "exited" and status.exit_code is not None:
-                event(
-                    s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} exited {status.exit_code}"}
-                )
-                job.reason = job.message = None
-                self.read_outputs(s, job)
-                self.settle(s, job, status.exit_code, status.final)
+            d = self.dispatchers[job.target]
+            if d.slow:
+                target_id, files = job.target_id, self.files(job)
+                self.later(lambda i=job.id, t=target_id, f=files: self._poll(i, t, f, lost=True), job.id)
+                continue
+            self.relive(s, job, d.poll(job.target_id, self.files(job)))
+
+    def relive(self, s: Session, job: Job, status: Status, tail: str | None = None) -> None:
+        """A job settled lost whose target now answers: running again, or settled by its exit code."""
+        if status.state == "running":
+            event(s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} runs: not lost"})
+            set_state(s, job, S.RUNNING, reason=None, message=None)
+        elif status.state == "exited" and status.exit_code is not None:
+            event(s, job, "log", {"line": f"[scaletune serve] {job.target} {job.target_id} exited {status.exit_code}"})
+            job.reason = job.message = None
+            self.read_outputs(s, job)
+            self.settle(s, job, status.exit_code, status.final, tail)
 
     def read_outputs(self, s: Session, job: Job) -> None:
         """What the run wrote to its files (the fallback of its posts; shared file system: local,
@@ -238,10 +342,13 @@ class Watcher:
             job.offsets = offsets  # a new dict: a JSON column is saved on assignment only
         return chunk[:end].decode(errors="replace")
 
-    def settle(self, s: Session, job: Job, code: int | None, final: bool | None = None) -> None:
+    def settle(
+        self, s: Session, job: Job, code: int | None, final: bool | None = None, tail: str | None = None
+    ) -> None:
         """The final state of a job whose process / SLURM job / Modal call ended with `code`;
         `final`: whether the run wrote `final/` where its target says so (a Modal call's result:
-        its run directory is on the volume), else looked for in the run directory."""
+        its run directory is on the volume), else looked for in the run directory; `tail`: the
+        end of its log, when a worker read it already (a slow target's logs are not read here)."""
         job.exit_code = code
         if job.state == S.CANCELLED:
             return
@@ -252,7 +359,8 @@ class Watcher:
         elif job.stop_requested and (code == 0 or job.target == "modal"):  # Modal's stop is a cancel
             set_state(s, job, S.STOPPED, phase=None)
         else:
-            tail = self.dispatchers[job.target].logs(self.files(job), limit=4000)
+            if tail is None:
+                tail = self.dispatchers[job.target].logs(self.files(job), limit=4000)
             reason = S.failure_reason(code, tail)
             lines = [ln for ln in tail.splitlines() if ln.strip()]
             set_state(s, job, S.FAILED, reason=reason, message=lines[-1][:500] if lines else None, phase=None)

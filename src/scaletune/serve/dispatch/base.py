@@ -52,6 +52,9 @@ class Dispatcher:
 
     name = "base"
     max_concurrent: int | None = None  # jobs running at once; None: the target queues them itself
+    # Its calls run commands or ask the network (seconds): the watcher makes them in a worker
+    # thread, never under the service's lock (watch.py says why).
+    slow = False
 
     def submit(self, job: JobFiles) -> str:
         """Start the job; returns its target id. Raises UserError when the target refuses it."""

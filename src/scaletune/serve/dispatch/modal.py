@@ -159,6 +159,7 @@ def outcome(call: modal.FunctionCall) -> Status:
 
 class ModalDispatcher(Dispatcher):
     name = "modal"
+    slow = True  # sbatch / squeue / scancel, or Modal over the network
 
     def submit(self, job: JobFiles) -> str:
         import modal

@@ -86,6 +86,7 @@ def _run(argv: list[str]) -> str:
 
 class SlurmDispatcher(Dispatcher):
     name = "slurm"
+    slow = True  # sbatch / squeue / scancel, or Modal over the network
 
     def script(self, job: JobFiles) -> str:
         return render_sbatch(options(job))
