@@ -27,7 +27,7 @@ from scaletune.serve.db import Job
 from scaletune.serve.dispatch.base import Status
 from scaletune.serve.jobs import JobService
 from tests.helpers import make_config
-from tests.serve.conftest import TEST_POLICY
+from tests.serve.conftest import TEST_POLICY, plant_job
 
 modal = pytest.importorskip("modal")
 from modal._image import LATEST_IMAGE_BUILDER_VERSION  # noqa: E402
@@ -222,3 +222,19 @@ def test_logs_and_run_directory_come_from_modal(svc, tiny_model_dir, tmp_path):
         "path": "run",
         "fetch": "modal volume get v1 run",
     }
+
+
+def test_a_lost_modal_job_is_settled_by_its_calls_result(svc, tmp_path):
+    """A job settled `lost` (e.g. by a restart that could not reach Modal) is asked again in a
+    worker; the call's result settles it."""
+    svc.dispatchers["modal"] = svc.watcher.dispatchers["modal"] = ResultDispatcher({"exit_code": 0, "final": True})
+    job_id = plant_job(svc, tmp_path / "run", state=S.FAILED, reason=S.LOST, target_id="fc-test")
+    with svc.Session() as s:
+        s.get(Job, job_id).target = "modal"
+        s.commit()
+    deadline = time.monotonic() + 20
+    while (job := svc.get(job_id)).state != S.SUCCEEDED and time.monotonic() < deadline:
+        svc.watcher._rechecked.clear()  # not every tick asks a lost job's target; this one may
+        svc.kick()
+        time.sleep(0.1)
+    assert (job.state, job.exit_code, job.reason) == (S.SUCCEEDED, 0, None), (job.state, job.reason, job.message)

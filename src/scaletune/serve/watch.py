@@ -120,7 +120,10 @@ class Watcher:
             try:
                 fn()
             except Exception as exc:  # noqa: BLE001 - a worker outlives one bad call
-                log.warning("watcher worker: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+                if not self._stop.is_set():  # after shutdown the database may be gone: nothing to tell
+                    log.warning(
+                        "watcher worker: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG)
+                    )
             finally:
                 if job_id is not None:
                     with self._busy_lock:
@@ -227,22 +230,17 @@ class Watcher:
             d = self.dispatchers[job.target]
             if d.slow:  # asked in a worker; the files a SLURM job shares are read here meanwhile
                 target_id, files = job.target_id, self.files(job)
-                self.later(lambda i=job.id, t=target_id, f=files: self._poll(i, t, f), job.id)
+                self.later(lambda i=job.id, d=d, t=target_id, f=files: self._poll(i, d, t, f), job.id)
                 self.read_outputs(s, job)
                 continue
             status = d.poll(job.target_id, self.files(job))
             self.read_outputs(s, job)
             self.apply(s, job, status)
 
-    def _poll(self, job_id: str, target_id: str, files: JobFiles, lost: bool = False) -> None:
+    def _poll(self, job_id: str, d: Dispatcher, target_id: str, files: JobFiles, lost: bool = False) -> None:
         """A slow target's poll, in a worker: asked off the lock (with the log tail a failure's
         reason is read from), stored under it if the job is still that target's (`lost`: a job
         settled lost, `recheck_lost`'s)."""
-        with self.Session() as s:
-            job = s.get(Job, job_id)
-            d = self.dispatchers[job.target] if job is not None else None
-        if d is None:
-            return
         status = d.poll(target_id, files)
         tail = d.logs(files, limit=4000) if status.state in ("exited", "lost") else None
         with self.lock, self.Session() as s:
@@ -292,7 +290,7 @@ class Watcher:
             d = self.dispatchers[job.target]
             if d.slow:
                 target_id, files = job.target_id, self.files(job)
-                self.later(lambda i=job.id, t=target_id, f=files: self._poll(i, t, f, lost=True), job.id)
+                self.later(lambda i=job.id, d=d, t=target_id, f=files: self._poll(i, d, t, f, lost=True), job.id)
                 continue
             self.relive(s, job, d.poll(job.target_id, self.files(job)))
 
