@@ -27,6 +27,7 @@ BY_HAND = {
     "scaletune.cli.model_verbs": ["tests/e2e/test_model_verbs.py", "tests/e2e/test_cli_usage.py"],
     "scaletune.cli.run_verbs": ["tests/e2e/test_train_cli.py", "tests/security/test_bad_input.py"],
     "scaletune.cli.serve_verbs": ["tests/serve/test_auth_cli.py"],
+    "scaletune.cli.remote_verbs": ["tests/serve/test_remote.py"],
     "scaletune.config.yamlfile": ["tests/unit/test_config.py"],
     "scaletune.data.render": ["tests/unit/test_data.py", "tests/security/test_strangers_files.py"],
     "scaletune.data.render_worker": ["tests/security/test_strangers_files.py"],

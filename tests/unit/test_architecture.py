@@ -22,6 +22,7 @@ MAX_LINES = 400
 LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
+    {"remote"},  # the service's client: speaks its API, uses its vocabulary (serve.states)
     {"serve"},
     {"run"},
     {"launch", "doctor", "plan", "hf"},

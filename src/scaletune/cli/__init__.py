@@ -20,7 +20,7 @@ from scaletune.errors import UserError
 
 # The verbs register themselves on `app` when imported; this order is --help's order.
 # isort: off
-from scaletune.cli import run_verbs, model_verbs, launch_verbs, config_verbs, serve_verbs  # noqa: F401
+from scaletune.cli import run_verbs, model_verbs, launch_verbs, config_verbs, serve_verbs, remote_verbs  # noqa: F401
 # isort: on
 
 __all__ = ["app", "main"]
