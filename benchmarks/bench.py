@@ -3,8 +3,9 @@ PyTorch loop.
 
 One command trains the same model, data, batch, sequence length and precision each way, each in
 its own process (so each one's peak memory is its own), and prints non-padding tokens per second,
-the ratio to each peer, peak memory, MFU and the utilisation of the FLOPs each trainer really
-executes, against a matmul timed on the same machine:
+the ratio to each peer, peak memory, MFU (against a matmul timed on the same machine and, on a GPU
+the table knows, against NVIDIA's datasheet peak) and HFU, the utilisation of the FLOPs each trainer
+really executes, its attention counted over the rows its kernel really covers:
 
     python benchmarks/bench.py --preset cpu --model DIR   # a real model folder, fp32 (docs/benchmarks.md)
     python benchmarks/bench.py --preset cpu               # tiny OLMo-2 with random weights
@@ -146,6 +147,34 @@ def executed_flops_per_token(config: Any, model_flops: float, target_fraction: f
     return model_flops - 6 * config.vocab_size * config.hidden_size * (1 - target_fraction)
 
 
+# Dense peaks (no structured sparsity) in FLOP/s, from NVIDIA's datasheets: "NVIDIA H100 Tensor Core
+# GPU" (SXM5 and PCIe columns), "NVIDIA H200 Tensor Core GPU" (SXM column), "NVIDIA A100 Tensor Core
+# GPU". The H100/H200 sheets print bf16 with sparsity (1,979 and 1,513 TFLOP/s): dense is half.
+# float32 is the non-tensor-core FP32 peak: the measured peak's fp32 matmul does not use TF32.
+# Each entry: (words the device name has, words it must not have, {dtype: FLOP/s}). Names are matched
+# word by word (torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+# "NVIDIA A100-SXM4-80GB"), so a GH200 or an NVL part (other clocks, other peaks) is not taken
+# for an H200 or an H100: a device the table lacks has no datasheet MFU rather than a guessed one.
+DATASHEET_PEAKS: tuple[tuple[frozenset[str], frozenset[str], dict[str, float]], ...] = (
+    (frozenset({"H100", "PCIE"}), frozenset(), {"bfloat16": 756e12, "float32": 51e12}),
+    (frozenset({"H100"}), frozenset({"PCIE", "NVL"}), {"bfloat16": 989.4e12, "float32": 67e12}),
+    (frozenset({"H200"}), frozenset({"NVL"}), {"bfloat16": 989.4e12, "float32": 67e12}),
+    (frozenset({"A100"}), frozenset(), {"bfloat16": 312e12, "float32": 19.5e12}),
+)
+
+
+def datasheet_peak_flops(device_name: str, dtype: str) -> float | None:
+    """NVIDIA's dense datasheet peak (FLOP/s) for `device_name` in `dtype`, or None when the table
+    has no entry for it (the CPU, any GPU not in :data:`DATASHEET_PEAKS`): unknown, never guessed."""
+    import re
+
+    words = set(re.split(r"[^A-Z0-9]+", device_name.upper()))
+    for has, lacks, peaks in DATASHEET_PEAKS:
+        if has <= words and not lacks & words:
+            return peaks.get(dtype)
+    return None
+
+
 def measured_peak_flops(device: str, dtype: str, seconds: float = 3.0) -> dict:
     """FLOP/s of the best of repeated square matmuls on `device` in `dtype`: the roofline MFU is
     measured against (not the datasheet number). Size 2048 on CPU, 8192 on CUDA."""
@@ -166,6 +195,82 @@ def measured_peak_flops(device: str, dtype: str, seconds: float = 3.0) -> dict:
         sync()
         best = min(best, time.perf_counter() - t0)
     return {"flops_per_s": 2 * n**3 / best, "matmul_size": n, "dtype": dtype, "threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention each trainer executes
+
+ATTENTION_BLOCK = 128  # flex_attention's BlockMask block (torch's default; scaletune's packed_mask)
+
+
+def attention_kernel(attn_implementation: str, device: str) -> str:
+    """How the kernel behind `attn_implementation` covers a masked row on `device`.
+
+    ``"block"``: flex_attention with a BlockMask on CUDA (scaletune's default for packed rows
+    there, models/attention.py), which skips the 128 x 128 blocks the mask leaves empty.
+    ``"varlen"``: flash_attention_*, which transformers runs per example (cu_seqlens from
+    position_ids or the padding mask). ``"dense"``: SDPA and eager, which given a mask compute the
+    whole row x row score matrix, masked entries included (TRL's padding-free row under SDPA is
+    one row of every example of the batch).
+    """
+    if attn_implementation == "flex_attention" and device == "cuda":
+        return "block"
+    if attn_implementation.startswith("flash_attention"):
+        return "varlen"
+    return "dense"
+
+
+def attention_work(batch: Any, kernel: str, block: int = ATTENTION_BLOCK) -> int:
+    """Attention scores one micro-batch computes per head and layer, in PaLM's convention (the full
+    square of every span attended over, causal or not; the s of 12·L·d·s, model_flops_per_token).
+
+    ``dense``: row_len² per row, padding included. ``varlen``: example_len² per example (padding
+    left out). ``block``: block² for every block pair in which some query and key share an example
+    (and the key is not padding): example_len² rounded up to the block, and the blocks where a
+    block boundary falls inside an example. Examples are split where position_ids do not step by 1
+    (transformers' rule, scaletune.models.attention.sequence_ids); without position_ids a row is
+    one example.
+
+    Args:
+        batch: a collated micro-batch: ``input_ids`` ``[B, T]``, optional ``position_ids`` and
+            ``attention_mask`` (1 real, 0 padding).
+        kernel: :func:`attention_kernel`'s answer for the run.
+        block: the block mask's block size (``block`` kernel only).
+    """
+    import torch
+
+    from scaletune.models.attention import sequence_ids
+
+    rows, length = batch["input_ids"].shape
+    if kernel == "dense":
+        return rows * length * length
+    pos = batch.get("position_ids")
+    seq = sequence_ids(pos.cpu()) if pos is not None else torch.zeros(rows, length, dtype=torch.long)
+    mask = batch.get("attention_mask")
+    valid = mask.cpu().bool() if mask is not None else torch.ones(rows, length, dtype=torch.bool)
+    blocks = torch.arange(length) // block
+    total = 0
+    for s, v in zip(seq, valid):
+        if kernel == "varlen":
+            total += int((torch.bincount(s[v]) ** 2).sum())
+            continue
+        # Which examples each block holds as queries and as (non-padding) keys; a block pair is
+        # computed when the two share one.
+        queries = torch.zeros(int(blocks[-1]) + 1, int(s.max()) + 1)
+        keys = torch.zeros_like(queries)
+        queries[blocks, s] = 1
+        keys[blocks[v], s[v]] = 1
+        total += int(((queries @ keys.T) > 0).sum()) * block * block
+    return total
+
+
+def _attention_kernel_of(model: Any) -> str:
+    return attention_kernel(model.config._attn_implementation, device_type())
+
+
+def _shape_of(batch: Any) -> dict:
+    """What attention_work reads of a collated batch (host tensors, kept until the run ends)."""
+    return {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,10 +402,14 @@ class StepClock:
 
         self.callback = Callback()
 
-    def result(self, spec: Spec, tokens: list[int]) -> dict:
+    def result(self, spec: Spec, tokens: list[int], shapes: list[dict], kernel: str) -> dict:
+        """`tokens` and `shapes` (_shape_of) of every collated micro-batch, in step order; their
+        attention is counted here, after training, so the count is not in the timed steps."""
         ends, w, n = self.ends, spec.warmup, spec.total_steps
         return {
             "tokens": sum(tokens[w:n]),
+            "attention_work": sum(attention_work(b, kernel) for b in shapes[w:n]),
+            "attention_kernel": kernel,
             "seconds": ends[n - 1] - ends[w - 1],
             "step_seconds": [b - a for a, b in zip(ends[w - 1 : n - 1], ends[w:n])],
             "first_loss": self.losses[0] if self.losses else None,
@@ -347,18 +456,21 @@ def run_hf(spec: Spec) -> dict:
         train = train.select_columns(["input_ids", "labels"])
         pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
     model = _load_model(spec)
+    kernel = _attention_kernel_of(model)
     tokens: list[int] = []
+    shapes: list[dict] = []
 
     def collate(rows):
         batch = pad(rows)
         tokens.append(count_input_tokens(batch) if spec.packing else int(batch["attention_mask"].sum()))
+        shapes.append(_shape_of(batch))
         return batch
 
     clock = StepClock()
     args = _training_arguments(spec, TrainingArguments, "hf", remove_unused_columns=False)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collate, callbacks=[clock.callback])
     trainer.train()
-    return clock.result(spec, tokens)
+    return clock.result(spec, tokens, shapes, kernel)
 
 
 def run_trl(spec: Spec) -> dict:
@@ -388,18 +500,23 @@ def run_trl(spec: Spec) -> dict:
         model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[clock.callback]
     )
     tokens: list[int] = []
+    shapes: list[dict] = []
     collate = trainer.data_collator
+    kernel = _attention_kernel_of(model)
 
     def counting(rows):
         batch = collate(rows)
         # Padding-free batches are one row of real tokens; padded ones carry an attention mask.
         mask = batch.get("attention_mask")
         tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        # Under SDPA the padding-free row is one dense row of the whole batch: its square, not
+        # the examples' squares, is what runs (attention_work, counted after the run).
+        shapes.append(_shape_of(batch))
         return batch
 
     trainer.data_collator = counting
     trainer.train()
-    return clock.result(spec, tokens)
+    return clock.result(spec, tokens, shapes, kernel)
 
 
 def full_logits_loss(model, mb: dict, device) -> torch.Tensor:
@@ -414,16 +531,29 @@ def full_logits_loss(model, mb: dict, device) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), reduction="sum")
 
 
+def _scaletune_batches(spec: Spec, cfg: Any, tokenizer: Any, train: Any):
+    """scaletune's micro-batch lists, one per step, in its order (same sampler, seed and collator
+    as `scaletune train` at world size 1)."""
+    from scaletune.data import Collator, global_batches, make_loader
+    from scaletune.env import DistributedEnv
+    from scaletune.resolve import batch_arithmetic
+
+    batch = batch_arithmetic(cfg.training, 1, spec.max_seq_length)
+    env = DistributedEnv.from_environ()
+    loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
+    steps_per_epoch = len(train) // batch.global_batch_size
+    return (micro for _, _, micro in global_batches(loader, sampler, batch, steps_per_epoch))
+
+
 def run_bare(spec: Spec) -> dict:
     """Plain loop over scaletune's batches: forward, backward, clip, AdamW; nothing else."""
     import contextlib
 
     import torch
 
-    from scaletune.data import Collator, count_input_tokens, count_target_tokens, global_batches, make_loader
-    from scaletune.env import DistributedEnv, tune_host_allocator
+    from scaletune.data import count_input_tokens, count_target_tokens
+    from scaletune.env import tune_host_allocator
     from scaletune.models.loss import CausalLMLoss
-    from scaletune.resolve import batch_arithmetic
     from scaletune.strategies.optim import param_groups
     from scaletune.trainer import model_inputs, seed_everything
 
@@ -436,20 +566,17 @@ def run_bare(spec: Spec) -> dict:
     module = CausalLMLoss(model).train()
     device = torch.device(device_type())
     opt = torch.optim.AdamW(param_groups(module, 0.0), lr=spec.learning_rate, fused=True)  # as scaletune and HF Trainer
-    batch = batch_arithmetic(cfg.training, 1, spec.max_seq_length)
-    env = DistributedEnv.from_environ()
-    loader, sampler = make_loader(train, Collator(tokenizer.pad_token_id), batch, env, cfg.seed, 0)
-    steps_per_epoch = len(train) // batch.global_batch_size
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
         if spec.dtype == "bfloat16"
         else contextlib.nullcontext
     )
     tokens, first_loss, t0, last, step_seconds, data_seconds = 0, None, 0.0, 0.0, [], 0.0
-    batches = global_batches(loader, sampler, batch, steps_per_epoch)
+    timed: list[list[dict]] = []  # the timed steps' micro-batches, their attention counted after the clock
+    batches = _scaletune_batches(spec, cfg, tokenizer, train)
     for step in range(1, spec.total_steps + 1):
         fetch = time.perf_counter()
-        _, _, micro = next(batches)
+        micro = next(batches)
         if step > spec.warmup:
             data_seconds += time.perf_counter() - fetch  # the loop waiting for its batch
         targets = sum(count_target_tokens(mb["labels"]) for mb in micro)
@@ -476,10 +603,14 @@ def run_bare(spec: Spec) -> dict:
                 t0 = now
             else:
                 tokens += sum(count_input_tokens(mb) for mb in micro)
+                timed.append(micro)
                 step_seconds.append(now - last)
             last = now
+    kernel = _attention_kernel_of(model)  # CausalLMLoss builds the mask this kernel takes (packed_mask)
     return {
         "tokens": tokens,
+        "attention_work": sum(attention_work(mb, kernel) for micro in timed for mb in micro),
+        "attention_kernel": kernel,
         "seconds": last - t0,
         "step_seconds": step_seconds,
         "data_seconds": data_seconds,
@@ -504,7 +635,48 @@ def run_scaletune(spec: Spec) -> dict:
     timed = range(spec.warmup + 1, spec.total_steps + 1)
     tokens = sum(by_step[s]["tokens"] for s in timed)
     step_seconds = [by_step[s]["elapsed_s"] - by_step[s - 1]["elapsed_s"] for s in timed]
-    return {"tokens": tokens, "seconds": seconds, "step_seconds": step_seconds, "first_loss": rows[0]["loss"]}
+    work, kernel = _scaletune_attention(spec, out, tokens)
+    return {
+        "tokens": tokens,
+        "attention_work": work,
+        "attention_kernel": kernel,
+        "seconds": seconds,
+        "step_seconds": step_seconds,
+        "first_loss": rows[0]["loss"],
+    }
+
+
+def _scaletune_attention(spec: Spec, out: Path, tokens: int) -> tuple[int, str]:
+    """(attention_work over the timed steps, kernel) of the `scaletune train` run just made.
+
+    The kernel is the one scaletune chose (models.attention.packed_attention, as model_source
+    calls it); the rows are its batches built again, checked against the tokens metrics.jsonl
+    logged for those steps, so a count over other rows than the run's is an error, not a number.
+    """
+    from scaletune.data import count_input_tokens
+    from scaletune.models import load_config
+    from scaletune.models.attention import packed_attention
+
+    cfg = _config(spec, out)
+    packing = cfg.data.packing
+    attn = packed_attention(
+        cfg.model, load_config(cfg.model) if packing else None, packing=packing, device=device_type()
+    )
+    kernel = attention_kernel(attn, device_type())
+    tokenizer, train = _examples(spec, packing=spec.packing)
+    batches = _scaletune_batches(spec, cfg, tokenizer, train)
+    replayed, work = 0, 0
+    for step in range(1, spec.total_steps + 1):
+        micro = next(batches)
+        if step > spec.warmup:
+            replayed += sum(count_input_tokens(mb) for mb in micro)
+            work += sum(attention_work(mb, kernel) for mb in micro)
+    if replayed != tokens:
+        raise RuntimeError(
+            f"scaletune's batches built again hold {replayed} tokens in the timed steps, its "
+            f"metrics.jsonl {tokens}: the attention count would be over other rows than it trained"
+        )
+    return work, kernel
 
 
 RUNNERS = {"trl": run_trl, "hf": run_hf, "bare": run_bare, "scaletune": run_scaletune}
@@ -603,6 +775,8 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
         "python": sys.version.split()[0],
     }
     results["peak"] = measured_peak_flops(device, spec.dtype)
+    # None on the CPU and on a GPU the table lacks: MFU against it is then unknown, not guessed.
+    results["datasheet_peak_flops"] = datasheet_peak_flops(results["device"], spec.dtype) if device == "cuda" else None
     config, total = config_and_size(spec.model_dir)
     ctx, target_fraction = data_stats(spec)
     results["flops_per_token"] = model_flops_per_token(config, total, total, ctx)
@@ -617,13 +791,20 @@ def run_all(spec: Spec, trainers: list[str], repeat: int = 1) -> dict:
     for _ in range(repeat):  # interleaved, so a slow spell of the machine hits every trainer alike
         for name in trainers:
             runs[name].append(_run_worker(name, spec, spec_path))
+    sheet = results["datasheet_peak_flops"]
     for name, rs in runs.items():
         r = sorted(rs, key=lambda x: x["tokens_per_s"])[len(rs) // 2]  # the median run
         r["mfu"] = r["tokens_per_s"] * results["flops_per_token"] / results["peak"]["flops_per_s"]
-        # Utilisation on the FLOPs this trainer executes: scaletune and the bare loop run the head
-        # only at target positions; the peers (and the bare loop's full-logits variant) everywhere.
+        r["mfu_datasheet"] = r["tokens_per_s"] * results["flops_per_token"] / sheet if sheet else None
+        # Utilisation on the FLOPs this trainer executes: the attention over the rows its kernel
+        # really covered (attention_work: a dense row is its square, padding and other examples
+        # included), and the head only at target positions in scaletune and the bare loop, at every
+        # token in the peers (and the bare loop's full-logits variant).
+        r["attention_span"] = r["attention_work"] / r["tokens"]
+        flops = model_flops_per_token(config, total, total, r["attention_span"])
         targets_only = name in ("scaletune", "bare") and not (name == "bare" and spec.bare_loss == "full")
-        flops = results["executed_flops_per_token"] if targets_only else results["flops_per_token"]
+        if targets_only:
+            flops = executed_flops_per_token(config, flops, target_fraction)
         r["executed_flops_per_token"] = flops
         r["hfu"] = r["tokens_per_s"] * flops / results["peak"]["flops_per_s"]
         r["runs_tokens_per_s"] = [x["tokens_per_s"] for x in rs]
@@ -658,22 +839,37 @@ def report(results: dict) -> str:
         f"{results['peak']['matmul_size']}^3); model FLOPs/token {results['flops_per_token'] / 1e6:,.1f} M, "
         f"executed with the head at targets only {results['executed_flops_per_token'] / 1e6:,.1f} M "
         f"({100 * results['target_fraction']:.1f}% of tokens have a target)",
+        "datasheet peak: "
+        + (
+            f"{results['datasheet_peak_flops'] / 1e12:,.1f} TFLOP/s ({results['peak']['dtype']}, dense, NVIDIA)"
+            if results["datasheet_peak_flops"]
+            else "unknown for this device (MFU against it: n/a)"
+        ),
         "",
-        f"{'trainer':<10} {'tokens/s':>10} {'vs TRL':>7} {'vs HF':>7} {'step ms':>9} {'peak mem':>10} {'MFU':>7} {'HFU':>7}",
+        f"{'trainer':<10} {'tokens/s':>10} {'vs TRL':>7} {'vs HF':>7} {'step ms':>9} {'peak mem':>10} "
+        f"{'MFU':>7} {'MFU-ds':>7} {'HFU':>7} {'attn span':>10}",
     ]
     t = results["trainers"]
     for name, r in t.items():
         ratios = [f"{r['tokens_per_s'] / t[p]['tokens_per_s']:.2f}x" if p in t else "-" for p in ("trl", "hf")]
         lines.append(
             f"{name:<10} {r['tokens_per_s']:>10,.0f} {ratios[0]:>7} {ratios[1]:>7} {1000 * r['seconds'] / s['steps']:>9,.1f} "
-            f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}% {100 * r['hfu']:>6.2f}%"
+            f"{r['peak_memory_bytes'] / 2**20:>8,.0f}Mi {100 * r['mfu']:>6.2f}% {_percent(r['mfu_datasheet']):>7} "
+            f"{100 * r['hfu']:>6.2f}% {r['attention_span']:>10,.1f} {r['attention_kernel']}"
             + (
                 f"   runs: {', '.join(f'{x:,.0f}' for x in r['runs_tokens_per_s'])}"
                 if len(r["runs_tokens_per_s"]) > 1
                 else ""
             )
         )
-    lines.append("HFU: utilisation of the measured matmul peak by the FLOPs each trainer executes")
+    lines += [
+        "MFU: model FLOPs (attention over each example alone) against the measured matmul peak; "
+        "MFU-ds: the same against the datasheet peak",
+        "HFU: utilisation of the measured matmul peak by the FLOPs each trainer executes",
+        f"attn span: keys per token its attention kernel computed (sum of row^2 / tokens; dense: whole "
+        f"padded or padding-free rows, block: {ATTENTION_BLOCK}-blocks of each example, varlen: each "
+        f"example); the model's own: {results['mean_context']:,.1f}",
+    ]
     for key, peer in (("speedup_vs_trl", "TRL SFTTrainer"), ("speedup_vs_hf", "HF Trainer")):
         if key in results:
             lines.append(f"scaletune / {peer}: {results[key]:.2f}x")
@@ -691,6 +887,10 @@ def report(results: dict) -> str:
             f"{100 * results['overhead_vs_bare_median_step']:+.1f}% (median step time)"
         )
     return "\n".join(lines)
+
+
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.2f}%"
 
 
 def main(argv: list[str] | None = None) -> int:
