@@ -45,6 +45,8 @@ BY_HAND = {
     "scaletune.run.entry": ["tests/e2e/test_train_cli.py"],
     "scaletune.run.reexec": ["tests/distributed/test_parity.py", "tests/e2e/test_train_cli.py"],
     "scaletune.safe_load": ["tests/security/test_hostile_checkpoints.py"],
+    "scaletune.serve.apidocs": ["tests/serve/test_openapi.py", "tests/serve/test_mount.py"],
+    "scaletune.serve.schemas": ["tests/serve/test_openapi.py", "tests/serve/test_deploy.py"],
     "scaletune.serve.dispatch": ["tests/serve/test_dispatch_local.py", "tests/system/test_serve_slurm.py"],
     "scaletune.serve.dispatch.base": ["tests/serve/test_dispatch_local.py", "tests/serve/test_api.py"],
     "scaletune.serve.dispatch.modal": ["tests/serve/test_auth_cli.py"],

@@ -7,79 +7,46 @@ import json
 import logging
 import posixpath
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
-from pydantic import BaseModel, Field, model_validator
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sse_starlette.sse import EventSourceResponse
 
 from scaletune.errors import UserError
 from scaletune.serve import auth
+from scaletune.serve.apidocs import add_docs
 from scaletune.serve.db import kept_key, scrubbed
 from scaletune.serve.guard import Guard
 from scaletune.serve.jobs import JobNotFound, JobService
-from scaletune.serve.records import MAX_INT, validated
+from scaletune.serve.records import MAX_INT
+from scaletune.serve.schemas import (
+    CloneRequest,
+    Health,
+    JobRequest,
+    JobSummary,
+    PolicyUpdate,
+    ReportRequest,
+    ResumeRequest,
+    Submitted,
+    problems_responses,
+    refusal,
+    validation_lines,
+)
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
 ARTIFACTS = ("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints")
 MAX_LOG_BYTES = 8 << 20  # one /logs answer at most
-# Swagger UI's script and style come from its CDN: the one page allowed to load them.
-DOCS_CSP = (
-    "default-src 'none'; script-src 'unsafe-inline' https://cdn.jsdelivr.net; "
-    "style-src https://cdn.jsdelivr.net; img-src 'self' data: https://fastapi.tiangolo.com; "
-    "connect-src 'self'; frame-ancestors 'none'"
-)
-
-
-class JobRequest(BaseModel):
-    config: str = Field(description="The YAML config, as text.")
-    overrides: list[str] = Field(default_factory=list, description="Dotted overrides, as on the command line.")
-    target: str = Field("local", description="local | slurm | modal")
-    resources: dict[str, Any] = Field(default_factory=dict, description="Target resources (nodes, gpus_per_node, ...).")
-    dry_run: bool = Field(False, description="Return the resolved plan and what would be submitted; submit nothing.")
-
-
-class ResumeRequest(BaseModel):
-    checkpoint: str | None = Field(None, description="A checkpoints/step-N folder; default: the latest.")
-    target: str | None = Field(None, description="Another target; default: the job's.")
-    resources: dict[str, Any] | None = Field(None, description="Other resources (e.g. more ranks).")
-    overrides: list[str] = Field(default_factory=list, description="Added overrides, e.g. distributed.num_processes=2.")
-
-
-class CloneRequest(BaseModel):
-    overrides: list[str] = Field(default_factory=list)
-
-
-class ReportEvent(BaseModel):
-    kind: str = Field(max_length=32)
-    data: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _fits(self) -> "ReportEvent":
-        validated(self.kind, self.data)  # ValueError: a 422 naming what does not fit
-        return self
-
-
-class ReportRequest(BaseModel):
-    events: list[ReportEvent] = Field(max_length=1000)
-
-
-class PolicyUpdate(BaseModel):
-    """Admin settings to change (the others stay); see docs/serve.md."""
-
-    allow_factories: bool | None = None
-    allow_remote_code: bool | None = None
-    env_prefixes: list[str] | None = None
-    read_roots: list[str] | None = None
-    write_roots: list[str] | None = None
-    trusted_hosts: list[str] | None = None
-    trusted_origins: list[str] | None = None
+# Declared in /openapi.json (Swagger's Authorize button); auto_error off: the page's session
+# cookie and the token-less mode authenticate too, and `caller` words the 401 itself.
+BEARER = HTTPBearer(scheme_name="token", description="An API token: scaletune serve token create", auto_error=False)
+JOB_BEARER = HTTPBearer(scheme_name="job token", description="The job's own report token", auto_error=False)
+E422, E409_422 = problems_responses(422), problems_responses(409, 422)
 
 
 def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
@@ -111,10 +78,16 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=404)
 
-    def caller(request: Request) -> auth.Caller:
-        header = request.headers.get("authorization", "")
-        if header.lower().startswith("bearer "):
-            scope = auth.scope_of(svc.Session, header[7:].strip())
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # The shape of a refused config (one for every 422), not FastAPI's list of {loc, msg}.
+        return refusal("invalid request", validation_lines(exc))
+
+    def caller(
+        request: Request, bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
+    ) -> auth.Caller:
+        if bearer is not None:
+            scope = auth.scope_of(svc.Session, bearer.credentials.strip())
             if scope is None:
                 raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
             return auth.Caller(scope)
@@ -143,17 +116,15 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
     read, submit, admin = Depends(need("read")), Depends(need("submit")), Depends(need("admin"))
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=[read])
-    def openapi():
-        return app.openapi()
+    add_docs(app, read)
 
-    @app.get("/docs", include_in_schema=False, dependencies=[read])
-    def docs():
-        page = get_swagger_ui_html(openapi_url="/openapi.json", title="scaletune serve API")
-        page.headers["content-security-policy"] = DOCS_CSP
-        return page
-
-    @app.get("/healthz", tags=["service"])
+    @app.get(
+        "/healthz",
+        tags=["service"],
+        response_model=Health,
+        response_model_exclude_none=True,
+        responses={503: {"model": Health}},
+    )
     def healthz():
         """200 `{"status": "ok"}` once the job database answers, else 503; no token needed (for a
         load balancer or a platform's health check)."""
@@ -169,7 +140,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     def get_policy():
         return svc.policy.public()
 
-    @app.put("/api/admin/policy", dependencies=[admin])
+    @app.put("/api/admin/policy", dependencies=[admin], responses=E422)
     def put_policy(req: PolicyUpdate):
         svc.policy = svc.policy.updated(**req.model_dump(exclude_none=True))
         return svc.policy.public()
@@ -181,30 +152,38 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         return job
 
     def bad(exc: UserError) -> JSONResponse:
-        return JSONResponse({"detail": exc.title, "problems": exc.problems}, status_code=422)
+        return refusal(exc.title, exc.problems)
 
-    @app.post("/api/jobs", status_code=201, dependencies=[submit])
-    def create_job(req: JobRequest):
+    @app.post(
+        "/api/jobs",
+        status_code=201,
+        dependencies=[submit],
+        response_model=Submitted,
+        response_model_exclude_unset=True,  # a queued job's answer has no `plan` key
+        responses={200: {"model": Submitted, "description": "dry run: the plan, nothing submitted"}, **E422},
+    )
+    def create_job(req: JobRequest, response: Response):
         try:
             out = svc.submit(req.config, req.overrides, req.target, req.resources, req.dry_run)
         except UserError as exc:
             return bad(exc)
-        return JSONResponse(out, status_code=200 if req.dry_run else 201)
+        response.status_code = 200 if req.dry_run else 201
+        return out
 
-    @app.get("/api/jobs", dependencies=[read])
+    @app.get("/api/jobs", dependencies=[read], response_model=list[JobSummary])
     def list_jobs():
         return [j.summary() for j in svc.list()]
 
-    @app.get("/api/jobs/{job_id}", dependencies=[read])
+    @app.get("/api/jobs/{job_id}", dependencies=[read], response_model=JobSummary, responses=E422)
     def get_job(job_id: str):
         return job_or_404(job_id).summary()
 
-    @app.get("/api/jobs/{job_id}/metrics", dependencies=[read])
+    @app.get("/api/jobs/{job_id}/metrics", dependencies=[read], responses=E422)
     def get_metrics(job_id: str, since_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
         job_or_404(job_id)
         return svc.metrics(job_id, since_step)
 
-    @app.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse)
+    @app.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse, responses=E422)
     def get_logs(
         job_id: str,
         rank: Annotated[int | None, Query(ge=0, le=1 << 20, description="Refused: see below.")] = None,
@@ -233,7 +212,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         job = job_or_404(job_id)
         return svc.dispatchers[job.target].logs(svc.files(job), offset, limit)
 
-    @app.get("/api/jobs/{job_id}/events", dependencies=[read])
+    @app.get("/api/jobs/{job_id}/events", dependencies=[read], responses=E422)
     async def events(job_id: str, request: Request):
         job_or_404(job_id)
         last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
@@ -263,17 +242,17 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         try:
             return fn(*args).summary()
         except UserError as exc:
-            return JSONResponse({"detail": exc.title, "problems": exc.problems}, status_code=409)
+            return refusal(exc.title, exc.problems, 409)
 
-    @app.post("/api/jobs/{job_id}/stop", dependencies=[submit])
+    @app.post("/api/jobs/{job_id}/stop", dependencies=[submit], response_model=JobSummary, responses=E409_422)
     def stop(job_id: str):
         return control(svc.stop, job_id)
 
-    @app.post("/api/jobs/{job_id}/cancel", dependencies=[submit])
+    @app.post("/api/jobs/{job_id}/cancel", dependencies=[submit], response_model=JobSummary, responses=E409_422)
     def cancel(job_id: str):
         return control(svc.cancel, job_id)
 
-    @app.post("/api/jobs/{job_id}/resume", dependencies=[submit])
+    @app.post("/api/jobs/{job_id}/resume", dependencies=[submit], response_model=JobSummary, responses=E422)
     def resume(job_id: str, req: ResumeRequest | None = None):
         req = req or ResumeRequest()
         job_or_404(job_id)
@@ -282,7 +261,14 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         except UserError as exc:
             return bad(exc)
 
-    @app.post("/api/jobs/{job_id}/clone", status_code=201, dependencies=[submit])
+    @app.post(
+        "/api/jobs/{job_id}/clone",
+        status_code=201,
+        dependencies=[submit],
+        response_model=Submitted,
+        response_model_exclude_unset=True,
+        responses=E422,
+    )
     def clone(job_id: str, req: CloneRequest | None = None):
         job_or_404(job_id)
         try:
@@ -290,15 +276,18 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         except UserError as exc:
             return bad(exc)
 
-    @app.post("/api/jobs/{job_id}/report")
-    def report(job_id: str, req: ReportRequest, request: Request):
-        header = request.headers.get("authorization", "")
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
+    @app.post("/api/jobs/{job_id}/report", responses=E422)
+    def report(
+        job_id: str,
+        req: ReportRequest,
+        bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(JOB_BEARER)],
+    ):
+        token = bearer.credentials.strip() if bearer is not None else ""
         if not token or not svc.check_job_token(job_id, token):
             raise HTTPException(401, "this job's report token is required", headers={"WWW-Authenticate": "Bearer"})
         return {"accepted": svc.ingest(job_id, [e.model_dump() for e in req.events])}
 
-    @app.get("/api/jobs/{job_id}/artifacts/{path:path}", dependencies=[read])
+    @app.get("/api/jobs/{job_id}/artifacts/{path:path}", dependencies=[read], responses=E422)
     def artifact(job_id: str, path: str):
         """A file of the run's allow-list (or a listing of a folder of it), as an attachment."""
         job = job_or_404(job_id)
