@@ -33,3 +33,27 @@ def test_logs_refuse_a_rank_filter_they_cannot_honour(server, tmp_path):
         # The same shape as any other bad query value (the service's one 422 shape).
         bad = c.get(f"/api/jobs/{job_id}/logs", params={"offset": -1}).json()
         assert set(bad) == set(err) == {"detail", "problems"} and bad["problems"][0].startswith("query.offset: ")
+
+
+def _stream(c: httpx.Client, job_id: str, read_timeout: float) -> list[str]:
+    """The raw lines of the job's event stream until the service ends it."""
+    with c.stream("GET", f"/api/jobs/{job_id}/events", timeout=httpx.Timeout(30, read=read_timeout)) as resp:
+        assert resp.status_code == 200
+        return list(resp.iter_lines())
+
+
+def test_the_event_stream_ends_after_a_terminal_state(server, tmp_path):
+    """A script following a finished job gets an `end` event and the end of the stream (it was held
+    open with a heartbeat every 10 s, forever); a live job's stream stays open."""
+    with client(server, server.read) as c:
+        for state in ("succeeded", "failed", "cancelled", "stopped"):
+            done = plant_job(server.svc, tmp_path / state, state=state)
+            lines = _stream(c, done, read_timeout=8)
+            assert "event: end" in lines and f'data: {{"state": "{state}"}}' in lines, lines
+            assert "retry: 10000" in lines  # a browser's EventSource asks again every 10 s
+        live = plant_job(server.svc, tmp_path / "live", state="running")
+        try:
+            lines = _stream(c, live, read_timeout=3)
+        except httpx.ReadTimeout:
+            lines = None  # still open after 3 s: what a live job's stream does
+        assert lines is None, f"the stream of a running job ended: {lines}"

@@ -37,6 +37,7 @@ from scaletune.serve.schemas import (
     refusal,
     validation_lines,
 )
+from scaletune.serve.states import TERMINAL
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
@@ -223,6 +224,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         async def stream():
             nonlocal cursor
             quiet = 0.0
+            ended_polls = 0
             while not await request.is_disconnected():
                 rows = await asyncio.to_thread(svc.events_after, job_id, cursor)
                 for eid, kind, data in rows:
@@ -230,6 +232,17 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
                     yield {"id": str(eid), "event": kind, "data": json.dumps(data)}
                 if rows:
                     quiet = 0.0
+                # The stream ends once the job's record is terminal and nothing came for two polls
+                # (the watcher stores a run's last log lines just after its end state), with an
+                # `end` event: a script's client stops there. A browser's EventSource reconnects
+                # after `retry` ms from the last id: a tab on a finished job asks every 10 s and
+                # sees a resume's events, instead of holding a connection open forever.
+                job = await asyncio.to_thread(svc.get, job_id)
+                ended_polls = ended_polls + 1 if not rows and (job is None or job.state in TERMINAL) else 0
+                if ended_polls >= 2:
+                    state = job.state if job is not None else None
+                    yield {"id": str(cursor), "event": "end", "data": json.dumps({"state": state}), "retry": 10_000}
+                    return
                 await asyncio.sleep(0.3)
                 quiet += 0.3
                 if quiet >= HEARTBEAT_S:
