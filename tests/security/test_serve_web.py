@@ -12,8 +12,7 @@ import httpx
 import pytest
 
 from scaletune.serve.auth import create_token
-from tests.serve.conftest import Server, client, free_port, plant_job
-from tests.serve.test_browser import browser_binaries  # noqa: F401 - the fixture
+from tests.serve.conftest import Server, client, free_port, headless_chromium, plant_job
 
 
 def test_dns_rebinding_and_foreign_origin_refused_without_tokens(tmp_path):
@@ -32,28 +31,6 @@ def test_dns_rebinding_and_foreign_origin_refused_without_tokens(tmp_path):
         assert r.status_code == 403, r.text
     finally:
         srv.stop()
-
-
-def _chrome(tmp_path, binaries):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium, driver_path = binaries
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-quic",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver_path), options=opts)
 
 
 def _attacker_site(html: str) -> tuple[http.server.HTTPServer, str]:
@@ -75,7 +52,7 @@ def _attacker_site(html: str) -> tuple[http.server.HTTPServer, str]:
     return site, f"http://127.0.0.1:{port}/"
 
 
-def test_login_csrf_from_another_site_in_chromium(browser_binaries, tmp_path):  # noqa: F811
+def test_login_csrf_from_another_site_in_chromium(tmp_path):
     """Another site's page posts a login form with the attacker's token: the visitor stays logged out."""
     srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
     attacker = create_token(srv.svc.Session, "read")
@@ -83,7 +60,7 @@ def test_login_csrf_from_another_site_in_chromium(browser_binaries, tmp_path):  
         f'<form id="f" method="post" action="{srv.url}/login"><input name="token" value="{attacker}"></form>'
         "<script>document.getElementById('f').submit()</script>"
     )
-    driver = _chrome(tmp_path, browser_binaries)
+    driver = headless_chromium(tmp_path / "chromium-profile")
     try:
         driver.get(page)
         time.sleep(3)
@@ -95,7 +72,7 @@ def test_login_csrf_from_another_site_in_chromium(browser_binaries, tmp_path):  
         srv.stop()
 
 
-def test_reflected_script_in_compare_runs_nothing_in_chromium(browser_binaries, tmp_path):  # noqa: F811
+def test_reflected_script_in_compare_runs_nothing_in_chromium(tmp_path):
     """A link to /compare with markup in `a` (its fetch pointed at a real job's metrics, so the
     chart draws it): no script of it runs; a real comparison still draws both series."""
     from selenium.webdriver.common.by import By
@@ -113,7 +90,7 @@ def test_reflected_script_in_compare_runs_nothing_in_chromium(browser_binaries, 
             ]
         )
         s.commit()
-    driver = _chrome(tmp_path, browser_binaries)
+    driver = headless_chromium(tmp_path / "chromium-profile")
     try:
         driver.get(srv.url + "/login")
         driver.find_element(By.ID, "token").send_keys(victim)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -26,6 +28,46 @@ SHARED_DATA = REPO_ROOT.parent / "shared"  # the data sets and tokenizers of the
 TEST_POLICY = Policy(
     read_roots=(tempfile.gettempdir(), str(REPO_ROOT), str(SHARED_DATA)), write_roots=(tempfile.gettempdir(),)
 )
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+NO_BROWSER = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+
+
+def need(what: object, reason: str) -> None:
+    """Skip without `what`, saying why; under CI=true fail instead: .ci/run installs Chromium, nginx
+    and Postgres, and CI must run these tests rather than skip them."""
+    if not what:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {reason}")
+        pytest.skip(reason)
+
+
+def headless_chromium(profile: Path):
+    """A Selenium driver of Debian's headless Chromium (no browser download), its profile in
+    `profile`; the caller quits it. Skips (fails under CI=true) without Chromium."""
+    need(CHROMIUM and DRIVER, NO_BROWSER)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    # No background networking: this machine's closed network refuses Chromium's own connections.
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--window-size=1200,1000",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-quic",
+        f"--user-data-dir={profile}",
+    ):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service(DRIVER), options=opts)
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ Selenium; no browser download): log in, submit a config, watch the chart gain po
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,51 +12,25 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import Server
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+from tests.serve.conftest import CHROMIUM, DRIVER, NO_BROWSER, Server, headless_chromium, need
 
 
 @pytest.fixture
 def browser_binaries() -> tuple[str, str]:
     """Chromium and its driver; skips without them, but fails under CI=true, which installs them
     (.ci/run) and must run this test rather than skip it."""
-    if not (CHROMIUM and DRIVER):
-        reason = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and {reason}")
-        pytest.skip(reason)
+    need(CHROMIUM and DRIVER, NO_BROWSER)
     return CHROMIUM, DRIVER
 
 
 def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
     srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
     token = create_token(srv.svc.Session, "submit")
-    opts = webdriver.ChromeOptions()
-    chromium, driver_path = browser_binaries
-    opts.binary_location = chromium
-    # No background networking: this machine's closed network refuses Chromium's own connections.
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--window-size=1200,1000",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-quic",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-    ):
-        opts.add_argument(arg)
     # SCALETUNE_SCREENSHOT_DIR=docs/img refreshes the pictures docs/serve.md shows.
     shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path)
-    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    driver = headless_chromium(tmp_path / "chromium-profile")
     try:
         driver.get(srv.url + "/")
         assert driver.current_url.endswith("/login")

@@ -16,7 +16,6 @@ Without nginx (Debian's nginx-light) the tests skip, and fail under CI=true."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -25,7 +24,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import pytest
 import uvicorn
 import yaml
 
@@ -33,8 +31,7 @@ from scaletune.serve.app import create_app
 from scaletune.serve.auth import create_token
 from scaletune.serve.jobs import JobService
 from tests.helpers import make_config, subprocess_env, wait_for
-from tests.serve.conftest import Server, free_port
-from tests.serve.test_browser import CHROMIUM, DRIVER
+from tests.serve.conftest import Server, free_port, headless_chromium, need
 
 PREFIX = "/team/st"
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
@@ -96,13 +93,6 @@ report("phase", phase="exporting")
 """
 
 
-def need(what: str | None, reason: str) -> None:
-    if not what:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and {reason}")
-        pytest.skip(reason)
-
-
 def absolute_urls(html: str) -> list[str]:
     return [html[max(0, m.start() - 30) : m.end() + 20] for m in ABSOLUTE.finditer(html)]
 
@@ -154,31 +144,8 @@ class MountedServer(Server):
         wait_for(lambda: self.server.started, 30, "uvicorn")
 
 
-def chromium(profile: Path):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--window-size=1200,1000",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-quic",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(DRIVER), options=opts)
-
-
 def test_the_page_under_a_prefix_behind_nginx(tiny_model_dir, tmp_path):
     need(NGINX, "needs nginx (apt-get install nginx-light)")
-    need(CHROMIUM and DRIVER, "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
     from selenium.webdriver.common.by import By
 
     srv = MountedServer(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
@@ -189,7 +156,7 @@ def test_the_page_under_a_prefix_behind_nginx(tiny_model_dir, tmp_path):
     srv.svc.dispatchers["local"].python = str(stub)
     token = create_token(srv.svc.Session, "submit")
     proxy = Proxy(tmp_path / "nginx", srv.port)
-    driver = chromium(tmp_path / "profile")
+    driver = headless_chromium(tmp_path / "profile")
     try:
         driver.get(proxy.url + "/")
         assert driver.current_url == proxy.url + "/login", driver.current_url  # the redirect kept the prefix

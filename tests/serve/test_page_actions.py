@@ -7,8 +7,6 @@ One service and one logged-in browser serve every case of the module."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import yaml
 from sse_starlette.sse import AppStatus
@@ -16,8 +14,7 @@ from sse_starlette.sse import AppStatus
 from scaletune.serve.auth import create_token
 from scaletune.serve.db import Job
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import client, plant_job, wait_state
-from tests.serve.test_browser import CHROMIUM, DRIVER
+from tests.serve.conftest import client, headless_chromium, plant_job, wait_state
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
 
@@ -25,31 +22,9 @@ JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
 @pytest.fixture(scope="module")
 def page(server, module_tmp_path):
     """A Chromium logged in to `server` with a submit token (module-wide: starting one costs seconds)."""
-    if not (CHROMIUM and DRIVER):
-        reason = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and {reason}")
-        pytest.skip(reason)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--window-size=1200,1000",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-quic",
-        f"--user-data-dir={module_tmp_path / 'chromium-profile'}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver = headless_chromium(module_tmp_path / "chromium-profile")
     try:
         driver.get(server.url + "/login")
         driver.find_element(By.ID, "token").send_keys(create_token(server.svc.Session, "submit"))

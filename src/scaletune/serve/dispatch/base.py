@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import psutil
 
@@ -32,6 +33,32 @@ class JobFiles:
     @property
     def stop_file(self) -> Path:
         return self.job_dir / STOP_FILE
+
+
+def checked_options(job: JobFiles, build: Callable[[JobFiles], Any], counts: tuple[str, ...]) -> Any:
+    """`build(job)` (a target's options from the job's resources), with every problem at once: the
+    resources named in `counts` must be whole numbers (`build` converts with int(), which would
+    take 8.7 as 8), and `build`'s own refusals (unknown keys) come with them.
+
+    Raises:
+        UserError: titled "invalid resources", listing every problem.
+    """
+    from scaletune.errors import UserError
+
+    r = job.resources
+    problems = [
+        f"resources.{k}: must be a whole number, got {r[k]!r}" for k in counts if k in r and type(r[k]) is not int
+    ]
+    try:
+        opts = build(job)
+    except UserError as exc:  # unknown keys, named with the counts
+        raise UserError(exc.problems + problems, title="invalid resources") from None
+    except (TypeError, ValueError):  # int() of a count named above
+        if not problems:
+            raise
+    if problems:
+        raise UserError(problems, title="invalid resources")
+    return opts
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from scaletune.errors import UserError
-from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status
+from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status, checked_options
 
 if TYPE_CHECKING:
     import modal
@@ -66,19 +66,7 @@ def shape(job: JobFiles) -> tuple[int, int, int]:
     """
     from scaletune.launch.modal_app import validate
 
-    r = job.resources
-    # `options` converts with int(), which would take 1.5 GPUs as 1.
-    count = r.get("gpu_count", 1)
-    problems = [] if type(count) is int else [f"resources.gpu_count: must be a whole number, got {count!r}"]
-    try:
-        opts = options(job)
-    except UserError as exc:  # unknown keys, named with the count
-        raise UserError(exc.problems + problems, title="invalid resources") from None
-    except (TypeError, ValueError):  # int() of the count named above
-        if not problems:
-            raise
-    if problems:
-        raise UserError(problems, title="invalid resources")
+    opts = checked_options(job, options, ("gpu_count",))
     validate(opts)
     return 1, opts.gpu_count, opts.gpu_count
 

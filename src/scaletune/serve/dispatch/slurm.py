@@ -15,7 +15,7 @@ from scaletune.errors import UserError
 from scaletune.launch.slurm import SlurmOptions, ranks_per_node, render_sbatch, validate
 from scaletune.launch.slurm import submit as sbatch_submit
 from scaletune.report import STOP_ENV
-from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status
+from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status, checked_options
 
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"}
 RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
@@ -58,21 +58,8 @@ def shape(job: JobFiles) -> tuple[int, int, int]:
     Raises:
         UserError: the resources `options` and the sbatch script refuse (every problem).
     """
-    r = job.resources
-    # `options` converts with int(), which would take 8.7 as 8, and leaves procs_per_node as given.
-    counts = ("nodes", "gpus_per_node", "procs_per_node")
-    problems = [
-        f"resources.{k}: must be a whole number, got {r[k]!r}" for k in counts if k in r and type(r[k]) is not int
-    ]
-    try:
-        opts = options(job)
-    except UserError as exc:  # unknown keys, named with the counts
-        raise UserError(exc.problems + problems, title="invalid resources") from None
-    except (TypeError, ValueError):  # int() of a count named above
-        if not problems:
-            raise
-    if problems:
-        raise UserError(problems, title="invalid resources")
+    # `options` leaves procs_per_node as given: it is checked here too.
+    opts = checked_options(job, options, ("nodes", "gpus_per_node", "procs_per_node"))
     validate(opts)
     return opts.nodes, opts.gpus_per_node or 0, ranks_per_node(opts) * opts.nodes
 
