@@ -224,6 +224,23 @@ def test_logs_and_run_directory_come_from_modal(svc, tiny_model_dir, tmp_path):
     }
 
 
+def test_a_modal_jobs_artifacts_are_named_on_its_volume(svc, tmp_path):
+    """The API reads no local folder for a Modal job (its run directory is on the volume): asked for
+    an artifact, it answers 404 naming the volume, the path and the command that fetches it."""
+    run_dir = tmp_path / "run"
+    job_id = plant_job(svc, run_dir, resources={"gpu_count": 1, "volume": "v1"})
+    with svc.Session() as s:
+        job = s.get(Job, job_id)
+        job.target = "modal"
+        s.commit()
+        where = modal_dispatch.volume_path(svc.files(job), job.run_dir)
+    (run_dir / "final").mkdir()  # a local folder of that name is not the run's
+    with TestClient(create_app(svc, start=False), base_url="http://127.0.0.1") as c:
+        r = c.get(f"/api/jobs/{job_id}/artifacts/final")
+    assert r.status_code == 404, r.text
+    assert where["volume"] == "v1" and where["fetch"] in r.json()["detail"], r.text
+
+
 def test_a_lost_modal_job_is_settled_by_its_calls_result(svc, tmp_path):
     """A job settled `lost` (e.g. by a restart that could not reach Modal) is asked again in a
     worker; the call's result settles it."""

@@ -310,6 +310,14 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         parts = rel.split("/")
         if rel.startswith(("/", "..")) or parts[0] not in ARTIFACTS:
             raise HTTPException(404, "not an artifact of this run")
+        if job.target == "modal":  # the run directory is on the Modal volume, not on this machine
+            from scaletune.serve.dispatch.modal import volume_path
+
+            where = volume_path(svc.files(job), job.run_dir)
+            raise HTTPException(
+                404,
+                f"{rel}: on the Modal volume {where['volume']} under {where['path']}; fetch it with `{where['fetch']}`",
+            )
         root = Path(job.run_dir).resolve()
         allowed = (root / parts[0]).resolve()
         target = (root / rel).resolve()  # links followed: they must stay inside the allowed entry
