@@ -70,6 +70,24 @@ def headless_chromium(profile: Path):
     return webdriver.Chrome(service=Service(DRIVER), options=opts)
 
 
+def dom(driver, css: str, attr: str | None = None, *, prop: str | None = None, visible: bool = False) -> list:
+    """The text of every element matching `css` in document order, or its attribute `attr`, or
+    its DOM property `prop` (`href` resolved to a whole URL, as a click follows it); with
+    `visible`, only the displayed ones. Read in one script call: the page re-renders lists and the
+    chart on every event, so finding an element and then reading it can meet a detached node
+    (Selenium's StaleElementReferenceException, which failed CI once)."""
+    return driver.execute_script(
+        """const [css, attr, prop, visible] = arguments;
+        return Array.from(document.querySelectorAll(css))
+          .filter(e => !visible || e.getClientRects().length > 0)
+          .map(e => attr ? e.getAttribute(attr) : prop ? e[prop] : e.innerText);""",
+        css,
+        attr,
+        prop,
+        visible,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import CHROMIUM, DRIVER, NO_BROWSER, Server, headless_chromium, need
+from tests.serve.conftest import CHROMIUM, DRIVER, NO_BROWSER, Server, dom, headless_chromium, need
 
 
 @pytest.fixture
@@ -43,26 +43,25 @@ def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path
         bad["training"]["micro_batch_size"] = 0
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
         driver.find_element(By.ID, "preview").click()
-        items = wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, "#problems li"), 60, "the problems")
-        texts = [i.text for i in items]
+        texts = wait_for(lambda: dom(driver, "#problems li"), 60, "the problems")
         for key in ("model.dtype", "training.micro_batch_size"):
             assert any(key in t for t in texts), f"{key} missing from the problems shown: {texts}"
         cfg = make_config(tiny_model_dir, tmp_path / "run")
         cfg["training"].update(max_steps=6, save_every=0, micro_batch_size=8)
         driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
         driver.find_element(By.ID, "preview").click()
-        wait_for(lambda: "strategy" in driver.find_element(By.ID, "plan").text, 60, "the plan preview")
+        wait_for(lambda: "strategy" in "".join(dom(driver, "#plan")), 60, "the plan preview")
         driver.save_screenshot(str(shots / "serve-submit.png"))
         driver.find_element(By.ID, "submit").click()
         wait_for(lambda: "/jobs/" in driver.current_url, 60, "the job page")
 
         def points() -> int:
-            lines = driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
-            return int(lines[0].get_attribute("data-points")) if lines else 0
+            counts = dom(driver, "#chart polyline", "data-points")
+            return int(counts[0]) if counts else 0
 
         first = wait_for(points, 240, "the first point")
         wait_for(lambda: points() > first, 240, "more points")
-        wait_for(lambda: driver.find_element(By.ID, "state").text == "succeeded", 240, "succeeded")
+        wait_for(lambda: dom(driver, "#state") == ["succeeded"], 240, "succeeded")
         assert points() == 6
         driver.save_screenshot(str(shots / "serve-job.png"))
     finally:

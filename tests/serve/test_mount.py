@@ -31,7 +31,7 @@ from scaletune.serve.app import create_app
 from scaletune.serve.auth import create_token
 from scaletune.serve.jobs import JobService
 from tests.helpers import make_config, subprocess_env, wait_for
-from tests.serve.conftest import Server, free_port, headless_chromium, need
+from tests.serve.conftest import Server, dom, free_port, headless_chromium, need
 
 PREFIX = "/team/st"
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
@@ -171,7 +171,7 @@ def test_the_page_under_a_prefix_behind_nginx(tiny_model_dir, tmp_path):
         cfg = yaml.safe_dump(make_config(tiny_model_dir, run, training={"max_steps": 2}))
         driver.execute_script("document.getElementById('config').value = arguments[0]", cfg)
         driver.find_element(By.ID, "preview").click()
-        wait_for(lambda: "strategy" in driver.find_element(By.ID, "plan").text, 60, "the plan preview")
+        wait_for(lambda: "strategy" in "".join(dom(driver, "#plan")), 60, "the plan preview")
         driver.find_element(By.ID, "submit").click()
         wait_for(lambda: "/jobs/" in driver.current_url, 60, "the job page")
         assert driver.current_url.startswith(proxy.url + "/jobs/"), driver.current_url
@@ -179,21 +179,23 @@ def test_the_page_under_a_prefix_behind_nginx(tiny_model_dir, tmp_path):
         assert not absolute_urls(driver.page_source), absolute_urls(driver.page_source)
 
         def points() -> int:
-            lines = driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
-            return int(lines[0].get_attribute("data-points")) if lines else 0
+            counts = dom(driver, "#chart polyline", "data-points")
+            return int(counts[0]) if counts else 0
 
         # Streamed while the run waits on the gate: the first step and the state.
         wait_for(lambda: points() == 1, 60, "the first step streamed in")
-        wait_for(lambda: driver.find_element(By.ID, "state").text == "running", 30, "running")
+        wait_for(lambda: dom(driver, "#state") == ["running"], 30, "running")
         gate.touch()
-        wait_for(lambda: driver.find_element(By.ID, "state").text == "succeeded", 60, "succeeded")
+        wait_for(lambda: dom(driver, "#state") == ["succeeded"], 60, "succeeded")
         wait_for(lambda: points() == 2, 15, "the second step")
-        wait_for(lambda: driver.find_element(By.ID, "final").is_displayed(), 15, "the final/ link")
-        assert "[scaletune] phase" in driver.find_element(By.ID, "logs").text  # log events too
+        wait_for(lambda: dom(driver, "#final", visible=True), 15, "the final/ link")
+        assert "[scaletune] phase" in "".join(dom(driver, "#logs"))  # log events too
 
-        ckpt = driver.find_element(By.CSS_SELECTOR, "#checkpoints a").get_attribute("href")
+        ckpt = dom(driver, "#checkpoints a", prop="href")[0]
         assert ckpt == f"{proxy.url}/api/jobs/{job_id}/artifacts/checkpoints/step-2", ckpt
-        link = driver.find_element(By.LINK_TEXT, "metrics.jsonl").get_attribute("href")
+        link = driver.execute_script(
+            "return Array.from(document.links).find(a => a.textContent === 'metrics.jsonl')?.href"
+        )
         assert link == f"{proxy.url}/api/jobs/{job_id}/artifacts/metrics.jsonl", link
         cookies = {c["name"]: c["value"] for c in driver.get_cookies()}
         got = httpx.get(link, cookies=cookies, timeout=30)  # as the browser's click would fetch it

@@ -14,7 +14,7 @@ from sse_starlette.sse import AppStatus
 from scaletune.serve.auth import create_token
 from scaletune.serve.db import Job
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import client, headless_chromium, plant_job, wait_state
+from tests.serve.conftest import client, dom, headless_chromium, plant_job, wait_state
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
 
@@ -36,9 +36,8 @@ def page(server, module_tmp_path):
 
 
 def shown(driver, list_id: str) -> list[str]:
-    from selenium.webdriver.common.by import By
 
-    return [li.text for li in driver.find_elements(By.CSS_SELECTOR, f"#{list_id} li") if li.is_displayed()]
+    return dom(driver, f"#{list_id} li", visible=True)
 
 
 def test_invalid_resources_json_is_shown_and_nothing_is_submitted(server, page, tiny_model_dir, tmp_path):
@@ -52,7 +51,7 @@ def test_invalid_resources_json_is_shown_and_nothing_is_submitted(server, page, 
     field = page.find_element(By.ID, "resources")
     field.clear()
     field.send_keys('{"nodes": 2,')
-    assert "Resources (JSON)" in page.find_element(By.ID, "resources-problem").text  # said while typing
+    assert "Resources (JSON)" in "".join(dom(page, "#resources-problem"))  # said while typing
     page.find_element(By.ID, "submit").click()
     lines = wait_for(lambda: shown(page, "problems"), 10, "the Resources problem")
     assert any("Resources (JSON)" in t and "nothing was sent" in t for t in lines), lines
@@ -116,7 +115,7 @@ def test_tab_opened_before_a_restart_still_stops_the_job(server, page, tiny_mode
     try:
         wait_state(c, job_id, {"running"}, timeout=120)
         page.get(f"{server.url}/jobs/{job_id}")
-        wait_for(lambda: page.find_element(By.ID, "state").text == "running", 30, "the page showing running")
+        wait_for(lambda: dom(page, "#state") == ["running"], 30, "the page showing running")
         # A new service on the same database; the tab is not reloaded. Its event stream ends as
         # SIGTERM ends it in a `scaletune serve` process (sse_starlette's exit flag); uvicorn in a
         # thread gets no signal and would wait for the stream instead.
@@ -138,7 +137,7 @@ def test_tab_opened_before_a_restart_still_stops_the_job(server, page, tiny_mode
         )
         assert shown(page, "errors") == []
         assert c.get(f"/api/jobs/{job_id}").json()["state"] in ("stopping", "stopped")
-        wait_for(lambda: page.find_element(By.ID, "state").text in ("stopping", "stopped"), 30, "the page's state")
+        wait_for(lambda: dom(page, "#state") in (["stopping"], ["stopped"]), 30, "the page's state")
     finally:
         if c.get(f"/api/jobs/{job_id}").json()["state"] not in ("succeeded", "failed", "cancelled", "stopped"):
             c.post(f"/api/jobs/{job_id}/cancel")

@@ -19,7 +19,7 @@ import yaml
 
 from scaletune.serve.dispatch.base import LOG_FILE
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import Server, client, read_events, wait_state
+from tests.serve.conftest import Server, client, dom, read_events, wait_state
 from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
@@ -153,7 +153,6 @@ def test_checkpoints_offered_are_those_in_the_run_directory(srv, tiny_model_dir,
 def test_the_page_lists_the_checkpoints_that_exist(server, page, tiny_model_dir, tmp_path):  # noqa: F811
     """The same run on the job page in Chromium: the list follows the folder, each entry links to
     the checkpoint's own files, and final/ is linked only once it exists."""
-    from selenium.webdriver.common.by import By
 
     server.svc.dispatchers["local"].python = stub(tmp_path, lines=12, hold=0.5, every=3, keep=1)
     c = client(server, server.submit)
@@ -162,18 +161,16 @@ def test_the_page_lists_the_checkpoints_that_exist(server, page, tiny_model_dir,
     page.get(f"{server.url}/jobs/{job_id}")
 
     def shown() -> list[str]:
-        return [
-            Path(li.get_attribute("data-path")).name for li in page.find_elements(By.CSS_SELECTOR, "#checkpoints li")
-        ]
+        return [Path(path).name for path in dom(page, "#checkpoints li", "data-path")]
 
     # While it runs (step-2 or step-3 the newest), the folder's one checkpoint, and no final/ link.
     wait_for(lambda: shown() in (["step-2"], ["step-3"]), 30, "step-1 dropped from the page")
     assert not (run / "final").exists()  # read first: the page cannot have seen it either
-    assert not page.find_element(By.ID, "final").is_displayed()
+    assert not dom(page, "#final", visible=True)
     assert wait_state(c, job_id, TERMINAL, timeout=60)["state"] == "succeeded"
     wait_for(lambda: shown() == ["step-4"], 15, "the page's list at the end")
     assert {p.name for p in (run / "checkpoints").glob("step-*")} == {"step-4"}
-    wait_for(lambda: page.find_element(By.ID, "final").is_displayed(), 15, "the final/ link")
-    links = [a.get_attribute("href") for a in page.find_elements(By.CSS_SELECTOR, "#checkpoints a")]
+    wait_for(lambda: dom(page, "#final", visible=True), 15, "the final/ link")
+    links = dom(page, "#checkpoints a", prop="href")
     assert links == [f"{server.url}/api/jobs/{job_id}/artifacts/checkpoints/step-4"], links
     assert c.get(links[0]).status_code == 200
