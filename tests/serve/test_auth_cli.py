@@ -17,7 +17,7 @@ from scaletune.serve.auth import COOKIE, bind_problems, create_token
 from scaletune.serve.db import Token
 from scaletune.serve.jobs import JobService
 from tests.helpers import REPO_ROOT, make_config
-from tests.serve.conftest import TEST_POLICY
+from tests.serve.conftest import TEST_POLICY, plant_job
 
 LOOPBACK = "http://127.0.0.1"  # a tokenless service answers loopback names only (DNS rebinding)
 
@@ -111,7 +111,8 @@ def test_missing_job_is_404_and_a_real_key_error_is_not(svc, monkeypatch):
             raise KeyError("a missing dict key")
 
         monkeypatch.setattr(svc, "stop", bug)
-        assert c.post("/api/jobs/nope/stop").status_code == 500
+        job_id = plant_job(svc, svc.home / "planted-run", state="running")  # found: the bug runs
+        assert c.post(f"/api/jobs/{job_id}/stop").status_code == 500
 
 
 def test_modal_up_to_the_sdk(svc, tiny_model_dir, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -20,8 +21,14 @@ app.add_typer(serve_app, name="serve")
 
 DbOpt = Annotated[
     str | None,
-    typer.Option("--db", help="SQLAlchemy URL of the job records (default sqlite:///~/.scaletune/serve.db)."),
+    typer.Option(
+        "--db",
+        envvar=["SCALETUNE_DB", "DATABASE_URL"],
+        show_envvar=True,
+        help="SQLAlchemy URL of the job records, postgres:// too (default sqlite:///~/.scaletune/serve.db).",
+    ),
 ]
+ADMIN_ENV = "SCALETUNE_ADMIN_TOKEN"
 
 
 @serve_app.callback()
@@ -59,22 +66,30 @@ def serve(
         str,
         typer.Option(
             "--root-path",
+            envvar="SCALETUNE_ROOT_PATH",
+            show_envvar=True,
             help="The path prefix a reverse proxy serves this under and strips (e.g. /team/st); links carry it.",
         ),
     ] = "",
     public_url: Annotated[
         str | None,
-        typer.Option(help="The address jobs on other machines (Modal, SLURM) post their reports to; Modal needs it."),
+        typer.Option(
+            envvar="SCALETUNE_PUBLIC_URL",
+            show_envvar=True,
+            help="The address jobs on other machines (Modal, SLURM) post their reports to; Modal needs it.",
+        ),
     ] = None,
 ) -> None:
     """Serve the job API (/api, OpenAPI at /docs) and the web page (/). What submitted configs may
-    do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options."""
+    do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options.
+    SCALETUNE_ADMIN_TOKEN (at least 32 characters), when set, is an admin API token named
+    admin-env (for platforms whose secret store holds it: docs/deploy.md)."""
     if ctx.invoked_subcommand is not None:
         return
     import uvicorn
 
     from scaletune.serve.app import create_app
-    from scaletune.serve.auth import bind_problems
+    from scaletune.serve.auth import bind_problems, install_env_admin
     from scaletune.serve.db import DatabaseUnavailable, database_url, default_url, redacted
     from scaletune.serve.jobs import JobService
     from scaletune.serve.policy import SAFE_ENV_PREFIXES, Policy
@@ -107,6 +122,8 @@ def serve(
         svc = JobService(db, jobs_dir, address, max_concurrent=max_concurrent, policy=policy, public_url=public_url)
     except DatabaseUnavailable as exc:
         _unavailable(exc)
+    if os.environ.get(ADMIN_ENV):
+        problems += install_env_admin(svc.Session, os.environ[ADMIN_ENV])
     problems += bind_problems(host, svc.Session)
     if problems:
         raise UserError(problems, title="cannot serve")
@@ -120,24 +137,66 @@ def serve(
     uvicorn.run(create_app(svc), host=host, port=port, log_level="warning", root_path=root_path)
 
 
+def _sessions(db: str | None):
+    from scaletune.serve.db import DatabaseUnavailable, default_url, open_db
+
+    try:
+        return open_db(db or default_url())[1]
+    except DatabaseUnavailable as exc:
+        _unavailable(exc)
+
+
 @token_app.command("create")
 def token_create(
     scope: Annotated[str, typer.Option(help="read | submit | admin")] = "read",
+    name: Annotated[
+        str | None,
+        typer.Option(help="Who holds it (a person, a pipeline); jobs and the audit name it. Default SCOPE-N."),
+    ] = None,
     db: DbOpt = None,
 ) -> None:
     """Create an API token; it is printed once, as the last word (stored hashed)."""
     from scaletune.serve.auth import create_token
-    from scaletune.serve.db import DatabaseUnavailable, default_url, open_db
+    from scaletune.serve.teams import record
 
+    Session = _sessions(db)  # noqa: N806 - a sessionmaker
     try:
-        _, Session = open_db(db or default_url())
-    except DatabaseUnavailable as exc:
-        _unavailable(exc)
-    try:
-        token = create_token(Session, scope)
+        token = create_token(Session, scope, name, created_by="cli")
     except ValueError as exc:
         raise UserError(str(exc), title="invalid arguments") from None
-    typer.echo(f"created a {scope} token (shown once): {token}")
+    from scaletune.serve.auth import token_info
+
+    made = token_info(Session, token)
+    record(Session, "cli", "token.create", detail=f"{made['name']} ({scope})")
+    typer.echo(f"created the {scope} token {made['name']} (shown once): {token}")
+
+
+@token_app.command("list")
+def token_list(db: DbOpt = None) -> None:
+    """Every token (never its value): name, scope, created, by whom, revoked."""
+    from scaletune.serve.auth import list_tokens
+
+    rows = list_tokens(_sessions(db))
+    if not rows:
+        typer.echo("no tokens: the service is open on loopback only")
+    for t in rows:
+        revoked = f"  REVOKED {t['revoked']}" if t["revoked"] else ""
+        typer.echo(f"{t['name']:<24} {t['scope']:<7} created {t['created']} by {t['created_by'] or '-'}{revoked}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    name: Annotated[str, typer.Argument(help="The token's name (see `token list`).")], db: DbOpt = None
+) -> None:
+    """Revoke a token: from now on it authenticates nothing, the page logged in with it included."""
+    from scaletune.serve.auth import revoke_token
+    from scaletune.serve.teams import record
+
+    Session = _sessions(db)  # noqa: N806
+    if revoke_token(Session, name) is None:
+        raise UserError(f"no token named {name!r} (see scaletune serve token list)", title="invalid arguments")
+    record(Session, "cli", "token.revoke", detail=name)
+    typer.echo(f"revoked {name}")
 
 
 def _unavailable(exc: Exception) -> NoReturn:

@@ -38,6 +38,7 @@ from scaletune.serve.schemas import (
     validation_lines,
 )
 from scaletune.serve.states import TERMINAL
+from scaletune.serve.teams import add_team_routes, need_owner, record
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
@@ -88,19 +89,19 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         request: Request, bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
     ) -> auth.Caller:
         if bearer is not None:
-            scope = auth.scope_of(svc.Session, bearer.credentials.strip())
-            if scope is None:
+            found = auth.identify(svc.Session, bearer.credentials.strip())
+            if found is None:
                 raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
-            return auth.Caller(scope)
+            return auth.Caller(found[1], found[0])
         cookie = request.cookies.get(auth.COOKIE)
         if cookie:
-            scope = auth.scope_of(svc.Session, cookie)
-            if scope is not None:
+            found = auth.identify(svc.Session, cookie)
+            if found is not None:
                 if request.method not in ("GET", "HEAD", "OPTIONS") and not app.state.csrf.valid(
                     cookie, request.headers.get("x-csrf-token")
                 ):
                     raise HTTPException(403, "missing or wrong CSRF token")
-                return auth.Caller(scope, by_cookie=True, cookie=cookie)
+                return auth.Caller(found[1], found[0], by_cookie=True, cookie=cookie)
         if not auth.has_tokens(svc.Session):
             return auth.Caller("admin")  # no tokens: loopback only (bind_problems)
         raise HTTPException(
@@ -115,7 +116,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
         return dep
 
-    read, submit, admin = Depends(need("read")), Depends(need("submit")), Depends(need("admin"))
+    read, admin = Depends(need("read")), Depends(need("admin"))
 
     add_docs(app, read)
 
@@ -141,9 +142,11 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     def get_policy():
         return svc.policy.public()
 
-    @app.put("/api/admin/policy", dependencies=[admin], responses=E422)
-    def put_policy(req: PolicyUpdate):
-        svc.policy = svc.policy.updated(**req.model_dump(exclude_none=True))
+    @app.put("/api/admin/policy", responses=E422)
+    def put_policy(req: PolicyUpdate, c: Annotated[auth.Caller, Depends(need("admin"))]):
+        change = req.model_dump(exclude_none=True)
+        svc.policy = svc.policy.updated(**change)
+        record(svc.Session, c.name, "policy.update", detail=json.dumps(change, sort_keys=True))
         return svc.policy.public()
 
     def job_or_404(job_id: str):
@@ -158,17 +161,18 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     @app.post(
         "/api/jobs",
         status_code=201,
-        dependencies=[submit],
         response_model=Submitted,
         response_model_exclude_unset=True,  # a queued job's answer has no `plan` key
         responses={200: {"model": Submitted, "description": "dry run: the plan, nothing submitted"}, **E422},
     )
-    def create_job(req: JobRequest, response: Response):
+    def create_job(req: JobRequest, response: Response, c: Annotated[auth.Caller, Depends(need("submit"))]):
         try:
-            out = svc.submit(req.config, req.overrides, req.target, req.resources, req.dry_run)
+            out = svc.submit(req.config, req.overrides, req.target, req.resources, req.dry_run, owner=c.name)
         except UserError as exc:
             return bad(exc)
         response.status_code = 200 if req.dry_run else 201
+        if not req.dry_run:
+            record(svc.Session, c.name, "job.submit", out["id"], f"target {req.target} {' '.join(req.overrides)}")
         return out
 
     @app.get("/api/jobs", dependencies=[read], response_model=list[JobSummary])
@@ -251,43 +255,54 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
         return EventSourceResponse(stream(), ping=3600)
 
-    def control(fn, *args):
+    Submitter = Annotated[auth.Caller, Depends(need("submit"))]
+
+    def control(c: auth.Caller, verb: str, job_id: str):
+        need_owner(c, job_or_404(job_id))
         try:
-            return fn(*args).summary()
+            done = getattr(svc, verb)(job_id).summary()
         except UserError as exc:
             return refusal(exc.title, exc.problems, 409)
+        record(svc.Session, c.name, f"job.{verb}", job_id)
+        return done
 
-    @app.post("/api/jobs/{job_id}/stop", dependencies=[submit], response_model=JobSummary, responses=E409_422)
-    def stop(job_id: str):
-        return control(svc.stop, job_id)
+    @app.post("/api/jobs/{job_id}/stop", response_model=JobSummary, responses=E409_422)
+    def stop(job_id: str, c: Submitter):
+        return control(c, "stop", job_id)
 
-    @app.post("/api/jobs/{job_id}/cancel", dependencies=[submit], response_model=JobSummary, responses=E409_422)
-    def cancel(job_id: str):
-        return control(svc.cancel, job_id)
+    @app.post("/api/jobs/{job_id}/cancel", response_model=JobSummary, responses=E409_422)
+    def cancel(job_id: str, c: Submitter):
+        return control(c, "cancel", job_id)
 
-    @app.post("/api/jobs/{job_id}/resume", dependencies=[submit], response_model=JobSummary, responses=E422)
-    def resume(job_id: str, req: ResumeRequest | None = None):
+    @app.post("/api/jobs/{job_id}/resume", response_model=JobSummary, responses=E422)
+    def resume(job_id: str, c: Submitter, req: ResumeRequest | None = None):
         req = req or ResumeRequest()
-        job_or_404(job_id)
+        need_owner(c, job_or_404(job_id))
         try:
-            return svc.resume(job_id, req.checkpoint, req.target, req.resources, req.overrides).summary()
+            done = svc.resume(job_id, req.checkpoint, req.target, req.resources, req.overrides).summary()
         except UserError as exc:
             return bad(exc)
+        record(
+            svc.Session, c.name, "job.resume", job_id, f"from {req.checkpoint or 'latest'} {' '.join(req.overrides)}"
+        )
+        return done
 
     @app.post(
         "/api/jobs/{job_id}/clone",
         status_code=201,
-        dependencies=[submit],
         response_model=Submitted,
         response_model_exclude_unset=True,
         responses=E422,
     )
-    def clone(job_id: str, req: CloneRequest | None = None):
+    def clone(job_id: str, c: Submitter, req: CloneRequest | None = None):
         job_or_404(job_id)
+        overrides = (req or CloneRequest()).overrides
         try:
-            return svc.clone(job_id, (req or CloneRequest()).overrides)
+            out = svc.clone(job_id, overrides, owner=c.name)
         except UserError as exc:
             return bad(exc)
+        record(svc.Session, c.name, "job.clone", out["id"], f"of {job_id} {' '.join(overrides)}")
+        return out
 
     @app.post("/api/jobs/{job_id}/report", responses=E422)
     def report(
@@ -331,5 +346,6 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
 
     from scaletune.serve.web import add_pages
 
+    add_team_routes(app, svc, caller, read, admin)
     add_pages(app, svc, caller)
     return app

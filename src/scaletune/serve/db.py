@@ -53,6 +53,7 @@ class Job(Base):
     run_dir: Mapped[str] = mapped_column(Text)
     last_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     token_hash: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(String(64), default="")  # the API token's name that submitted it
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     stop_requested: Mapped[int] = mapped_column(Integer, default=0)
     # {file name: bytes the watcher has read}, so a restarted service reads on where it stopped.
@@ -77,6 +78,7 @@ class Job(Base):
             "resources": self.resources,
             "last_metrics": self.last_metrics,
             "exit_code": self.exit_code,
+            "owner": self.owner,
             "created": self.created.isoformat() + "Z",
             "updated": self.updated.isoformat() + "Z",
         }
@@ -108,13 +110,51 @@ class Metric(Base):
 
 
 class Token(Base):
-    """An API token, stored as its SHA-256 (the value is shown once, at creation)."""
+    """An API token, stored as its SHA-256 (the value is shown once, at creation). `name` is who
+    holds it (a person, a CI pipeline): jobs and the audit record name it, never the value. A
+    revoked token stays listed (the record of who did what still names it) and authenticates
+    nothing."""
 
     __tablename__ = "tokens"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     scope: Mapped[str] = mapped_column(String(8))
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    created_by: Mapped[str] = mapped_column(String(64), default="")
+    revoked: Mapped[dt.datetime | None] = mapped_column(DateTime, nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime, default=now)
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "scope": self.scope,
+            "created": self.created.isoformat() + "Z",
+            "created_by": self.created_by,
+            "revoked": self.revoked.isoformat() + "Z" if self.revoked else None,
+        }
+
+
+class Audit(Base):
+    """Who did what: one row per action that changes something (submit, stop, cancel, resume,
+    clone, token create/revoke, policy change, login, logout), naming the token, never its value."""
+
+    __tablename__ = "audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[dt.datetime] = mapped_column(DateTime, default=now, index=True)
+    actor: Mapped[str] = mapped_column(String(64), index=True)
+    action: Mapped[str] = mapped_column(String(32))
+    job_id: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    detail: Mapped[str] = mapped_column(Text, default="")
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "at": self.at.isoformat() + "Z",
+            "actor": self.actor,
+            "action": self.action,
+            "job_id": self.job_id,
+            "detail": self.detail,
+        }
 
 
 class Setting(Base):

@@ -172,8 +172,17 @@ class JobService:
         with self.Session() as s:
             return [Path(r) for r in s.scalars(select(Job.run_dir).where(Job.id != job_id))]
 
-    def submit(self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False) -> dict:
+    def submit(
+        self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False, owner: str = ""
+    ) -> dict:
+        """Check and queue a job owned by `owner` (the submitting token's name); a dry run returns
+        the plan and keeps nothing.
+
+        Raises:
+            UserError: every problem of the config, the policy or the target, at once.
+        """
         job, plan = self.prepare_job(config, overrides, target, resources, dry_run=dry_run)
+        job.owner = owner
         if dry_run:
             self._secrets.pop(job.id, None)
             _remove(Path(job.job_dir))
@@ -255,12 +264,12 @@ class JobService:
         self.kick()
         return job
 
-    def clone(self, job_id: str, overrides: list[str]) -> dict:
+    def clone(self, job_id: str, overrides: list[str], owner: str = "") -> dict:
         job = self.get(job_id)
         if job is None:
             raise JobNotFound(job_id)
         base = [o for o in job.overrides if not o.startswith("training.resume=")]
-        return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources))
+        return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources), owner=owner)
 
     def _need(self, s: Any, job_id: str) -> Job:
         job = s.get(Job, job_id)

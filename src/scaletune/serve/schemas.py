@@ -4,7 +4,7 @@ for a config the checks refuse and for a request FastAPI cannot read alike."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -80,6 +80,7 @@ class JobSummary(BaseModel):
     resources: dict[str, Any] = Field(default_factory=dict)
     last_metrics: dict[str, Any] | None = None
     exit_code: int | None = None
+    owner: str = Field("", description="the name of the token that submitted it (local on a token-less service)")
     created: str = Field(description="ISO 8601, UTC")
     updated: str = Field(description="ISO 8601, UTC")
 
@@ -90,6 +91,37 @@ class Submitted(BaseModel):
     id: str | None
     state: str
     plan: dict[str, Any] | None = Field(None, description="dry run only: the resolved plan and what would run")
+
+
+class TokenRequest(BaseModel):
+    name: str | None = Field(None, description="Who holds it (1-64 of A-Z a-z 0-9 _ . @ -); default SCOPE-N.")
+    scope: Literal["read", "submit", "admin"] = "read"
+
+
+class TokenInfo(BaseModel):
+    name: str
+    scope: str
+    created: str = Field(description="ISO 8601, UTC")
+    created_by: str = Field(description="the token name that made it; cli or environment outside the API")
+    revoked: str | None = Field(None, description="ISO 8601, UTC; a revoked token authenticates nothing")
+
+
+class TokenCreated(TokenInfo):
+    token: str = Field(description="The value, shown this once (stored hashed).")
+
+
+class AuditEntry(BaseModel):
+    id: int
+    at: str = Field(description="ISO 8601, UTC")
+    actor: str = Field(description="the token's name (local on a token-less service)")
+    action: str = Field(description="job.submit job.stop job.cancel job.resume job.clone token.create ...")
+    job_id: str | None = None
+    detail: str = ""
+
+
+class Whoami(BaseModel):
+    name: str
+    scope: str
 
 
 class Health(BaseModel):
