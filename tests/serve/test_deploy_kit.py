@@ -376,6 +376,22 @@ def test_render_start_command_behind_nginx_trains_on_postgres(postgres, tiny_mod
         said += [r.stdout, r.stderr]
         assert r.returncode == 0, r.stdout + r.stderr + log.read_text()[-3000:]
         job_id = r.stdout.split()[0]
+        # docs/deploy.md's way to hand out tokens on Render: the admin token asks the API for a
+        # named one, through the public address; the new token reads the job with the client.
+        made = httpx.post(
+            proxy.url + "/api/tokens",
+            json={"name": "ci", "scope": "submit"},
+            headers={"Authorization": f"Bearer {admin}"},
+            timeout=30,
+        )
+        assert made.status_code == 201, made.text
+        r = run_cli(
+            ["remote", "status", job_id, "--json", "--url", proxy.url],
+            env={"SCALETUNE_TOKEN": made.json()["token"], "SCALETUNE_URL": ""},
+            timeout=120,
+        )
+        said += [r.stdout, r.stderr]
+        assert r.returncode == 0 and json.loads(r.stdout)["state"] == "succeeded", r.stdout + r.stderr
         engine = create_engine(database_url(postgres["url"]))
         try:
             with engine.connect() as conn:
@@ -389,11 +405,13 @@ def test_render_start_command_behind_nginx_trains_on_postgres(postgres, tiny_mod
             engine.dispose()
         assert job.state == "succeeded" and steps == [1, 2], (job, steps)
         assert Path(job.run_dir).is_relative_to(disk) and (Path(job.run_dir) / "final").is_dir(), job.run_dir
-        assert [(t.name, t.scope) for t in tokens] == [("admin-env", "admin")] and tokens[0].hash != admin
+        assert [(t.name, t.scope) for t in tokens] == [("admin-env", "admin"), ("ci", "submit")], tokens
+        assert tokens[0].hash != admin  # stored as its digest
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         proxy.close()
     output = log.read_text() + "".join(said)
     assert admin not in output and PASSWORD not in output  # secrets are never printed
+    assert made.json()["token"] not in log.read_text()
     print(f"render-style deployment: {time.monotonic() - t0:.1f} s")
