@@ -128,7 +128,43 @@ def test_migrations_run_on_postgres(postgres):
         tables = set(inspect(engine).get_table_names())
     finally:
         engine.dispose()
-    assert {"jobs", "events", "metrics", "tokens", "settings", "alembic_version"} <= tables
+    assert {"jobs", "events", "metrics", "tokens", "settings", "audit", "alembic_version"} <= tables
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_tokens_made_before_names_are_named_by_the_upgrade(backend, request, tmp_path):
+    """A database from before teams (migration 0003) with tokens in it: the upgrade names each
+    token SCOPE-ID (so it can be listed and revoked) and keeps it working; jobs get an empty owner."""
+    from alembic import command
+    from alembic.config import Config as AlembicConfig
+
+    from scaletune.serve.auth import digest, identify, list_tokens
+    from scaletune.serve.db import open_db
+
+    url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("postgres")["url"]
+    raw = database_url(url).render_as_string(hide_password=False)
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.set_main_option("sqlalchemy.url", raw.replace("%", "%%"))
+    command.upgrade(cfg, "head")
+    command.downgrade(cfg, "0003")
+    engine = create_engine(raw)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM tokens"))
+            for scope, value in (("read", "old-read"), ("admin", "old-admin")):
+                conn.execute(
+                    text("INSERT INTO tokens (hash, scope, created) VALUES (:h, :s, CURRENT_TIMESTAMP)"),
+                    {"h": digest(value), "s": scope},
+                )
+            ids = conn.execute(text("SELECT id, scope FROM tokens ORDER BY id")).all()
+    finally:
+        engine.dispose()
+    _, Session = open_db(url)  # the service's start: upgrades to head
+    assert [(t["name"], t["scope"], t["revoked"]) for t in list_tokens(Session)] == [
+        (f"{scope}-{i}", scope, None) for i, scope in ids
+    ]
+    assert identify(Session, "old-admin") == (f"admin-{ids[1][0]}", "admin")
 
 
 def _health(url: str, want: int, timeout: float = 60) -> dict:

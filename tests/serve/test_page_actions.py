@@ -11,7 +11,6 @@ import pytest
 import yaml
 from sse_starlette.sse import AppStatus
 
-from scaletune.serve.auth import create_token
 from scaletune.serve.db import Job
 from tests.helpers import make_config, wait_for
 from tests.serve.conftest import client, dom, headless_chromium, plant_job, wait_state
@@ -21,13 +20,14 @@ JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
 
 @pytest.fixture(scope="module")
 def page(server, module_tmp_path):
-    """A Chromium logged in to `server` with a submit token (module-wide: starting one costs seconds)."""
+    """A Chromium logged in to `server` with its submit token, the one the tests submit jobs with
+    through the API (a job's owner may stop it; module-wide: starting Chromium costs seconds)."""
     from selenium.webdriver.common.by import By
 
     driver = headless_chromium(module_tmp_path / "chromium-profile")
     try:
         driver.get(server.url + "/login")
-        driver.find_element(By.ID, "token").send_keys(create_token(server.svc.Session, "submit"))
+        driver.find_element(By.ID, "token").send_keys(server.submit)
         driver.find_element(By.ID, "login").click()
         wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
         yield driver

@@ -67,7 +67,7 @@ def install_env_admin(Session, value: str) -> list[Problem]:  # noqa: N803
             Problem(
                 "SCALETUNE_ADMIN_TOKEN",
                 None,
-                f"{len(value)} characters: an admin token needs at least {MIN_ENV_TOKEN}",
+                f"SCALETUNE_ADMIN_TOKEN holds {len(value)} characters: an admin token needs at least {MIN_ENV_TOKEN}",
                 'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))"',
             )
         ]

@@ -19,6 +19,7 @@ from scaletune.serve import auth
 from scaletune.serve.apidocs import root_of
 from scaletune.serve.guard import NONCE_KEY
 from scaletune.serve.jobs import JobService
+from scaletune.serve.teams import record
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
@@ -54,11 +55,27 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
 
     @app.post("/login", include_in_schema=False)
     def login(request: Request, token: str = Form(...)):
-        if auth.scope_of(svc.Session, token) is None:
+        found = auth.identify(svc.Session, token)
+        if found is None:
             return go(request, "login?error=unknown+token")
+        record(svc.Session, found[0], "login")
         resp = go(request, "")
         # Sent to this service's pages only, under a prefix too (not to other apps on the host).
         resp.set_cookie(auth.COOKIE, token, httponly=True, samesite="strict", path=root_of(request) + "/")
+        return resp
+
+    @app.post("/logout", include_in_schema=False)
+    def logout(request: Request, csrf: str = Form("")):
+        """Forget the page's session: the cookie is deleted on the path it was set on (the mount
+        prefix). The form carries the CSRF token, so another site cannot log a user out."""
+        cookie = request.cookies.get(auth.COOKIE, "")
+        if cookie and not app.state.csrf.valid(cookie, csrf):
+            return HTMLResponse("missing or wrong CSRF token: reload the page", status_code=403)
+        found = auth.identify(svc.Session, cookie) if cookie else None
+        if found is not None:
+            record(svc.Session, found[0], "logout")
+        resp = go(request, "login")
+        resp.delete_cookie(auth.COOKIE, path=root_of(request) + "/", httponly=True, samesite="strict")
         return resp
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -66,7 +83,7 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
         c = who(request)
         if c is None:
             return go(request, "login")
-        return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope)
+        return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope, who=c)
 
     @app.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
     def job_page(job_id: str, request: Request):
@@ -76,12 +93,13 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
         job = svc.get(job_id)
         if job is None:
             return HTMLResponse("no such job", status_code=404)
-        return page("job.html", request, job=job.summary(), scope=c.scope)
+        return page("job.html", request, job=job.summary(), scope=c.scope, who=c)
 
     @app.get("/compare", response_class=HTMLResponse, include_in_schema=False)
     def compare(request: Request, a: str, b: str):
-        if who(request) is None:
+        c = who(request)
+        if c is None:
             return go(request, "login")
         if svc.get(a) is None or svc.get(b) is None:  # only job ids reach the page
             return HTMLResponse("no such job", status_code=404)
-        return page("compare.html", request, a=a, b=b)
+        return page("compare.html", request, a=a, b=b, who=c)
