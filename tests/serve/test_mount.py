@@ -202,6 +202,12 @@ def test_the_page_under_a_prefix_behind_nginx(tiny_model_dir, tmp_path):
         assert got.status_code == 200 and got.headers["content-disposition"].startswith("attachment"), got.text
         assert got.content == (run / "metrics.jsonl").read_bytes()
         assert httpx.get(ckpt, cookies=cookies, timeout=30).json() == []  # an empty folder: listed
+        # Log out under the prefix: the cookie set on /team/st/ is the one deleted.
+        driver.find_element(By.ID, "logout").click()
+        wait_for(lambda: driver.current_url == proxy.url + "/login", 30, "the login page under the prefix")
+        assert not [c for c in driver.get_cookies() if c["name"] == "scaletune_session"]
+        driver.get(proxy.url + "/")
+        assert driver.current_url == proxy.url + "/login", driver.current_url
     finally:
         driver.quit()
         proxy.close()
