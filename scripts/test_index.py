@@ -52,6 +52,7 @@ BY_HAND = {
     "scaletune.serve.dispatch.modal": ["tests/serve/test_auth_cli.py"],
     "scaletune.serve.dispatch.slurm": ["tests/system/test_serve_slurm.py"],
     "scaletune.serve.guard": ["tests/serve/test_api.py", "tests/security/test_serve_policy.py"],
+    "scaletune.serve.teams": ["tests/serve/test_teams.py"],
     "scaletune.serve.records": ["tests/serve/test_api.py", "tests/security/test_serve_restart.py"],
     "scaletune.serve.states": ["tests/serve/test_api.py", "tests/security/test_serve_restart.py"],
     "scaletune.serve.submission": ["tests/serve/test_api.py", "tests/security/test_serve_policy.py"],
