@@ -15,17 +15,20 @@ import time
 import warnings
 from importlib.metadata import requires
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from scaletune.errors import UserError
 from scaletune.report import TOKEN_ENV, URL_ENV
 from scaletune.serve import states as S
 from scaletune.serve.app import create_app
 from scaletune.serve.db import Job
 from scaletune.serve.dispatch.base import Status
 from scaletune.serve.jobs import JobService
+from scaletune.serve.records import set_state
 from tests.helpers import make_config
 from tests.serve.conftest import TEST_POLICY, plant_job
 
@@ -224,23 +227,6 @@ def test_logs_and_run_directory_come_from_modal(svc, tiny_model_dir, tmp_path):
     }
 
 
-def test_a_modal_jobs_artifacts_are_named_on_its_volume(svc, tmp_path):
-    """The API reads no local folder for a Modal job (its run directory is on the volume): asked for
-    an artifact, it answers 404 naming the volume, the path and the command that fetches it."""
-    run_dir = tmp_path / "run"
-    job_id = plant_job(svc, run_dir, resources={"gpu_count": 1, "volume": "v1"})
-    with svc.Session() as s:
-        job = s.get(Job, job_id)
-        job.target = "modal"
-        s.commit()
-        where = modal_dispatch.volume_path(svc.files(job), job.run_dir)
-    (run_dir / "final").mkdir()  # a local folder of that name is not the run's
-    with TestClient(create_app(svc, start=False), base_url="http://127.0.0.1") as c:
-        r = c.get(f"/api/jobs/{job_id}/artifacts/final")
-    assert r.status_code == 404, r.text
-    assert where["volume"] == "v1" and where["fetch"] in r.json()["detail"], r.text
-
-
 def test_a_lost_modal_job_is_settled_by_its_calls_result(svc, tmp_path):
     """A job settled `lost` (e.g. by a restart that could not reach Modal) is asked again in a
     worker; the call's result settles it."""
@@ -255,3 +241,109 @@ def test_a_lost_modal_job_is_settled_by_its_calls_result(svc, tmp_path):
         svc.kick()
         time.sleep(0.1)
     assert (job.state, job.exit_code, job.reason) == (S.SUCCEEDED, 0, None), (job.state, job.reason, job.message)
+
+
+class Killed(BaseException):
+    """The service's process ending in the middle of a call (nothing after it runs)."""
+
+
+def stand_in_modal(monkeypatch, files, deploy=None, spawn=None):
+    """STANDS IN FOR MODAL'S SERVER (not reachable here) in `submit`: the app's deploy and the
+    function's spawn, each running `deploy` / `spawn` (a check, or Killed); the spawn's call id
+    `fc-1`. The rest of `submit` (its files, their order) is the real code."""
+    seen = {}
+
+    def spawned():
+        seen["at spawn"] = sorted(p.name for p in files.job_dir.glob("modal-*"))
+        if spawn:
+            spawn()
+        return SimpleNamespace(object_id="fc-1")
+
+    app = SimpleNamespace(deploy=deploy or (lambda: None))
+    monkeypatch.setattr(modal_dispatch, "load_app", lambda job: SimpleNamespace(app=app))
+    monkeypatch.setattr(modal_dispatch, "train_function", lambda job: SimpleNamespace(spawn=spawned))
+    return seen
+
+
+def test_a_restart_during_submit_adopts_requeues_or_fails(svc, tiny_model_dir, tmp_path, monkeypatch):
+    """What `adopt` finds after the service stopped at each point of `submit`: after the spawn, the
+    call (adopted); during the deploy, nothing (started again: a second deploy is harmless); during
+    the spawn, a call that may run (the job fails: never spawned twice); a resumed job's last-run
+    files are not taken for this start's."""
+    _, _, files = modal_job(svc, config_text(tiny_model_dir, tmp_path / "run"))
+    d = modal_dispatch.ModalDispatcher()
+    call_file, spawn_file = files.job_dir / modal_dispatch.CALL_FILE, files.job_dir / modal_dispatch.SPAWN_FILE
+    assert d.adopt(files) is None  # control: nothing written, nothing started
+    call_file.write_text("fc-old\n")  # a previous run's call (resumed job)
+    seen = stand_in_modal(monkeypatch, files)
+    assert d.submit(files) == "fc-1" and d.adopt(files) == "fc-1"
+    assert seen["at spawn"] == [modal_dispatch.SPAWN_FILE]  # marked before the spawn, the old call gone
+
+    time.sleep(0.05)  # past the file system's clock tick
+    files.config_path.write_text(files.config_path.read_text())  # what a resume does
+    assert d.adopt(files) is None  # the last run's marker and call are not this start's
+
+    def killed():
+        raise Killed
+
+    stand_in_modal(monkeypatch, files, deploy=killed)
+    with pytest.raises(Killed):
+        d.submit(files)
+    assert d.adopt(files) is None and not call_file.exists()  # stopped before the spawn: start it again
+
+    stand_in_modal(monkeypatch, files, spawn=killed)
+    with pytest.raises(Killed):
+        d.submit(files)
+    with pytest.raises(UserError, match=f"app scaletune-{files.job_id}.*not started again"):
+        d.adopt(files)
+    assert spawn_file.exists() and not call_file.exists()
+
+
+class CountingModal(modal_dispatch.ModalDispatcher):
+    """The real `adopt`; submit and poll STAND IN FOR MODAL (not reachable here), submit counted."""
+
+    def __init__(self) -> None:
+        self.submits: list[str] = []
+
+    def submit(self, job):
+        self.submits.append(job.job_id)
+        return "fc-new"
+
+    def poll(self, target_id, job):
+        return Status("running")
+
+    def logs(self, job, offset=None, limit=1 << 20):
+        return ""
+
+
+def test_a_restarted_service_never_spawns_a_modal_job_twice(svc, tiny_model_dir, tmp_path):
+    """Three jobs left `starting` by a service that stopped during their submit, as the next service
+    starts: cut off during the spawn (fails, `lost`, with what to check; no second submit), after
+    it (the call adopted), before it (control: queued and submitted again, once)."""
+    d = svc.dispatchers["modal"] = svc.watcher.dispatchers["modal"] = CountingModal()
+    ids = {}
+    for case in ("during spawn", "after spawn", "before spawn"):
+        job, _, files = modal_job(svc, config_text(tiny_model_dir, tmp_path / case.replace(" ", "-")))
+        with svc.lock, svc.Session() as s:
+            s.add(job)
+            s.flush()
+            set_state(s, job, S.STARTING)
+            s.commit()
+        ids[case] = job.id
+        if case != "before spawn":
+            modal_dispatch._write(files.job_dir / modal_dispatch.SPAWN_FILE, modal_dispatch._attempt(files))
+        if case == "after spawn":
+            modal_dispatch._write(files.job_dir / modal_dispatch.CALL_FILE, "fc-9")
+    svc.watcher.reattach_all()
+    deadline = time.monotonic() + 20
+    while svc.get(ids["before spawn"]).target_id is None and time.monotonic() < deadline:
+        svc.kick()
+        time.sleep(0.1)
+    for _ in range(5):  # more ticks: nothing else is started
+        svc.kick()
+        time.sleep(0.05)
+    cut, adopted, again = (svc.get(ids[k]) for k in ("during spawn", "after spawn", "before spawn"))
+    assert (cut.state, cut.reason, cut.target_id) == (S.FAILED, S.LOST, None), (cut.state, cut.message)
+    assert "whether its call started is unknown" in cut.message and f"scaletune-{cut.id}" in cut.message
+    assert (adopted.state, adopted.target_id) == (S.STARTING, "fc-9")
+    assert again.target_id == "fc-new" and d.submits == [ids["before spawn"]], d.submits

@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import posixpath
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
@@ -315,34 +314,46 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             raise HTTPException(401, "this job's report token is required", headers={"WWW-Authenticate": "Bearer"})
         return {"accepted": svc.ingest(job_id, [e.model_dump() for e in req.events])}
 
-    @app.get("/api/jobs/{job_id}/artifacts/{path:path}", dependencies=[read], responses=E422)
+    @app.get(
+        "/api/jobs/{job_id}/artifacts/{path:path}",
+        dependencies=[read],
+        responses={**E422, 502: {"description": "Modal's volume could not be asked: where it is, how to fetch it"}},
+    )
     def artifact(job_id: str, path: str):
-        """A file of the run's allow-list (or a listing of a folder of it), as an attachment."""
+        """A file of the run's allow-list (or a listing of a folder of it), as an attachment: read
+        from the run directory, or from the Modal volume for a Modal job (502, naming the volume,
+        the path and the `modal volume get` command, when Modal cannot be asked)."""
+        import mimetypes
+        from urllib.parse import quote
+
+        from fastapi.responses import StreamingResponse
+
+        from scaletune.serve.dispatch.base import ArtifactMissing, ArtifactUnreachable
+
         job = job_or_404(job_id)
         if "\x00" in path or "\\" in path:
             raise HTTPException(404, "not an artifact of this run")
         rel = posixpath.normpath(path)  # `final/../X` is `X`: the allow-list sees what is served
-        parts = rel.split("/")
-        if rel.startswith(("/", "..")) or parts[0] not in ARTIFACTS:
+        # The allow-list, here only and before any target is asked: dispatchers get `rel` checked.
+        if rel.startswith(("/", "..")) or rel.split("/")[0] not in ARTIFACTS:
             raise HTTPException(404, "not an artifact of this run")
-        if job.target == "modal":  # the run directory is on the Modal volume, not on this machine
-            from scaletune.serve.dispatch.modal import volume_path
-
-            where = volume_path(svc.files(job), job.run_dir)
-            raise HTTPException(
-                404,
-                f"{rel}: on the Modal volume {where['volume']} under {where['path']}; fetch it with `{where['fetch']}`",
-            )
-        root = Path(job.run_dir).resolve()
-        allowed = (root / parts[0]).resolve()
-        target = (root / rel).resolve()  # links followed: they must stay inside the allowed entry
-        if not (target == allowed or target.is_relative_to(allowed)) or not allowed.is_relative_to(root):
-            raise HTTPException(404, "not an artifact of this run")
-        if target.is_dir():
-            return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file() and not p.is_symlink())
-        if not target.is_file():
-            raise HTTPException(404, f"{rel}: not written (yet)")
-        return FileResponse(target, filename=target.name, content_disposition_type="attachment")
+        try:
+            found = svc.dispatchers[job.target].artifact(svc.files(job), job.run_dir, rel)
+        except ArtifactMissing as exc:
+            raise HTTPException(404, str(exc)) from None
+        except ArtifactUnreachable as exc:
+            raise HTTPException(502, str(exc)) from None
+        if isinstance(found, list):
+            return found
+        if found.path is not None:
+            return FileResponse(found.path, filename=found.name, content_disposition_type="attachment")
+        name = quote(found.name)  # as FileResponse words it
+        disposition = f'attachment; filename="{name}"' if name == found.name else f"attachment; filename*=utf-8''{name}"
+        headers = {"content-disposition": disposition}
+        if found.size is not None:
+            headers["content-length"] = str(found.size)
+        kind = mimetypes.guess_type(found.name)[0] or "application/octet-stream"
+        return StreamingResponse(found.chunks, media_type=kind, headers=headers)
 
     from scaletune.serve.web import add_pages
 

@@ -383,8 +383,13 @@ class Watcher:
 
     def adopt(self, s: Session, job: Job) -> None:
         """A job the last service was starting when it stopped: its process (or SLURM job) if the
-        target has one, else it never started and is queued again."""
-        target_id = self.dispatchers[job.target].adopt(self.files(job))
+        target has one, else it never started and is queued again; failed when it cannot tell."""
+        try:
+            target_id = self.dispatchers[job.target].adopt(self.files(job))
+        except UserError as exc:
+            set_state(s, job, S.FAILED, reason=S.LOST, message=str(exc)[:2000])
+            event(s, job, "log", {"line": f"[scaletune serve] {exc}"})
+            return
         if target_id is None:
             set_state(s, job, S.QUEUED, phase=None)
             event(s, job, "log", {"line": "[scaletune serve] the last service stopped before starting it: queued"})

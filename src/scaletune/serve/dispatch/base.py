@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -73,8 +73,28 @@ class Status:
     final: bool | None = None
 
 
+class ArtifactMissing(Exception):
+    """An artifact the run has not written (the API answers 404 with the message)."""
+
+
+class ArtifactUnreachable(Exception):
+    """Where the artifact is cannot be asked now (the API answers 502 with the message, which says
+    how to fetch it by hand and holds no secret)."""
+
+
+@dataclass(frozen=True)
+class Download:
+    """One artifact file: on this machine (`path`), or streamed from the target (`chunks`, `size`
+    bytes in all, sent as the Content-Length so a download cut short is seen as one)."""
+
+    name: str
+    path: Path | None = None
+    chunks: Iterator[bytes] | None = None
+    size: int | None = None
+
+
 class Dispatcher:
-    """submit, poll, stop, cancel, logs, reattach. `target_id` is what the job record keeps: a
+    """submit, poll, stop, cancel, logs, artifact, adopt, reattach. `target_id` is what the job record keeps: a
     PID, a SLURM job id, a Modal call id."""
 
     name = "base"
@@ -109,8 +129,35 @@ class Dispatcher:
         refuses a `rank` filter: app.py says why)."""
         return read_range(log_files(job), offset, limit)[0].decode(errors="replace")
 
+    def artifact(self, job: JobFiles, run_dir: str, rel: str) -> list[str] | Download:
+        """The run's artifact `rel` (normalized, on the API's allow-list: app.py checks it, once,
+        before any dispatcher is asked): a file, or the files under a folder (paths from the run
+        directory). This default reads the run directory on this machine (local, SLURM's shared file
+        system); links are followed only while they stay inside the allowed entry.
+
+        Raises:
+            ArtifactMissing: not written (yet), or a link out of the allowed entry.
+            ArtifactUnreachable: where it is cannot be asked now (a remote target's).
+        """
+        root = Path(run_dir).resolve()
+        allowed = (root / rel.split("/")[0]).resolve()
+        target = (root / rel).resolve()
+        if not (target == allowed or target.is_relative_to(allowed)) or not allowed.is_relative_to(root):
+            raise ArtifactMissing("not an artifact of this run")
+        if target.is_dir():
+            return sorted(str(p.relative_to(root)) for p in target.rglob("*") if p.is_file() and not p.is_symlink())
+        if not target.is_file():
+            raise ArtifactMissing(f"{rel}: not written (yet)")
+        return Download(target.name, path=target)
+
     def adopt(self, job: JobFiles) -> str | None:
-        """After a service stopped while starting `job`: its target id if it was started, else None."""
+        """After a service stopped while starting `job`: its target id if it was started, else None
+        (it is queued and started again).
+
+        Raises:
+            UserError: whether it was started cannot be known (the job fails with the message
+                rather than being started a second time).
+        """
         return None
 
     def reattach(self, target_id: str, job: JobFiles) -> bool:

@@ -6,6 +6,13 @@ The job's report URL and token (and the secret values submitted with its config)
 function as a `modal.Secret.from_dict` made at submit time and attached with `with_options`:
 never written into the app's source or any file.
 
+The run directory is on the app's Modal Volume: `artifact` lists it and streams its files with the
+SDK's `Volume.listdir` / `Volume.read_file`.
+
+A restart while a job is submitted must not spawn it twice (two runs writing one run directory on
+the volume, twice the GPUs): `submit` writes SPAWN_FILE before `spawn` and CALL_FILE after it, and
+`adopt` reads them (the call to adopt; nothing to adopt; or unknown, then the job fails).
+
 No Modal account is reachable from the machines this is tested on: the tests cover the app's
 source, the image, the Secret and the function the SDK would call, up to the network; nothing
 here has run on Modal itself.
@@ -13,16 +20,28 @@ here has run on Modal itself.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
+import posixpath
+import shlex
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import yaml
 
 from scaletune.errors import UserError
-from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status, checked_options
+from scaletune.serve.dispatch.base import (
+    ArtifactMissing,
+    ArtifactUnreachable,
+    Dispatcher,
+    Download,
+    JobFiles,
+    Status,
+    checked_options,
+)
 
 if TYPE_CHECKING:
     import modal
@@ -31,6 +50,9 @@ if TYPE_CHECKING:
 
 RESOURCE_KEYS = {"gpu_count", "gpu_type", "volume", "secrets", "timeout_hours"}
 CALL_FILE = "modal-call"  # in the job folder: the call id (not a secret), what `logs` asks Modal by
+# In the job folder, written just before `spawn`: the config.yaml's mtime (ns) of this start, so a
+# marker left by an earlier run of a resumed job (resume rewrites config.yaml) is told from this one.
+SPAWN_FILE = "modal-spawn"
 LOG_ENTRIES = 5000  # the call's last log entries read for /logs (Modal keeps them; the SDK tails them)
 
 
@@ -149,17 +171,52 @@ class ModalDispatcher(Dispatcher):
     name = "modal"
     slow = True  # sbatch / squeue / scancel, or Modal over the network
 
+    # How long an artifact request waits for Modal's listing: the SDK itself retries a connection
+    # for about a minute, too long for an HTTP request.
+    volume_timeout_s = 20.0
+
     def submit(self, job: JobFiles) -> str:
         import modal
 
         module = load_app(job)
+        for name in (CALL_FILE, SPAWN_FILE):  # a resumed job's folder holds its last run's
+            (job.job_dir / name).unlink(missing_ok=True)
         try:
-            module.app.deploy()
-            call = train_function(job).spawn()
+            module.app.deploy()  # a second deploy of the same app is harmless; a second spawn is not
+            function = train_function(job)
+            _write(job.job_dir / SPAWN_FILE, _attempt(job))
+            call = function.spawn()
         except modal.exception.Error as exc:
             raise UserError(f"Modal refused the job: {exc} (run `modal token new` on the service's machine)") from None
-        (job.job_dir / CALL_FILE).write_text(call.object_id + "\n")
+        _write(job.job_dir / CALL_FILE, call.object_id)
         return call.object_id
+
+    def adopt(self, job: JobFiles) -> str | None:
+        """After a restart that found the job `starting`: the call `submit` spawned (CALL_FILE); None
+        when this start never reached `spawn` (deployed again and spawned then).
+
+        Raises:
+            UserError: the last service stopped during `spawn` (SPAWN_FILE of this start, no call
+                id): a call may run on Modal that no record names; it is not spawned a second time.
+        """
+        try:
+            marked, now = (job.job_dir / SPAWN_FILE).read_text().strip(), _attempt(job)
+        except OSError:
+            return None
+        if marked != now:
+            return None  # an earlier run's marker (a resumed job): this start did not spawn
+        try:
+            call_id = (job.job_dir / CALL_FILE).read_text().strip()
+        except OSError:
+            call_id = ""
+        if call_id:
+            return call_id
+        app = options(job).app_name
+        raise UserError(
+            f"the last service stopped while spawning this job on Modal (app {app}); whether its call started "
+            f"is unknown, so it is not started again: see `modal app list` / `modal app logs {app}` "
+            f"(`modal app stop {app}` ends a call left running), then resume the job"
+        )
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
         import modal
@@ -192,6 +249,97 @@ class ModalDispatcher(Dispatcher):
         text = "".join(e.message for e in entries).encode()
         start = max(0, len(text) - limit) if offset is None else min(offset, len(text))
         return text[start : start + limit].decode(errors="replace")
+
+    def volume(self, name: str) -> modal.Volume:
+        """The named Modal Volume (hydrated by its first call)."""
+        import modal
+
+        return modal.Volume.from_name(name)
+
+    def artifact(self, job: JobFiles, run_dir: str, rel: str) -> list[str] | Download:
+        """The artifact from the job's Modal volume: `listdir(recursive=True)` of `RUN/rel` says
+        whether it is one file (then streamed with `read_file`) or a folder (its files listed). An
+        empty listing is a missing artifact (the volume keeps no folder the run did not fill).
+
+        Raises:
+            ArtifactMissing: not on the volume (yet), or a name Modal reads as a glob.
+            ArtifactUnreachable: Modal not asked in `volume_timeout_s`, no credentials, refused.
+        """
+        import modal
+
+        where = volume_path(job, run_dir)
+        base, want = where["path"], f"{where['path']}/{rel}"
+        if "*" in rel:  # Modal's listdir reads a trailing `*` as a glob
+            raise ArtifactMissing("not an artifact of this run")
+
+        def unreachable(why: str) -> ArtifactUnreachable:
+            # Only our words and the volume's names: an SDK message is not repeated (no secret).
+            fetch = f"modal volume get {shlex.quote(where['volume'])} {shlex.quote(want)}"
+            return ArtifactUnreachable(
+                f"{rel}: on the Modal volume {where['volume']} under {want}, which {why}; fetch it with `{fetch}`"
+            )
+
+        try:
+            vol = self.volume(where["volume"])
+            entries = asyncio.run(asyncio.wait_for(vol.listdir.aio(want, recursive=True), self.volume_timeout_s))
+        except (modal.exception.NotFoundError, FileNotFoundError):
+            raise ArtifactMissing(f"{rel}: not written (yet)") from None
+        except TimeoutError:
+            raise unreachable(f"Modal did not list in {self.volume_timeout_s:g} s") from None
+        except modal.exception.AuthError:
+            raise unreachable(
+                "Modal refused to list (credentials: `modal token new` on the service's machine)"
+            ) from None
+        except (modal.exception.Error, OSError) as exc:
+            raise unreachable(f"could not be listed ({type(exc).__name__})") from None
+        file_type = modal.volume.FileEntryType.FILE
+        if len(entries) == 1 and entries[0].path.strip("/") == want and entries[0].type == file_type:
+            return Download(
+                posixpath.basename(want), chunks=self._stream(vol, want, rel, unreachable), size=entries[0].size
+            )
+        prefix = base + "/"
+        # Files only (links and folders are not served), named from the run directory.
+        found = sorted(
+            e.path.strip("/")[len(prefix) :]
+            for e in entries
+            if e.type == file_type and e.path.strip("/").startswith(f"{want}/")
+        )
+        if not found:
+            raise ArtifactMissing(f"{rel}: not written (yet)")
+        return found
+
+    def _stream(self, vol, path: str, rel: str, unreachable) -> Iterator[bytes]:
+        """`read_file`'s chunks; its first one asked now, so that a refusal is still an answer (404,
+        502) rather than a response cut short."""
+        import modal
+
+        chunks = iter(vol.read_file(path))
+        try:
+            first = next(chunks, b"")
+        except (modal.exception.NotFoundError, FileNotFoundError):
+            raise ArtifactMissing(f"{rel}: not written (yet)") from None
+        except (modal.exception.Error, OSError) as exc:
+            raise unreachable(f"could not be read ({type(exc).__name__})") from None
+
+        def rest() -> Iterator[bytes]:
+            if first:
+                yield first
+            yield from chunks
+
+        return rest()
+
+
+def _attempt(job: JobFiles) -> str:
+    """This start of the job, as SPAWN_FILE records it: config.yaml's mtime in ns (written at
+    submit and at every resume, before the job can start)."""
+    return str(job.config_path.stat().st_mtime_ns)
+
+
+def _write(path, text: str) -> None:
+    """`text` written whole or not at all (a restart never reads half a call id)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n")
+    os.replace(tmp, path)
 
 
 def volume_path(job: JobFiles, run_dir: str) -> dict[str, str]:
