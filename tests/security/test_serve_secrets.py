@@ -4,20 +4,29 @@ the dry-run command, not serve.db, not the job's config.yaml (0600), not a comma
 
 from __future__ import annotations
 
+import json
+import os
 import stat
+import sys
 from pathlib import Path
 
 import psutil
 import yaml
 
 from scaletune.serve.auth import create_token
+from scaletune.serve.dispatch.base import SERVICE_SECRETS
 from tests.helpers import make_config
 from tests.serve.conftest import Server, client, read_events
 
 IN_CONFIG, IN_OVERRIDE = "hf_in_config_5ec4e7", "wandb_in_override_77a1c0"
 
 
-def test_secrets_by_reference_only(tiny_model_dir, tmp_path):
+def test_secrets_by_reference_only(tiny_model_dir, tmp_path, monkeypatch):
+    # The service's own secrets, in its environment as a deployment sets them: its jobs inherit
+    # its environment without them (a non-secret variable of the service passes: the control).
+    service_own = {name: f"service-own-{i}-0f3a" for i, name in enumerate(sorted(SERVICE_SECRETS))}
+    for name, value in {**service_own, "SCALETUNE_TEST_PASSTHROUGH": "kept"}.items():
+        monkeypatch.setenv(name, value)
     srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
     submit, read = create_token(srv.svc.Session, "submit"), create_token(srv.svc.Session, "read")
     cfg = make_config(tiny_model_dir, tmp_path / "run")
@@ -43,6 +52,9 @@ def test_secrets_by_reference_only(tiny_model_dir, tmp_path):
             assert IN_CONFIG not in cmd and IN_OVERRIDE not in cmd, cmd
         envs = [p.environ() for p in tree]
         assert any(e.get("HF_TOKEN") == IN_CONFIG and e.get("WANDB_API_KEY") == IN_OVERRIDE for e in envs)
+        assert all(e.get("SCALETUNE_TEST_PASSTHROUGH") == "kept" for e in envs)
+        leaked = sorted({k for e in envs for k, v in e.items() if v in service_own.values()})
+        assert not leaked, f"the service's own secrets reached its job: {leaked}"
         # Stored files: the job's config without them and private; the database without them.
         job_dir = srv.home / job_id
         assert stat.S_IMODE((job_dir / "config.yaml").stat().st_mode) == 0o600
@@ -55,3 +67,31 @@ def test_secrets_by_reference_only(tiny_model_dir, tmp_path):
     finally:
         srv.cancel_all()
         srv.stop()
+
+
+def test_sbatch_gets_the_services_environment_without_its_secrets(tmp_path, monkeypatch):
+    """What the SLURM target hands to `sbatch` (which exports it to the job and keeps it in the
+    controller's record): the service's environment less its own secrets, plus the job's. The
+    `sbatch` here is a script standing in for SLURM's, recording the environment it was given;
+    tests/system/test_serve_slurm.py runs the real one."""
+    from scaletune.serve.dispatch.base import JobFiles
+    from scaletune.serve.dispatch.slurm import SlurmDispatcher
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "sbatch-env.json"
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        f"#!{sys.executable}\nimport json, os\njson.dump(dict(os.environ), open({str(seen)!r}, 'w'))\nprint('4242')\n"
+    )
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for name in SERVICE_SECRETS:
+        monkeypatch.setenv(name, "service-own-secret")
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    job = JobFiles("j1", job_dir, job_dir / "config.yaml", (), {"gpus_per_node": 0}, tmp_path, {"HF_TOKEN": "job-own"})
+    assert SlurmDispatcher().submit(job) == "4242"
+    env = json.loads(seen.read_text())
+    assert env["HF_TOKEN"] == "job-own" and env["PATH"].startswith(str(bin_dir))  # the job's, and the service's
+    assert not SERVICE_SECRETS & set(env), sorted(SERVICE_SECRETS & set(env))

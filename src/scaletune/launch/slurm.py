@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from scaletune.errors import Problem, UserError
@@ -256,15 +257,21 @@ def render_sbatch(opts: SlurmOptions) -> str:
 _JOB_ID = re.compile(r"^(\d+)(?:;.*)?$")
 
 
-def submit(script_path: str, sbatch: str = "sbatch", env: dict[str, str] | None = None) -> str:
-    """`sbatch --parsable SCRIPT`; returns the job id. `env`: variables added to sbatch's
-    environment, which it hands to the job (`--export=ALL`): how secret values reach the ranks.
+def submit(
+    script_path: str,
+    sbatch: str = "sbatch",
+    env: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """`sbatch --parsable SCRIPT`; returns the job id. sbatch hands its environment to the job
+    (`--export=ALL`): `environ` (default: this process's) plus `env`, how secret values reach the
+    ranks. The job service passes an `environ` without its own secrets.
 
     Raises:
         UserError: sbatch is missing or refused the script (its message included).
     """
     try:
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**(os.environ if environ is None else environ), **(env or {})}
         res = subprocess.run(
             [sbatch, "--parsable", script_path], capture_output=True, text=True, timeout=120, env=full_env
         )

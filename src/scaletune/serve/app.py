@@ -154,6 +154,12 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             raise JobNotFound(job_id)
         return job
 
+    def stored(job_id: str, head: str) -> str:
+        """An audit row's detail: `head` and the job's overrides as stored, secret values taken out
+        at submission (the request's own overrides may hold them)."""
+        job = svc.get(job_id)
+        return " ".join([head, *(job.overrides if job is not None else [])])
+
     def bad(exc: UserError) -> JSONResponse:
         return refusal(exc.title, exc.problems)
 
@@ -171,7 +177,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             return bad(exc)
         response.status_code = 200 if req.dry_run else 201
         if not req.dry_run:
-            record(svc.Session, c.name, "job.submit", out["id"], f"target {req.target} {' '.join(req.overrides)}")
+            record(svc.Session, c.name, "job.submit", out["id"], stored(out["id"], f"target {req.target}"))
         return out
 
     @app.get("/api/jobs", dependencies=[read], response_model=list[JobSummary])
@@ -281,9 +287,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             done = svc.resume(job_id, req.checkpoint, req.target, req.resources, req.overrides).summary()
         except UserError as exc:
             return bad(exc)
-        record(
-            svc.Session, c.name, "job.resume", job_id, f"from {req.checkpoint or 'latest'} {' '.join(req.overrides)}"
-        )
+        record(svc.Session, c.name, "job.resume", job_id, stored(job_id, f"from {req.checkpoint or 'latest'}"))
         return done
 
     @app.post(
@@ -300,7 +304,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             out = svc.clone(job_id, overrides, owner=c.name)
         except UserError as exc:
             return bad(exc)
-        record(svc.Session, c.name, "job.clone", out["id"], f"of {job_id} {' '.join(overrides)}")
+        record(svc.Session, c.name, "job.clone", out["id"], stored(out["id"], f"of {job_id}"))
         return out
 
     @app.post("/api/jobs/{job_id}/report", responses=E422)

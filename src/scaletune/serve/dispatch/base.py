@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,22 @@ import psutil
 STOP_FILE = "stop-request"  # in the job folder; the trainer checks it at each step boundary
 EXIT_FILE = "exit-code"  # written by the wrapper when the run's process ends
 LOG_FILE = "train.log"
+# The service's own secrets, read from its environment to run it: the database URL (password
+# included), the admin token, a client token, Modal's credentials. A job inherits the service's
+# environment (PATH, HF_HOME, CUDA and NCCL settings, a job's secret references such as HF_TOKEN)
+# except these: a submitted config's code (an allowed factory, remote code) and SLURM's record of
+# the job (`sbatch --export=ALL`) would otherwise hold them.
+SERVICE_SECRETS = frozenset(
+    {"SCALETUNE_ADMIN_TOKEN", "SCALETUNE_DB", "DATABASE_URL", "SCALETUNE_TOKEN", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"}
+)
+
+
+def job_environment(job: JobFiles, **extra: str) -> dict[str, str]:
+    """The environment a job's process (or sbatch) starts with: the service's, less
+    `SERVICE_SECRETS`, plus the job's own (report URL and token, secret values submitted with its
+    config) and `extra`."""
+    inherited = {k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS}
+    return {**inherited, **job.env, **extra}
 
 
 @dataclass(frozen=True)

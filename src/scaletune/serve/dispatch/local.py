@@ -28,6 +28,7 @@ from scaletune.serve.dispatch.base import (
     JobFiles,
     Status,
     exit_code,
+    job_environment,
     pid_alive,
     start_mark,
 )
@@ -73,7 +74,7 @@ class LocalDispatcher(Dispatcher):
             stale.unlink(missing_ok=True)
         self._gone.pop(str(job.job_dir), None)
         log = os.fdopen(os.open(job.job_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
-        env = {**os.environ, **job.env, STOP_ENV: str(job.stop_file), "PYTHONUNBUFFERED": "1"}
+        env = job_environment(job, **{STOP_ENV: str(job.stop_file), "PYTHONUNBUFFERED": "1"})
         proc = subprocess.Popen(
             self.argv(job),
             cwd=job.workdir,

@@ -15,7 +15,7 @@ from scaletune.errors import UserError
 from scaletune.launch.slurm import SlurmOptions, ranks_per_node, render_sbatch, validate
 from scaletune.launch.slurm import submit as sbatch_submit
 from scaletune.report import STOP_ENV
-from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status, checked_options
+from scaletune.serve.dispatch.base import Dispatcher, JobFiles, Status, checked_options, job_environment
 
 QUEUED = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED"}
 RUNNING = {"RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING"}
@@ -83,7 +83,7 @@ class SlurmDispatcher(Dispatcher):
         job.stop_file.unlink(missing_ok=True)
         path = job.job_dir / "job.sbatch"
         path.write_text(self.script(job))
-        return sbatch_submit(str(path), env={**job.env, STOP_ENV: str(job.stop_file)})
+        return sbatch_submit(str(path), environ=job_environment(job, **{STOP_ENV: str(job.stop_file)}))
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
         state = _run(["squeue", "-h", "-j", target_id, "-o", "%T"]).strip()
