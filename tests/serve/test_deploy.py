@@ -35,6 +35,21 @@ def test_logs_refuse_a_rank_filter_they_cannot_honour(server, tmp_path):
         assert set(bad) == set(err) == {"detail", "problems"} and bad["problems"][0].startswith("query.offset: ")
 
 
+def test_log_reads_by_byte_offset_add_up_to_the_file(server, tmp_path):
+    """A reader that asks from its offset plus the bytes it got (`remote logs --follow` does) ends
+    with the log's exact bytes: characters cut between reads and invalid UTF-8 (a crashed
+    process's partial write) included. Decoded text would have replaced both with U+FFFD."""
+    job_id = plant_job(server.svc, tmp_path / "run")
+    raw = "step 1 loss 2.0 ✓ — ok\n".encode() * 3 + b"\xff\xfe torn write\n" + "ünïcödé tail".encode()
+    (server.svc.home / job_id / "train.log").write_bytes(raw)
+    got, offset = b"", 0
+    with client(server, server.read) as c:
+        while chunk := c.get(f"/api/jobs/{job_id}/logs", params={"offset": offset, "limit": 5}).content:
+            got, offset = got + chunk, offset + len(chunk)
+        assert c.get(f"/api/jobs/{job_id}/logs").headers["content-type"] == "text/plain; charset=utf-8"
+    assert got == raw
+
+
 def _stream(c: httpx.Client, job_id: str, read_timeout: float) -> list[str]:
     """The raw lines of the job's event stream until the service ends it."""
     with c.stream("GET", f"/api/jobs/{job_id}/events", timeout=httpx.Timeout(30, read=read_timeout)) as resp:

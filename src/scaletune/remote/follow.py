@@ -114,9 +114,9 @@ def copy_log(
     """Write the job's whole log (from its first byte); with `follow`, go on writing what is
     appended until the job has ended and its log is read to the end.
 
-    The API answers text decoded from the log's bytes; a byte offset is therefore advanced by whole
-    lines only (a line end is never inside a UTF-8 character, so a chunk cut in the middle of one
-    is read again from the line's start). Only a line longer than a whole chunk is cut.
+    The API answers the log's bytes as written, so the offset advances by the bytes written out;
+    it advances by whole lines only, so that a line still being written is printed once, whole,
+    when its end arrives. Only a line longer than a whole chunk is cut.
     """
     retry = _Retry(retry_s, say)
     offset = 0

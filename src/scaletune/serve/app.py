@@ -220,7 +220,10 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
                 ]
             )
         job = job_or_404(job_id)
-        return svc.dispatchers[job.target].logs(svc.files(job), offset, limit)
+        # The log's bytes as written (not decoded and encoded again): a reader's next offset is its
+        # offset plus the bytes it got, invalid UTF-8 or a cut character included.
+        data = svc.dispatchers[job.target].log_bytes(svc.files(job), offset, limit)
+        return Response(data, media_type="text/plain; charset=utf-8")
 
     @app.get("/api/jobs/{job_id}/events", dependencies=[read], responses=E422)
     async def events(job_id: str, request: Request):

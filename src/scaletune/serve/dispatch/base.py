@@ -140,11 +140,17 @@ class Dispatcher:
         """End the job now."""
         raise NotImplementedError
 
+    def log_bytes(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> bytes:
+        """At most `limit` bytes of the job's output (its logs one after another) from byte
+        `offset`, or its last `limit` bytes; never the whole of a long log. The ranks share one log
+        (the API refuses a `rank` filter: app.py says why). Bytes, as written: a client's next
+        offset is this offset plus their count (text decoded and encoded again would not be, where
+        the log holds invalid UTF-8 or a read cuts a character)."""
+        return read_range(log_files(job), offset, limit)[0]
+
     def logs(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> str:
-        """At most `limit` bytes of the job's output (its logs one after another) from `offset`, or
-        its last `limit` bytes; never the whole of a long log. The ranks share one log (the API
-        refuses a `rank` filter: app.py says why)."""
-        return read_range(log_files(job), offset, limit)[0].decode(errors="replace")
+        """:meth:`log_bytes` as text (invalid UTF-8 replaced): what the watcher reads a failure from."""
+        return self.log_bytes(job, offset, limit).decode(errors="replace")
 
     def artifact(self, job: JobFiles, run_dir: str, rel: str) -> list[str] | Download:
         """The run's artifact `rel` (normalized, on the API's allow-list: app.py checks it, once,

@@ -233,22 +233,22 @@ class ModalDispatcher(Dispatcher):
 
         modal.FunctionCall.from_id(target_id).cancel()
 
-    def logs(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> str:
-        """The call's output as Modal keeps it (`FunctionCall.logs.tail`); nothing on this machine
-        holds it. Empty before the call exists or when Modal cannot be asked now."""
+    def log_bytes(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> bytes:
+        """The call's output as Modal keeps it (`FunctionCall.logs.tail`, UTF-8); nothing on this
+        machine holds it. Empty before the call exists or when Modal cannot be asked now."""
         import modal
 
         try:
             call_id = (job.job_dir / CALL_FILE).read_text().strip()
         except OSError:
-            return ""
+            return b""
         try:
             entries = list(modal.FunctionCall.from_id(call_id).logs.tail(entries=LOG_ENTRIES))
         except modal.exception.Error:
-            return ""
+            return b""
         text = "".join(e.message for e in entries).encode()
         start = max(0, len(text) - limit) if offset is None else min(offset, len(text))
-        return text[start : start + limit].decode(errors="replace")
+        return text[start : start + limit]
 
     def volume(self, name: str) -> modal.Volume:
         """The named Modal Volume (hydrated by its first call)."""
