@@ -67,7 +67,9 @@ def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
         for t in threads:
             t.start()
         c = client(srv, None)
+        loads: list[float] = []  # the machine's 1-minute load average, sampled each second
         while time.monotonic() - start < 1500:
+            loads.append(os.getloadavg()[0])
             jobs = c.get("/api/jobs").json()
             if len(jobs) == JOBS and all(j["state"] in ("succeeded", "failed", "cancelled") for j in jobs):
                 break
@@ -91,7 +93,8 @@ def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
         print(
             f"\n[load] {CLIENTS} clients, {JOBS} jobs, limit {LIMIT}: {len(latencies)} requests in {wall:.0f} s; "
             f"latency p50 {q[49] * 1000:.0f} ms, p95 {q[94] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms; "
-            f"peak running {peak[0]}"
+            f"peak running {peak[0]}; load average (1 min) median {statistics.median(loads):.1f}, "
+            f"max {max(loads):.1f} on {os.cpu_count()} cores"
         )
     finally:
         done.set()
