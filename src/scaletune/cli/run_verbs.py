@@ -70,9 +70,19 @@ def export(
     checkpoint: Annotated[
         Path, typer.Argument(help="A checkpoints/step-N folder, or a run directory (its latest checkpoint).")
     ],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Folder to write the Hugging Face model to (must be empty).")
-    ],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the model to (must be empty).")],
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="hf: a Hugging Face folder (safetensors); gguf: one .gguf file for llama.cpp-family "
+            "runtimes (LoRA merged, tokenizer and chat template inside; Llama, Qwen2, OLMo-2).",
+        ),
+    ] = "hf",
+    gguf_type: Annotated[
+        str | None,
+        typer.Option("--gguf-type", help="With --format gguf: f16 (default), bf16, q8_0 or f32."),
+    ] = None,
     merge_lora: Annotated[
         bool, typer.Option("--merge-lora", help="Fold a LoRA adapter into the base weights.")
     ] = False,
@@ -96,13 +106,39 @@ def export(
         ),
     ] = False,
 ) -> None:
-    """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not."""
+    """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not,
+    or (--format gguf) one .gguf file with a README naming the source run."""
     from scaletune.checkpoint import export_checkpoint
+    from scaletune.checkpoint.gguf import gguf_export_problems
     from scaletune.resolve import FLOAT_DTYPES
 
     dtype = {short: name for name, (_, short) in FLOAT_DTYPES.items()}.get(dtype or "", dtype)
+    problems: list[str] = []
+    if fmt not in ("hf", "gguf"):
+        problems.append(f"--format {fmt!r}: use hf or gguf")
     if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise UserError(f"--dtype {dtype}: use {', '.join(FLOAT_DTYPES)}", title="invalid arguments")
+        problems.append(f"--dtype {dtype}: use {', '.join(FLOAT_DTYPES)}")
+    if fmt == "gguf" and dtype is not None:
+        problems.append("--dtype applies to --format hf; a GGUF's weights type is --gguf-type")
+    if fmt != "gguf" and gguf_type is not None:
+        problems.append("--gguf-type applies to --format gguf only")
+    if fmt == "gguf":
+        # Every problem at once: the flags above, the output folder, the checkpoint, the type, the architecture.
+        problems += [p.text() for p in gguf_export_problems(checkpoint, output, gguf_type)]
+    if problems:
+        raise UserError(problems, title="invalid arguments")
+    if fmt == "gguf":
+        from scaletune.checkpoint.gguf import export_gguf
+
+        path = export_gguf(
+            checkpoint,
+            output,
+            gguf_type=gguf_type,
+            allow_factory=allow_factory,
+            trust_remote_code=trust_remote_code,
+        )
+        typer.echo(str(path))
+        return
     out = export_checkpoint(
         checkpoint,
         output,

@@ -1,0 +1,387 @@
+"""Export to GGUF (llama.cpp's single-file format): a checkpoint exported as a merged Hugging Face
+folder first (:func:`scaletune.checkpoint.export.export_checkpoint`), then converted with the `gguf`
+package (its writer, tensor-name map and quantizer), for the Llama, Qwen2 and OLMo-2 families.
+
+The conversion follows what llama.cpp's convert_hf_to_gguf.py writes for these architectures (the
+metadata keys, Llama's q/k row permutation, a byte-level BPE vocabulary with its merges, token
+types and pre-tokenizer name), written here for the few cases scaletune trains rather than
+copied; anything else is refused before any work is done."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scaletune.errors import Problem, UserError
+
+# config.json's model_type -> the gguf package's architecture, and whether llama.cpp expects the
+# q/k projections' rows permuted (Llama's rotary layout: llama.cpp rotates adjacent pairs, HF
+# rotates the two halves of each head; Qwen2 and OLMo-2 are read by llama.cpp in HF's layout).
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LLAMA", True),
+    "qwen2": ("QWEN2", False),
+    "olmo2": ("OLMO2", False),
+}
+GGUF_TYPES = ("f16", "bf16", "q8_0", "f32")
+DEFAULT_GGUF_TYPE = "f16"
+
+# The pre-tokenizer split regexes scaletune's tokenizers use, and the name llama.cpp gives each
+# (tokenizer.ggml.pre selects llama.cpp's own copy of the regex). cl100k's split (OLMo-2's dolma2
+# tokenizer, DBRX's) is llama.cpp's "dbrx" when the BPE applies every merge, "llama-bpe" when it
+# ignores merges for whole-vocabulary words (Llama 3's tokenizer.json: "ignore_merges": true).
+_CL100K_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SUPPORTED_TOKENIZERS = "byte-level BPE with GPT-2's split (gpt-2), cl100k's (dbrx / llama-bpe) or Qwen2's (qwen2)"
+
+
+def _option(message: str) -> Problem:
+    return Problem("export options", None, message)
+
+
+def gguf_type_problems(gguf_type: str | None) -> list[Problem]:
+    """An unknown `--gguf-type` (None: the default)."""
+    if gguf_type is None or gguf_type in GGUF_TYPES:
+        return []
+    return [_option(f"--gguf-type {gguf_type!r}: use one of {', '.join(GGUF_TYPES)}")]
+
+
+def architecture_problems(model_type: str | None, where: str) -> list[Problem]:
+    """A model_type this export cannot write (None: not known yet, checked after the HF export)."""
+    if model_type is None or model_type in ARCHITECTURES:
+        return []
+    return [
+        Problem(
+            "gguf architecture",
+            "model.name_or_path",
+            f"{where}: architecture {model_type!r} cannot be exported to GGUF by scaletune",
+            f"supported: {', '.join(ARCHITECTURES)}; use --format hf and llama.cpp's convert_hf_to_gguf.py",
+        )
+    ]
+
+
+def _checkpoint_model_type(checkpoint: Path) -> tuple[str | None, str]:
+    """The model_type of the model a checkpoint trained, read from its config without loading
+    weights (None where that cannot be told yet: the HF export's config.json is checked later)."""
+    from scaletune.config import read_config
+
+    try:
+        cfg = read_config(checkpoint / "config.yaml").config
+    except Exception:  # noqa: BLE001 - a broken checkpoint is export_problems' to report
+        return None, str(checkpoint)
+    if cfg is None:
+        return None, str(checkpoint)
+    if cfg.model.factory is not None:
+        return f"factory:{cfg.model.factory}", f"{checkpoint / 'config.yaml'} model.factory"
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(cfg.model.name_or_path).model_type, str(cfg.model.name_or_path)
+    except Exception:  # noqa: BLE001 - e.g. remote code: the exported config.json says it later
+        return None, str(cfg.model.name_or_path)
+
+
+def resolve_checkpoint(checkpoint: Path) -> Path:
+    """A run directory's latest checkpoint, or the checkpoint itself."""
+    from scaletune.checkpoint.save import latest_checkpoint
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "checkpoints").is_dir():
+        return latest_checkpoint(checkpoint) or checkpoint
+    return checkpoint
+
+
+def gguf_export_problems(checkpoint: Path, out_dir: Path, gguf_type: str | None) -> list[Problem]:
+    """Everything that stops a GGUF export, found before any model loads: the output folder, the
+    checkpoint, the type, the architecture."""
+    from scaletune.checkpoint.export import export_problems
+
+    checkpoint = resolve_checkpoint(checkpoint)
+    problems = export_problems(checkpoint, out_dir, "5GB") + gguf_type_problems(gguf_type)
+    if (checkpoint / "config.yaml").is_file():
+        model_type, where = _checkpoint_model_type(checkpoint)
+        problems += architecture_problems(model_type, where)
+    return problems
+
+
+def export_gguf(
+    checkpoint: Path,
+    out_dir: Path,
+    *,
+    gguf_type: str | None = None,
+    allow_factory: bool = False,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Write `out_dir/<name>.<type>.gguf` (LoRA merged, tokenizer and chat template inside) and a
+    README.md naming the source checkpoint, from any checkpoint or run directory. The folder is
+    built under a temporary name and renamed into place: a failed export leaves nothing behind.
+
+    Returns:
+        The path of the .gguf file.
+
+    Raises:
+        UserError: every problem of :func:`gguf_export_problems` at once (output not an empty
+            folder, not a checkpoint, unknown type, unsupported architecture); a tokenizer that is
+            not byte-level BPE with a known split; whatever :func:`export_checkpoint` raises.
+    """
+    from scaletune.checkpoint.export import export_checkpoint
+    from scaletune.checkpoint.resume import read_progress
+    from scaletune.config import read_config
+
+    checkpoint = resolve_checkpoint(checkpoint)
+    gguf_type = gguf_type or DEFAULT_GGUF_TYPE
+    problems = gguf_export_problems(checkpoint, out_dir, gguf_type)
+    if problems:
+        raise UserError(problems, title="cannot export")
+    cfg = read_config(checkpoint / "config.yaml").config
+    assert cfg is not None  # checked above
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.gguf-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory(prefix="scaletune-gguf-") as work:
+        hf_dir = Path(work) / "hf"
+        # float32 weights: every GGUF type is then made from the exact trained (merged) values.
+        export_checkpoint(
+            checkpoint,
+            hf_dir,
+            merge_lora=True,
+            dtype="float32",
+            allow_factory=allow_factory,
+            trust_remote_code=trust_remote_code,
+        )
+        try:
+            tmp.mkdir()
+            name = f"{_run_name(checkpoint)}.{gguf_type}.gguf"
+            info = convert_hf_to_gguf(hf_dir, tmp / name, gguf_type, data_cfg=cfg.data, name=_run_name(checkpoint))
+            progress = read_progress(checkpoint)
+            (tmp / "README.md").write_text(_readme(checkpoint, progress.step, cfg, tmp / name, info))
+            if out_dir.is_dir():
+                out_dir.rmdir()  # empty (checked above)
+            os.replace(tmp, out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir / name
+
+
+def _run_name(checkpoint: Path) -> str:
+    """The run directory's name (checkpoint = RUN/checkpoints/step-N), else the folder's."""
+    run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in run.resolve().name) or "model"
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    """What a conversion wrote, for the README."""
+
+    architecture: str
+    tensors: int
+    vocab: int
+    tokenizer_pre: str
+    chat_template_source: str
+    context_length: int
+
+
+def convert_hf_to_gguf(hf_dir: Path, out_file: Path, gguf_type: str, *, data_cfg=None, name: str = "model") -> GGUFInfo:
+    """Convert a plain (merged) Hugging Face causal-LM folder to one .gguf file.
+
+    Norms and biases stay float32 (as llama.cpp writes them); matrices become `gguf_type`
+    (q8_0 rows whose length is not a multiple of 32 fall back to f16, as llama.cpp's converter does).
+    The chat template is the one training used: `data.chat_template` of `data_cfg`, else the
+    tokenizer's, else ChatML.
+
+    Raises:
+        UserError: unsupported architecture, rope scaling or tokenizer; unknown type.
+    """
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    from scaletune.data import resolve_chat_template
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    model_type = config.get("model_type")
+    problems = gguf_type_problems(gguf_type) + architecture_problems(model_type, str(hf_dir / "config.json"))
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        problems.append(
+            _option(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not written to GGUF here")
+        )
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    pre, tok_problem = _tokenizer_pre(tokenizer)
+    problems += [Problem("gguf tokenizer", "model.tokenizer", tok_problem)] if tok_problem else []
+    if problems:
+        raise UserError(problems, title="cannot export to GGUF")
+    arch_name, permute = ARCHITECTURES[model_type]
+    arch = getattr(gguf.MODEL_ARCH, arch_name)
+    n_layers, n_head = config["num_hidden_layers"], config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+
+    writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(name)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(_FILE_TYPES[gguf_type](gguf))
+    if gguf_type == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+    tokens, types = _vocab(tokenizer, config["vocab_size"], gguf)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(hf_dir, load_merges=True, n_vocab=len(tokens))
+    special.chat_template = None  # the template training used is written below
+    special.add_to_gguf(writer, quiet=True)
+    # Whether the tokenizer adds BOS/EOS, told by what it does (llama.cpp's default differs by vocab).
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a")
+    writer.add_add_bos_token(len(full) > len(plain) and full[0] == tokenizer.bos_token_id)
+    writer.add_add_eos_token(len(full) > len(plain) and full[-1] == tokenizer.eos_token_id)
+    own = getattr(tokenizer, "chat_template", None)
+    template = resolve_chat_template(data_cfg, tokenizer)
+    source = (
+        "data.chat_template"
+        if data_cfg is not None and data_cfg.chat_template
+        else "the tokenizer's"
+        if isinstance(own, str)
+        else "ChatML (scaletune's default)"
+    )
+    writer.add_chat_template(template)
+
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    count = 0
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                gguf_name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if gguf_name is None:
+                    raise UserError(
+                        f"{shard.name}: tensor {key} has no GGUF name for {model_type}", title="cannot export to GGUF"
+                    )
+                data = f.get_tensor(key).float().numpy()
+                if permute and key.endswith(("q_proj.weight", "k_proj.weight")):
+                    data = _permute(data, n_head if "q_proj" in key else n_kv)
+                data, qtype = _encode(data, gguf_type, gguf)
+                writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+                count += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFInfo(model_type, count, len(tokens), pre, source, config["max_position_embeddings"])
+
+
+_FILE_TYPES = {
+    "f32": lambda g: g.LlamaFileType.ALL_F32,
+    "f16": lambda g: g.LlamaFileType.MOSTLY_F16,
+    "bf16": lambda g: g.LlamaFileType.MOSTLY_BF16,
+    "q8_0": lambda g: g.LlamaFileType.MOSTLY_Q8_0,
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Llama's q (or k) rows from HF's rotate-half order to llama.cpp's interleaved pairs (per
+    head, rows [0, d/2) and [d/2, d) alternate), as convert_hf_to_gguf.py's LlamaModel.permute;
+    `heads`: the query heads for q, the key/value heads for k."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _encode(data: np.ndarray, gguf_type: str, gguf) -> tuple[np.ndarray, object]:
+    """A tensor in the file's type: 1-D tensors (norms, biases) stay float32."""
+    q = gguf.GGMLQuantizationType
+    if data.ndim < 2 or gguf_type == "f32":
+        return data.astype(np.float32), q.F32
+    if gguf_type == "f16" or (gguf_type == "q8_0" and data.shape[-1] % 32):
+        return data.astype(np.float16), q.F16
+    qtype = q.BF16 if gguf_type == "bf16" else q.Q8_0
+    return gguf.quants.quantize(data.astype(np.float32), qtype), qtype
+
+
+def _tokenizer_pre(tokenizer) -> tuple[str, str | None]:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE tokenizer, or a problem."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return "", f"{type(tokenizer).__name__} has no tokenizers backend: GGUF export needs {SUPPORTED_TOKENIZERS}"
+    spec = json.loads(backend.to_str())
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE":
+        return "", f"tokenizer model {model.get('type')!r}: GGUF export here needs {SUPPORTED_TOKENIZERS}"
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2", None
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        if regex == _CL100K_SPLIT:
+            return ("llama-bpe" if model.get("ignore_merges") else "dbrx"), None
+        if regex == _QWEN2_SPLIT:
+            return "qwen2", None
+    return (
+        "",
+        f"pre-tokenizer {json.dumps(pre)[:200]}: not one scaletune can name for llama.cpp ({SUPPORTED_TOKENIZERS})",
+    )
+
+
+def _vocab(tokenizer, vocab_size: int, gguf) -> tuple[list[str], list[int]]:
+    """The token list (padded to the model's vocab_size with unused `[PADi]` entries) and each
+    token's type, as llama.cpp's converter writes a byte-level BPE vocabulary: ordinary tokens in
+    their byte-level spelling, added tokens as their text (control if special, else user-defined)."""
+    t = gguf.TokenType
+    reverse = {i: tok for tok, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(max(vocab_size, len(reverse))):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(t.UNUSED)
+        elif i in added:
+            tokens.append(added[i].content)
+            types.append(t.CONTROL if added[i].special else t.USER_DEFINED)
+        else:
+            tokens.append(reverse[i])
+            types.append(t.NORMAL)
+    return tokens, types
+
+
+def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo) -> str:
+    digest = hashlib.sha256()
+    with gguf_file.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    lora = "LoRA adapter merged into the base weights" if cfg.model.lora is not None else "full weights"
+    return (
+        f"# {gguf_file.name}\n\n"
+        f"Exported by `scaletune export --format gguf` from the checkpoint `{checkpoint.resolve()}` "
+        f"(step {step}; run `{checkpoint.resolve().parent.parent}`).\n\n"
+        f"- base model: `{cfg.model.name_or_path}` ({lora})\n"
+        f"- architecture: `{info.architecture}` (GGUF `general.architecture`), context length {info.context_length}\n"
+        f"- type: `{gguf_file.name.rsplit('.', 2)[-2]}` (norms and biases float32)\n"
+        f"- tokenizer: `{cfg.model.tokenizer or cfg.model.name_or_path}`, byte-level BPE (`gpt2`), "
+        f"pre-tokenizer `{info.tokenizer_pre}`, {info.vocab} tokens\n"
+        f"- chat template: {info.chat_template_source} (`tokenizer.chat_template`)\n"
+        f"- sha256: `{digest.hexdigest()}`\n\n"
+        "Checked in scaletune's tests by loading it back with transformers' own GGUF loader; "
+        "llama.cpp itself was not run.\n"
+    )
