@@ -22,10 +22,15 @@ TIERS = ["unit", "e2e", "distributed", "security", "serve", "system", "gpu"]
 # than by importing them: the tests that exercise them, named by hand (listed after the importers).
 BY_HAND = {
     "scaletune.checkpoint.resume": ["tests/distributed/test_resume.py", "tests/security/test_hostile_checkpoints.py"],
+    "scaletune.checkpoint.gguf": ["tests/e2e/test_export_gguf.py"],
     "scaletune.cli.config_verbs": ["tests/unit/test_reference.py", "tests/e2e/test_launch_configs.py"],
     "scaletune.cli.launch_verbs": ["tests/e2e/test_launch_cli.py"],
     "scaletune.cli.model_verbs": ["tests/e2e/test_model_verbs.py", "tests/e2e/test_cli_usage.py"],
-    "scaletune.cli.run_verbs": ["tests/e2e/test_train_cli.py", "tests/security/test_bad_input.py"],
+    "scaletune.cli.run_verbs": [
+        "tests/e2e/test_train_cli.py",
+        "tests/security/test_bad_input.py",
+        "tests/e2e/test_export_gguf.py",
+    ],
     "scaletune.cli.serve_verbs": ["tests/serve/test_auth_cli.py"],
     "scaletune.cli.remote_verbs": ["tests/serve/test_remote.py"],
     "scaletune.config.yamlfile": ["tests/unit/test_config.py"],
