@@ -105,9 +105,18 @@ def export(
             help="Run Python code shipped in the model folder (off by default, whatever the checkpoint's config says).",
         ),
     ] = False,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(
+            "--push-to-hub",
+            metavar="OWNER/NAME",
+            help="Then upload the written folder to this Hub model repo (made private if new). The token is "
+            "HF_TOKEN or the login cache: there is no token option.",
+        ),
+    ] = None,
 ) -> None:
     """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not,
-    or (--format gguf) one .gguf file with a README naming the source run."""
+    or (--format gguf) one .gguf file with a README naming the source run; --push-to-hub uploads it."""
     from scaletune.checkpoint import export_checkpoint
     from scaletune.checkpoint.gguf import gguf_export_problems
     from scaletune.resolve import FLOAT_DTYPES
@@ -125,30 +134,42 @@ def export(
     if fmt == "gguf":
         # Every problem at once: the flags above, the output folder, the checkpoint, the type, the architecture.
         problems += [p.text() for p in gguf_export_problems(checkpoint, output, gguf_type)]
+    if push_to_hub is not None:
+        from scaletune.checkpoint.hub import push_problems
+
+        problems += [p.text() for p in push_problems(push_to_hub)]
     if problems:
         raise UserError(problems, title="invalid arguments")
     if fmt == "gguf":
         from scaletune.checkpoint.gguf import export_gguf
 
-        path = export_gguf(
+        out = export_gguf(
             checkpoint,
             output,
             gguf_type=gguf_type,
             allow_factory=allow_factory,
             trust_remote_code=trust_remote_code,
         )
-        typer.echo(str(path))
-        return
-    out = export_checkpoint(
-        checkpoint,
-        output,
-        merge_lora=merge_lora,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        allow_factory=allow_factory,
-        trust_remote_code=trust_remote_code,
-    )
+    else:
+        out = export_checkpoint(
+            checkpoint,
+            output,
+            merge_lora=merge_lora,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            allow_factory=allow_factory,
+            trust_remote_code=trust_remote_code,
+        )
     typer.echo(str(out))
+    if push_to_hub is not None:
+        from scaletune.checkpoint.hub import push_folder
+
+        try:
+            url = push_folder(output, push_to_hub)
+        except RuntimeError as exc:  # the Hub refused or did not answer: the export stays
+            typer.echo(f"error: {exc}; the export is kept in {output}", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(url)
 
 
 @app.command(context_settings={"allow_interspersed_args": True})
