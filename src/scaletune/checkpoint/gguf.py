@@ -229,7 +229,8 @@ def convert_hf_to_gguf(hf_dir: Path, out_file: Path, gguf_type: str, *, data_cfg
     n_kv = config.get("num_key_value_heads") or n_head
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
 
-    writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[arch])
+    # Tensors spool to a temporary file as they are converted: one float32 tensor in memory at a time.
+    writer = gguf.GGUFWriter(str(out_file), gguf.MODEL_ARCH_NAMES[arch], use_temp_file=True)
     writer.add_name(name)
     writer.add_block_count(n_layers)
     writer.add_context_length(config["max_position_embeddings"])
@@ -282,7 +283,7 @@ def convert_hf_to_gguf(hf_dir: Path, out_file: Path, gguf_type: str, *, data_cfg
                         f"{shard.name}: tensor {key} has no GGUF name for {model_type}", title="cannot export to GGUF"
                     )
                 data = f.get_tensor(key).float().numpy()
-                if permute and key.endswith(("q_proj.weight", "k_proj.weight")):
+                if permute and key.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
                     data = _permute(data, n_head if "q_proj" in key else n_kv)
                 data, qtype = _encode(data, gguf_type, gguf)
                 writer.add_tensor(gguf_name, data, raw_dtype=qtype)
