@@ -231,3 +231,26 @@ def test_bad_arguments_exit_2_naming_every_problem(llama_run, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--format 'onnx': use hf or gguf" in proc.stderr and "--gguf-type applies to --format gguf" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_or_rope_it_cannot_name_for_llama_cpp_is_refused_before_writing(tmp_path):
+    """A wrong pre-tokenizer name would make llama.cpp mis-tokenize silently, and Llama 3's rope
+    scaling is not written: both are refused, together, and no file is left."""
+    from scaletune.checkpoint.gguf import convert_hf_to_gguf
+    from scaletune.errors import UserError
+    from tests.helpers import save_random_llama
+
+    spec = json.loads(NEOX_TOKENIZER.read_text())
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    (tmp_path / "whitespace.json").write_text(json.dumps(spec))
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0}
+    rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = save_random_llama(
+        tmp_path / "m", tmp_path / "whitespace.json", vocab_size=50304, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=128, rope_parameters=rope,
+    )  # fmt: skip
+    with pytest.raises(UserError) as err:
+        convert_hf_to_gguf(model, tmp_path / "m.gguf", "f16")
+    assert len(err.value.problems) == 2, err.value.problems
+    assert "rope scaling 'llama3'" in str(err.value) and '"Whitespace"' in str(err.value)
+    assert not (tmp_path / "m.gguf").exists()

@@ -372,10 +372,11 @@ def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo) -
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     lora = "LoRA adapter merged into the base weights" if cfg.model.lora is not None else "full weights"
+    source = checkpoint.resolve()
+    run = f"; run `{source.parent.parent}`" if source.parent.name == "checkpoints" else ""
     return (
         f"# {gguf_file.name}\n\n"
-        f"Exported by `scaletune export --format gguf` from the checkpoint `{checkpoint.resolve()}` "
-        f"(step {step}; run `{checkpoint.resolve().parent.parent}`).\n\n"
+        f"Exported by `scaletune export --format gguf` from the checkpoint `{source}` (step {step}{run}).\n\n"
         f"- base model: `{cfg.model.name_or_path}` ({lora})\n"
         f"- architecture: `{info.architecture}` (GGUF `general.architecture`), context length {info.context_length}\n"
         f"- type: `{gguf_file.name.rsplit('.', 2)[-2]}` (norms and biases float32)\n"
