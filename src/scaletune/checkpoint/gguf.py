@@ -150,7 +150,8 @@ def export_gguf(
     assert cfg is not None  # checked above
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.gguf-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="scaletune-gguf-") as work:
+    # The intermediate float32 folder sits beside the output (the disk the user chose), not in /tmp.
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.hf-", dir=out_dir.parent) as work:
         hf_dir = Path(work) / "hf"
         # float32 weights: every GGUF type is then made from the exact trained (merged) values.
         export_checkpoint(
