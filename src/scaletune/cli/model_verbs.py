@@ -119,7 +119,23 @@ def generate(
 @app.command("eval")
 def eval_(
     target: TargetArg,
-    data: Annotated[str, typer.Option(help="Data file, folder or data set name (as data.train.path).")],
+    data: Annotated[
+        str | None, typer.Option(help="Data file, folder or data set name (as data.train.path): loss and perplexity.")
+    ] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            help="lm-evaluation-harness tasks, comma-separated, from the shipped local set (alpaca_mc, alpaca_ppl); "
+            "instead of --data. Needs the eval extra."
+        ),
+    ] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="--tasks: the first N items of each task only.")] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="--tasks: folder for the results (default: the run's eval/; none for other models)."
+        ),
+    ] = None,
     format: Annotated[
         str | None, typer.Option("--format", help="alpaca, messages or text (default: the run's, else alpaca).")
     ] = None,
@@ -133,14 +149,48 @@ def eval_(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
     trust_remote_code: TrustOpt = False,
 ) -> None:
-    """Mean loss and perplexity on a data set, over the tokens training would train (the same
-    prompt format, masking and truncation), so it compares with eval_loss in metrics.jsonl."""
+    """With --data: mean loss and perplexity on a data set, over the tokens training would train
+    (the same prompt format, masking and truncation), so it compares with eval_loss in
+    metrics.jsonl. With --tasks: zero-shot benchmarks through EleutherAI's lm-evaluation-harness
+    on task data shipped with scaletune (offline); prints the harness's table and writes its
+    results (per task and per item) as JSON to the run's eval/ (or --output)."""
     from scaletune.errors import UserError
     from scaletune.inference.evaluate import eval_data_config, evaluate
 
+    problems: list[str] = []
+    if (data is None) == (tasks is None):
+        problems.append("give exactly one of --data (loss and perplexity) and --tasks (lm-eval benchmarks)")
     if format is not None and format not in ("alpaca", "messages", "text"):
-        raise UserError(f"--format {format}: use alpaca, messages or text", title="invalid arguments")
+        problems.append(f"--format {format}: use alpaca, messages or text")
+    names: list[str] = []
+    if tasks is not None:
+        from scaletune.inference.lm_eval_tasks import parse_tasks
+
+        try:
+            names = parse_tasks(tasks)
+        except UserError as exc:
+            problems += exc.problems
+        given = [f for f, v in (("--format", format), ("--field", field), ("--max-seq-length", max_seq_length)) if v]
+        problems += [f"{f} applies to --data, not --tasks" for f in given]
+    elif data is not None:
+        given = [f for f, v in (("--limit", limit), ("--output", output)) if v is not None]
+        problems += [f"{f} applies to --tasks, not --data" for f in given]
+    if problems:
+        raise UserError(problems, title="invalid arguments")
     loaded = _load(target, dtype, template, trust_remote_code)
+    if tasks is not None:
+        from scaletune.inference.lm_eval_tasks import default_out_dir, run_tasks, write_report
+
+        report = run_tasks(loaded, names, limit=limit, batch_size=batch_size)
+        out_dir = output or default_out_dir(target)
+        path = write_report(report, out_dir) if out_dir is not None else None
+        if json_out:
+            typer.echo(json.dumps({"results": report["results"], "file": str(path) if path else None}))
+            return
+        typer.echo(f"{loaded.description}; {report['seconds']} s\n{report['table']}")
+        typer.echo(f"results: {path}" if path else "results not written (not a run; give --output DIR)", err=True)
+        return
+    assert data is not None
     result = evaluate(loaded, eval_data_config(loaded, data, format, max_seq_length, field), batch_size=batch_size)
     if json_out:
         typer.echo(json.dumps(result))
