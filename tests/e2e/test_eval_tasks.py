@@ -154,6 +154,6 @@ def test_bad_arguments_exit_2_with_every_problem(tiny_model_dir, tmp_path):
     proc = run_cli(["eval", str(tiny_model_dir), "--data", str(ALPACA_5000), "--limit", "3", "-o", str(tmp_path)])
     assert proc.returncode == 2
     assert "--limit applies to --tasks" in proc.stderr and "--output applies to --tasks" in proc.stderr
-    proc = run_cli(["eval", str(tiny_model_dir), "--tasks", ",", "--format", "messages"])
-    assert proc.returncode == 2
+    proc = run_cli(["eval", str(tiny_model_dir), "--tasks", ",", "--format", "messages", "--template", "chat"])
+    assert proc.returncode == 2 and "--template chat applies to --data" in proc.stderr
     assert "name at least one task" in proc.stderr and "--format applies to --data" in proc.stderr

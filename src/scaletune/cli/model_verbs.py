@@ -172,6 +172,8 @@ def eval_(
             problems += exc.problems
         given = [f for f, v in (("--format", format), ("--field", field), ("--max-seq-length", max_seq_length)) if v]
         problems += [f"{f} applies to --data, not --tasks" for f in given]
+        if template != "auto":  # the harness writes each task's own prompt, as its YAML says
+            problems.append(f"--template {template} applies to --data, not --tasks (a task's prompt is its own)")
     elif data is not None:
         given = [f for f, v in (("--limit", limit), ("--output", output)) if v is not None]
         problems += [f"{f} applies to --tasks, not --data" for f in given]
