@@ -19,20 +19,14 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distributed.test_parity import SINGLE
+from tests.distributed.test_resume import STRATEGIES
 from tests.helpers import LORA, assert_same_logits, logits, run_cli
 
 pytestmark = pytest.mark.distributed
 
-# The LoRA runs of tests/distributed/test_parity.py and test_resume.py share these names (and so
-# their run_once cache); the others are trained here once.
-ENGINES = {
-    "single-lora": SINGLE,
-    "ddp-lora-gc": {"strategy": "ddp", "num_processes": 2},
-    "fsdp-lora-gc": {"strategy": "fsdp", "num_processes": 2},
-    "zero1-lora": {"strategy": "deepspeed", "zero_stage": 1, "num_processes": 2},
-    "zero2-lora": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
-    "zero3-lora": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
-}
+ENGINES = {**STRATEGIES, "zero1": {"strategy": "deepspeed", "zero_stage": 1, "num_processes": 2}}
+# The run_once names of the LoRA runs test_parity.py and test_resume.py train too (one run each).
+SHARED = {"single": "single-lora", "ddp": "ddp-lora-gc", "fsdp": "fsdp-lora-gc"}
 
 
 def adapter(folder) -> dict[str, torch.Tensor]:
@@ -41,7 +35,7 @@ def adapter(folder) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
-    run, proc = run_once(engine, model=LORA, distributed=ENGINES[engine])
+    run, proc = run_once(SHARED.get(engine, f"{engine}-lora"), model=LORA, distributed=ENGINES[engine])
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = adapter(run / "final")
     ref_run, _ = run_once("single-lora", model=LORA, distributed=SINGLE)
@@ -63,7 +57,7 @@ def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
         assert torch.equal(again[k], written[k]), f"{engine}: {k} differs between final/ and the checkpoint's export"
 
     # The same function as the single-process run (parity bound, as test_parity's adapter check).
-    if engine != "single-lora":
+    if engine != "single":
         assert_same_logits(
             logits(run / "final", adapter=True), logits(ref_run / "final", adapter=True), f"{engine} adapter"
         )
