@@ -6,6 +6,9 @@ and four candidate responses: the record's own output and the outputs of three o
 drawn with a fixed seed and shuffled; `label` is the index of the record's own output. Only
 records whose output is at most MAX_CHARS characters take part (items stay cheap to score on a
 CPU), and distractors are drawn from the same pool, so length alone rarely gives the answer away.
+Records the shipped examples train on (examples/data/*.json, the quickstart's included) are left
+out of the pool, by instruction and input and by output: an example's run is not scored on what it
+trained on, neither as a question nor as a distractor.
 
 Deterministic: the same input file gives the same bytes (seed SEED). Run from the repository root:
 
@@ -35,12 +38,27 @@ def context(rec: dict) -> str:
     return text + "Response:"
 
 
+def trained_on() -> tuple[set[tuple[str, str]], set[str]]:
+    """(instruction, input) pairs and outputs of every record the shipped examples train on."""
+    questions, outputs = set(), set()
+    for path in sorted((ROOT / "examples" / "data").glob("*.json")):
+        for r in json.loads(path.read_text()):
+            if isinstance(r, dict) and "instruction" in r:
+                questions.add((r["instruction"].strip(), r.get("input", "").strip()))
+                outputs.add(r.get("output", "").strip())
+    return questions, outputs
+
+
 def build(records: list[dict], n_items: int) -> list[dict]:
     rng = random.Random(SEED)
+    questions, outputs = trained_on()
     pool = [
         i
         for i, r in enumerate(records)
-        if 0 < len(r["output"].strip()) <= MAX_CHARS and "\n" not in r["output"].strip()
+        if 0 < len(r["output"].strip()) <= MAX_CHARS
+        and "\n" not in r["output"].strip()
+        and (r["instruction"].strip(), r.get("input", "").strip()) not in questions
+        and r["output"].strip() not in outputs
     ]
     picked = rng.sample(pool, n_items)
     items = []
