@@ -123,11 +123,6 @@ def identify(Session, token: str) -> tuple[str, str] | None:  # noqa: N803
         return (row[0], row[1]) if row else None
 
 
-def scope_of(Session, token: str) -> str | None:  # noqa: N803
-    found = identify(Session, token)
-    return found[1] if found else None
-
-
 def allows(have: str, need: str) -> bool:
     return SCOPES.index(have) >= SCOPES.index(need)
 

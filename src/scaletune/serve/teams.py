@@ -29,8 +29,9 @@ MAX_DETAIL = 500  # characters of an audit row's detail (a job's overrides can b
 
 
 def record(Session, actor: str, action: str, job_id: str | None = None, detail: str = "") -> None:  # noqa: N803
-    """One audit row. `detail` is what the action was about (overrides, a checkpoint, a token's
-    name and scope), never a secret: overrides carry `${env:NAME}` references, not values."""
+    """One audit row. `detail` is what the action was about (a checkpoint, a token's name and scope,
+    a job's overrides as stored: secret values are taken out at submission, so callers pass those,
+    never a request's own)."""
     with Session() as s:
         s.add(Audit(actor=actor, action=action, job_id=job_id, detail=detail[:MAX_DETAIL]))
         s.commit()
