@@ -181,25 +181,75 @@ def _start_wandb(cfg: Config, run_dir: Path):
     return run
 
 
-def plot_losses(history: list[dict], path: Path) -> None:
-    """loss.png: training loss per step and eval loss where measured."""
+#: Keys of preference objectives' lines (issue 24) drawn in loss.png's second panel.
+PREFERENCE_KEYS = ("reward_accuracy", "eval_reward_accuracy", "reward_margin", "eval_reward_margin")
+
+
+def _series(history: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
+
+
+def loss_figure(history: list[dict]) -> Any:
+    """The figure of loss.png: training loss per step and eval loss where measured; for runs
+    whose lines carry reward metrics (DPO, IPO, ORPO, KTO, SimPO), a second panel below with
+    reward accuracy (train and eval, left axis, 0..1) and reward margin (right axis) per step.
+    An SFT run's figure is the loss panel alone. The caller closes it (`plt.close`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
-    ev = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    preference = any(_series(history, k) for k in PREFERENCE_KEYS)
+    if preference:
+        fig, (ax, acc_ax) = plt.subplots(2, 1, figsize=(7, 7), sharex=True, height_ratios=(4, 3))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4))
+    train, ev = _series(history, "loss"), _series(history, "eval_loss")
     if train:
         ax.plot(*zip(*train), label="train loss")
     if ev:
         ax.plot(*zip(*ev), "o-", label="eval loss")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean token loss")
+    if not preference:  # the panel below names the shared step axis
+        ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss" if preference else "mean token loss")  # a preference loss is per pair
     ax.grid(alpha=0.3)
     ax.legend()
+    if preference:
+        _reward_panel(acc_ax, history)
     fig.tight_layout()
+    return fig
+
+
+MARGIN_STYLES = (("reward_margin", "--", "train reward margin"), ("eval_reward_margin", "s--", "eval reward margin"))
+MARGIN_COLOR = {"train reward margin": "tab:red", "eval reward margin": "tab:purple"}
+
+
+def _reward_panel(acc_ax: Any, history: list[dict]) -> None:
+    """Reward accuracy on `acc_ax` (fixed 0..1, so runs compare by eye) and the margin, which
+    is unbounded and in reward units, on a twin axis at the right; one legend for both."""
+    handles = []
+    for key, style, label in (("reward_accuracy", "-", "train"), ("eval_reward_accuracy", "o-", "eval")):
+        points = _series(history, key)
+        if points:
+            handles += acc_ax.plot(*zip(*points), style, label=f"{label} reward accuracy")
+    acc_ax.set_ylim(-0.02, 1.02)
+    acc_ax.set_xlabel("optimizer step")
+    acc_ax.set_ylabel("reward accuracy")
+    acc_ax.grid(alpha=0.3)
+    margins = [(k, s, lbl) for k, s, lbl in MARGIN_STYLES if _series(history, k)]
+    if margins:
+        margin_ax = acc_ax.twinx()
+        for key, style, label in margins:
+            handles += margin_ax.plot(*zip(*_series(history, key)), style, color=MARGIN_COLOR[label], label=label)
+        margin_ax.set_ylabel("reward margin (chosen - rejected)")
+    acc_ax.legend(handles=handles, loc="best")
+
+
+def plot_losses(history: list[dict], path: Path) -> None:
+    """loss.png (:func:`loss_figure`) from the records of metrics.jsonl."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(history)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
