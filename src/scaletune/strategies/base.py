@@ -30,6 +30,7 @@ from scaletune.strategies import memory
 from scaletune.strategies.devices import allow_tf32, check_devices
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
+from scaletune.strategies.reference import reference_tensors, resident_whole
 
 __all__ = ["Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
 
@@ -61,6 +62,7 @@ class Strategy(ABC):
         self.module: nn.Module | None = None  # the loss module handed to `wrap`
         self.model: nn.Module | None = None  # what forward is called on (possibly wrapped)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.reference: nn.Module | None = None  # the frozen reference model (`wrap_reference`)
         self._owns_group = False
         self._wait_group: WaitGroup | None = None
         self._grad_bytes: int | None = None
@@ -151,6 +153,17 @@ class Strategy(ABC):
         """Wrap `module` (a `loss.CausalLMLoss`: forward returns the summed token loss) for the
         engine, set `self.module`, `self.model` and build the optimizer (then call
         :meth:`_finish_wrap`). The loop's schedule drives the optimizer's learning rate."""
+
+    def wrap_reference(self, model: nn.Module) -> nn.Module:
+        """Make the frozen reference model (`preference.reference: model`) resident as this engine keeps
+        the policy, without optimizer or gradient hooks (`strategies/reference.py`); here: whole, on this
+        rank's device (or where a device_map spread it). Returns the `reference.FrozenReference` the loss
+        calls under no_grad: `reference(fn, *args)` is `fn(causal_lm, *args)`.
+
+        Raises:
+            RuntimeError: the model is on the meta device."""
+        self.reference = resident_whole(model, self.device)
+        return self.reference
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(model, self.training)
@@ -289,7 +302,8 @@ class Strategy(ABC):
         """Bytes this rank holds, from its tensors (`memory.json`): `params` (this rank's shards),
         `grads` (at the first optimizer step), `optimizer` (state and the optimizer's own parameters
         that are not the module's, e.g. fp32 masters), `peak_device` (CUDA's peak allocated bytes
-        since the end of `wrap`, summed over :meth:`memory_devices`; None on the CPU)."""
+        since the end of `wrap`, summed over :meth:`memory_devices`; None on the CPU), `reference` (the
+        frozen reference model's parameter bytes this rank holds; 0 without one)."""
         seen: dict = {}
         p_bytes = memory.count_bytes(self._param_tensors(), seen)
         o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
@@ -301,6 +315,7 @@ class Strategy(ABC):
             "params": int(p_bytes),
             "grads": int(grads),
             "optimizer": int(o_bytes),
+            "reference": int(memory.count_bytes(reference_tensors(self.reference), seen)),
             "peak_device": memory.peak_device_bytes(self.memory_devices()),
         }
 

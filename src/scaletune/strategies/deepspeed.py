@@ -57,6 +57,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine: Any = None
         self._hf_ds_config: Any = None
         self._skipped_steps = 0
+        self._reference_engine: Any = None
 
     @property
     def partitions_head(self) -> bool:  # type: ignore[override]
@@ -141,6 +142,25 @@ class DeepSpeedStrategy(Strategy):
         # so the learning rate) but is not a torch Optimizer that LambdaLR accepts.
         self.optimizer = getattr(ds_optimizer, "optimizer", ds_optimizer)
         self._finish_wrap()
+
+    def wrap_reference(self, model: nn.Module) -> nn.Module:
+        """ZeRO-3: the frozen reference partitioned by its own `deepspeed.initialize`, without an
+        optimizer (TRL's `prepare_deepspeed`), the engine's module returned (the engine kept for its
+        hooks); ZeRO-1/2: whole on the device, parameters in the compute dtype as DeepSpeed casts the
+        policy's (`strategies/reference.py`)."""
+        from scaletune.strategies import reference as ref
+
+        if self.spec.zero_stage != 3:
+            dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype
+            self.reference = ref.resident_whole(model, self.device, dtype)
+            return self.reference
+        import deepspeed
+
+        frozen = ref.freeze(model)
+        self._reference_engine, *_ = deepspeed.initialize(model=frozen, config=ref.reference_ds_config(self.ds_config))
+        self._reference_engine.eval()
+        self.reference = self._reference_engine.module
+        return self.reference
 
     def _keep_blocks_whole(self, model: nn.Module) -> None:
         """ZeRO-3: a factory's blocks (`models.factory.shard_classes`, named in the loss module's

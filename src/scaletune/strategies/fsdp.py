@@ -22,7 +22,12 @@ from scaletune.strategies.base import Strategy
 
 
 def shard_model(
-    model: nn.Module, layer_classes: tuple[type, ...], *, reshard_after_forward: bool = True, **fully_shard_kwargs: Any
+    model: nn.Module,
+    layer_classes: tuple[type, ...],
+    *,
+    reshard_after_forward: bool = True,
+    no_backward: bool = False,
+    **fully_shard_kwargs: Any,
 ) -> list[nn.Module]:
     """THE FSDP2 sharding: `fully_shard` every instance of `layer_classes` (the decoder layers), then
     the root, with the same keyword arguments (mesh, mp_policy, offload_policy). Used by the strategy
@@ -32,6 +37,8 @@ def shard_model(
     then reshards every module but the root, whose parameters (embeddings, final norm, head) backward
     needs first, so they stay gathered from forward to backward (the root exemption, decided at
     FSDP2's lazy init). Passing True to the root would re-gather them at every step for nothing.
+    `no_backward` (a frozen reference model): the root reshards after its forward too, since no
+    backward would ever reshard it.
 
     Returns:
         The sharded layers.
@@ -46,7 +53,8 @@ def shard_model(
     layers = [m for m in model.modules() if isinstance(m, layer_classes)]
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **fully_shard_kwargs)
-    fully_shard(model, reshard_after_forward=None if reshard_after_forward else False, **fully_shard_kwargs)
+    root = True if no_backward else (None if reshard_after_forward else False)
+    fully_shard(model, reshard_after_forward=root, **fully_shard_kwargs)
     return layers
 
 
@@ -73,6 +81,29 @@ class FSDPStrategy(Strategy):
         return ShardedGradScaler(self.env.device_type)
 
     def wrap(self, model: nn.Module) -> None:  # model: the CausalLMLoss; it becomes the FSDP root
+        reshard = self.spec.config.distributed.reshard_after_forward
+        self._shard_and_fill(model, reshard_after_forward=reshard)
+        self.module = self.model = model
+        self.optimizer = self.build_optimizer(model)
+        self._finish_wrap()
+
+    def wrap_reference(self, model: nn.Module) -> nn.Module:
+        """The frozen reference sharded like the policy (its mixed-precision and offload policies),
+        every unit resharded after its forward, filled from rank 0 (`strategies/reference.py`)."""
+        from scaletune.strategies.reference import freeze
+
+        ref = freeze(model)
+        self._shard_and_fill(ref, reshard_after_forward=True, no_backward=True)
+        self.reference = ref
+        return ref
+
+    def _shard_and_fill(self, model: nn.Module, *, reshard_after_forward: bool, no_backward: bool = False) -> None:
+        """Shard `model` (full on rank 0, on the meta device elsewhere) and fill every rank's shards
+        and buffers from rank 0's weights.
+
+        Raises:
+            RuntimeError: no process group, or no decoder layer class to shard.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -80,7 +111,7 @@ class FSDPStrategy(Strategy):
 
         if not dist.is_initialized():
             raise RuntimeError("strategy fsdp needs a process group: start it with torchrun or num_processes")
-        offload, reshard = self.spec.offload_params, self.spec.config.distributed.reshard_after_forward
+        offload, reshard = self.spec.offload_params, reshard_after_forward
         full_state = model.state_dict() if self.env.is_main else {}
         # Non-persistent buffers (rotary inv_freq) are not in the state dict: keep rank 0's to broadcast.
         buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if self.env.is_main else {}
@@ -88,7 +119,7 @@ class FSDPStrategy(Strategy):
             full_state = {k: v.detach() for k, v in full_state.items()}
             model.to("meta")
 
-        kwargs: dict = {"reshard_after_forward": reshard}
+        kwargs: dict = {"reshard_after_forward": reshard, "no_backward": no_backward}
         if self.compute_dtype != torch.float32:
             # bf16/fp16 all-gathers and compute, fp32 gradient reduction and fp32 sharded master weights.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
@@ -120,9 +151,6 @@ class FSDPStrategy(Strategy):
                 dist.broadcast(src, src=0)
                 if self.env.is_main:
                     buf.copy_(src)
-        self.module = self.model = model
-        self.optimizer = self.build_optimizer(model)
-        self._finish_wrap()
 
     @property
     def grad_divisor(self) -> float:

@@ -61,6 +61,20 @@ class ModelSource(ABC):
     def loss(self, model: nn.Module, strategy: LoopStrategy) -> nn.Module:
         """The module the engine wraps: its forward returns the summed loss of a micro-batch."""
 
+    def load_reference(self, strategy: LoopStrategy) -> nn.Module:
+        """The frozen reference model of `training.preference.reference: model`, resident as the engine
+        keeps the policy (`strategy.wrap_reference`). A collective under fsdp and ZeRO-3.
+
+        Raises:
+            UserError: the source has no reference model (a factory's module).
+        """
+        from scaletune.errors import UserError
+
+        raise UserError(
+            f"training.preference.reference: model needs a Hugging Face causal LM (model.name_or_path), "
+            f"not model.factory {self.spec.config.model.factory}: use reference precomputed"
+        )
+
 
 class PretrainedSource(ModelSource):
     """A Hugging Face causal LM (`model.name_or_path`), with its tokenizer; text batches."""
@@ -81,6 +95,37 @@ class PretrainedSource(ModelSource):
         )
         model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "attn_implementation": attn})
         return prepare_model(model_cfg, strategy.placement, meta=strategy.load_meta()), None
+
+    def load_reference(self, strategy: LoopStrategy) -> nn.Module:
+        """`model.name_or_path` again, without LoRA, quantization, gradient checkpointing or compile (it
+        never trains), in the run's storage dtype, where the strategy loads the policy (on the meta
+        device on the ranks the engine fills), then handed to `strategy.wrap_reference`.
+
+        Raises:
+            UserError: what `models.prepare_model` raises.
+        """
+        from scaletune.models import load_config, prepare_model
+        from scaletune.models.attention import packed_attention
+
+        spec = self.spec
+        m = spec.config.model
+        # The policy's attention implementation (`load`), so both compute alike.
+        packing = any(stage.data.packing for stage in spec.stages)
+        attn = packed_attention(
+            m, load_config(m) if packing else None, packing=packing, device=strategy.placement.device
+        )
+        cfg = m.model_copy(
+            update={
+                "dtype": spec.precision.storage,
+                "attn_implementation": attn,
+                "lora": None,
+                "quantization": None,
+                "gradient_checkpointing": False,
+                "compile": False,
+            }
+        )
+        model = prepare_model(cfg, strategy.placement, meta=strategy.load_meta())
+        return strategy.wrap_reference(model)
 
     def loss(self, model: nn.Module, strategy: LoopStrategy) -> nn.Module:
         from scaletune.models.loss import CausalLMLoss
