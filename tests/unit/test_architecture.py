@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"run"},
     {"launch", "doctor", "plan", "hf"},
     {"trainer"},
-    {"strategies", "checkpoint", "models", "data", "inference"},
+    {"strategies", "checkpoint", "models", "data", "inference", "objectives"},
     {"resolve"},
     {"env", "report", "safe_load"},
     {"config"},

@@ -192,7 +192,10 @@ def test_override_syntax():
 def test_implicit_single_stage_and_overrides(tmp_path):
     cfg = load_config(write(tmp_path, BASE))
     stages = resolve_stages(cfg)
-    assert [s.name for s in stages] == ["main"] and stages[0].training == cfg.training
+    assert [s.name for s in stages] == ["main"]
+    # Everything as given, but `preference.reference: auto` decided (no LoRA here: precomputed).
+    assert cfg.training.preference.reference == "auto" and stages[0].training.preference.reference == "precomputed"
+    assert stages[0].training.model_dump(exclude={"preference"}) == cfg.training.model_dump(exclude={"preference"})
     cfg = load_config(
         write(
             tmp_path,

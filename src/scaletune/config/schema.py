@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
+
+from scaletune.config.preference import Objective, PreferenceConfig
+from scaletune.config.strict import _Strict
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Scheduler = Literal["cosine", "linear", "constant"]
@@ -18,15 +21,6 @@ def check_device_map(v: str | None) -> str | None:
     if v is not None and v not in DEVICE_MAPS and not re.fullmatch(r"cuda:\d+", v):
         raise ValueError(f"must be null, {', '.join(DEVICE_MAPS)} or cuda:N")
     return v
-
-
-class _Strict(BaseModel):
-    """Base of every section: unknown keys, bad assignments and non-finite numbers (an `inf` learning
-    rate, refused before a GPU-hour is spent) are errors; each field's docstring is its description."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
-    )
 
 
 def _overrides(model: type[_Strict], doc: str, keys: tuple[str, ...] | None = None) -> type[_Strict]:
@@ -139,9 +133,10 @@ class DataSource(_Strict):
     path: str | list[str]
     """The file, folder or data set name; or a list of local files of this format, read in order as
     one source."""
-    format: Literal["alpaca", "messages", "text"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "preference", "kto"] = "alpaca"
     """alpaca: instruction/input/output records; messages: chat turns rendered with the chat template;
-    text: plain text, all of it trained."""
+    text: plain text, all of it trained; preference: prompt/chosen/rejected pairs; kto:
+    prompt/completion/label records (both rendered with the chat template; docs/preference.md)."""
     template: Literal["alpaca", "chat"] = "alpaca"
     """How alpaca records become text. alpaca: Stanford Alpaca's prompt (for base models); chat: a user
     turn (the instruction, then the input after a blank line) and an assistant turn (the output)
@@ -262,6 +257,11 @@ class TrainingConfig(_Strict):
     """Write a metrics.jsonl line every N optimizer steps (and at every save and stage end)."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are deleted after a new one is complete."""
+    objective: Objective = "sft"
+    """The stage's loss: sft (next-token cross-entropy) or a preference loss, dpo, ipo, orpo, kto or
+    simpo (docs/preference.md), whose batch sizes count pairs (KTO: records)."""
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    """The preference loss's settings and its reference model."""
     resume: str | None = None
     """null: start fresh; auto: continue from the run directory's latest checkpoint (or start fresh);
     a path: a checkpoints/step-N folder or a run directory."""
@@ -323,7 +323,7 @@ StageData = _overrides(
 StageTraining = _overrides(
     TrainingConfig,
     """The training keys a stage may replace; `epochs` without `max_steps` clears an inherited `max_steps`.""",
-    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio"),
+    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio", "objective", "preference"),
 )
 
 

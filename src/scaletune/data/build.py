@@ -84,7 +84,14 @@ def _tokenize(
     import datasets
     import pyarrow.compute as pc
 
-    chat = source.format == "messages" or source.template == "chat"
+    pairs = source.format in ("preference", "kto")
+    if pairs:
+        from scaletune.data.preference import with_kl_completions
+
+        # `index` keys a pair's precomputed reference log-probs; kto's KL rows are fixed here.
+        records = [{**r, "index": i} for i, r in enumerate(records)]
+        records = with_kl_completions(records) if source.format == "kto" else records
+    chat = pairs or source.format == "messages" or source.template == "chat"
     template = resolve_chat_template(data_cfg, tokenizer) if chat else ""
     fmt = "alpaca_chat" if source.format == "alpaca" and chat else source.format
     h = hashlib.sha256()
@@ -94,7 +101,17 @@ def _tokenize(
     key = h.hexdigest()[:32]
     cache.mkdir(parents=True, exist_ok=True)
     num_proc = data_cfg.num_workers or None
-    encoder = _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+    if pairs:
+        from scaletune.data.preference import PreferenceEncoder, features
+
+        encoder: _Encoder = PreferenceEncoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+        row_features = features(fmt)
+    else:
+        encoder = _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+        ints = datasets.Sequence(datasets.Value("int32"))
+        row_features = datasets.Features(
+            {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
+        )
     # Fail here, in this process, on what would fail for every record (no eos, a template that
     # cannot be split into turns): worker processes would re-raise it less legibly.
     try:
@@ -105,14 +122,11 @@ def _tokenize(
     # tokenize into the same files at once; the others wait here, then read the first one's files.
     with filelock.FileLock(str(cache / f"{key}.lock")):
         raw = datasets.Dataset.from_list(records)
-        ints = datasets.Sequence(datasets.Value("int32"))
         ds = raw.map(
             encoder,
             batched=True,
             remove_columns=raw.column_names,
-            features=datasets.Features(
-                {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
-            ),
+            features=row_features,
             cache_file_name=str(cache / f"{key}-tokens.arrow"),
             new_fingerprint=f"{key}-tokens",
             num_proc=num_proc,
@@ -187,9 +201,15 @@ def _prefixed(name: str, **counts: int) -> dict:
 
 
 def _row_stats(ds: datasets.Dataset, name: str) -> dict:
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    labels = pc.list_flatten(ds.data.column("labels"))
+    if "chosen_labels" in ds.column_names:  # preference pairs: both sides' tokens
+        labels = pa.concat_arrays(
+            [pc.list_flatten(ds.data.column(c)).combine_chunks() for c in ("chosen_labels", "rejected_labels")]
+        )
+    else:
+        labels = pc.list_flatten(ds.data.column("labels"))
     return {
         f"{name}_rows": len(ds),
         f"{name}_tokens": len(labels),

@@ -40,10 +40,59 @@ def _required_fields(source: DataSource) -> tuple[str, ...]:
     return (source.field or "text",)
 
 
+#: The fields of preference and KTO records (`data.preference`): the prompt, then the completions it pairs.
+FIELDS = {"preference": ("prompt", "chosen", "rejected"), "kto": ("prompt", "completion", "label")}
+
+
+def _turns(value: Any, role: str, where: str, name: str) -> tuple[list[dict] | None, list[str]]:
+    """A string as one turn of `role`, a turn object as itself, a list of turns checked."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}], []
+    items = [value] if isinstance(value, dict) else value
+    if not isinstance(items, list) or not items:
+        return None, [f"{where}: field '{name}' must be a string or a non-empty list of {{role, content}} objects"]
+    out, problems = [], []
+    for j, m in enumerate(items):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            problems.append(
+                f"{where}: {name}[{j}] must be an object with 'role' (one of {', '.join(ROLES)}) and 'content' (a string)"
+            )
+            continue
+        out.append({"role": m["role"], "content": m["content"]})
+    return (None if problems else out), problems
+
+
+def normalize_preference(record: dict, fmt: str, where: str) -> tuple[dict | None, list[str]]:
+    """A `preference` or `kto` record as chat turns (`prompt`: list of turns; completions: lists of
+    turns; kto's `label`: bool), or the problems that prevent it."""
+    missing = [f"{where}: missing field '{k}' (format {fmt})" for k in FIELDS[fmt] if record.get(k) is None]
+    if missing:
+        return None, missing
+    out: dict[str, Any] = {}
+    prompt, problems = _turns(record["prompt"], "user", where, "prompt")
+    out["prompt"] = prompt
+    for name in FIELDS[fmt][1:]:
+        if name == "label":
+            if not isinstance(record["label"], bool):
+                problems.append(f"{where}: field 'label' must be true (desirable) or false (undesirable)")
+            out["label"] = record["label"]
+            continue
+        turns, bad = _turns(record[name], "assistant", where, name)
+        problems += bad
+        if turns is not None and turns[-1]["role"] != "assistant":
+            problems.append(f"{where}: field '{name}' must end with an assistant turn (the answer that is trained)")
+        out[name] = turns
+    if fmt == "preference" and not problems and out["chosen"] == out["rejected"]:
+        problems.append(f"{where}: 'chosen' and 'rejected' are the same answer")
+    return (None if problems else out), problems
+
+
 def _normalize(record: Any, source: DataSource, where: str) -> tuple[dict | None, list[str]]:
     """The record reduced to the fields its format uses, or the problems that prevent that."""
     if not isinstance(record, dict):
         return None, [f"{where}: expected an object, got {type(record).__name__}"]
+    if source.format in ("preference", "kto"):
+        return normalize_preference(record, source.format, where)
     problems = []
     for name in _required_fields(source):
         if name not in record or record[name] is None:

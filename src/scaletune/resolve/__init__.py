@@ -106,7 +106,7 @@ def resolve_stages(cfg: Config) -> list[Stage]:
     (a key a stage gives replaces the top level's; a stage that sets `epochs` and not `max_steps`
     runs by epochs). An empty `stages` list is one implicit stage named `main`."""
     if not cfg.stages:
-        return [Stage(0, "main", cfg.data, cfg.training, False)]
+        return [Stage(0, "main", cfg.data, _decided_reference(cfg.training, cfg), False)]
     out = []
     for i, s in enumerate(cfg.stages):
         overrides = s.training.model_dump(exclude_none=True) if s.training else {}
@@ -127,8 +127,18 @@ def resolve_stages(cfg: Config) -> list[Stage]:
             data = DataConfig.model_validate({**cfg.data.model_dump(), **given})
         trainable = tuple(s.trainable) if s.trainable is not None else None
         frozen = tuple(s.frozen) if s.frozen is not None else None
-        out.append(Stage(i, s.name, data, training, s.continue_schedule, trainable, frozen))
+        out.append(Stage(i, s.name, data, _decided_reference(training, cfg), s.continue_schedule, trainable, frozen))
     return out
+
+
+def _decided_reference(training: TrainingConfig, cfg: Config) -> TrainingConfig:
+    """`preference.reference: auto` decided: `base` (adapters disabled, no second copy) under LoRA,
+    else `precomputed` (one pass before the stage, nothing resident)."""
+    pref = training.preference
+    if pref.reference != "auto":
+        return training
+    decided = "base" if cfg.model.lora is not None else "precomputed"
+    return training.model_copy(update={"preference": pref.model_copy(update={"reference": decided})})
 
 
 def decide(

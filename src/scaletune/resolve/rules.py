@@ -322,9 +322,76 @@ def _factory_rules(s: RunSpec) -> list[Problem]:
     return out
 
 
+#: The data format each objective trains on.
+OBJECTIVE_FORMATS = {"sft": ("alpaca", "messages", "text"), "kto": ("kto",)} | {
+    o: ("preference",) for o in ("dpo", "ipo", "orpo", "simpo")
+}
+
+
+def _objective_rules(s: RunSpec) -> list[Problem]:
+    """A stage's objective and its data agree; preference objectives train a Hugging Face causal LM
+    on unpacked pairs; `reference: base` needs adapters to disable."""
+    cfg, out = s.config, []
+    for stage in s.stages:
+        where = "" if not cfg.stages else f"stages.{stage.index}."
+        t, d = stage.training, stage.data
+        wanted = OBJECTIVE_FORMATS[t.objective]
+        for split, source in (("train", d.train), ("eval", d.eval)):
+            if source is not None and source.format not in wanted:
+                out.append(
+                    Problem(
+                        "objective",
+                        f"{where}data.{split}.format",
+                        f"{where}data.{split}.format is {source.format}, but {where}training.objective {t.objective} "
+                        f"trains on {' or '.join(wanted)} data",
+                        f"set format: {wanted[0]}"
+                        if t.objective != "sft"
+                        else "set training.objective to a preference loss",
+                    )
+                )
+        if t.objective == "sft":
+            continue
+        for key, given in (
+            ("data.packing", d.packing),
+            ("data.dummy", d.dummy is not None),
+            ("data.factory", d.factory),
+        ):
+            if given:
+                out.append(
+                    Problem(
+                        "objective",
+                        f"{where}{key}",
+                        f"{where}{key} cannot be used with training.objective {t.objective}: preference losses "
+                        "read whole chosen and rejected sequences from preference records",
+                        f"remove {key}",
+                    )
+                )
+        if cfg.model.factory is not None:
+            out.append(
+                Problem(
+                    "objective",
+                    "model.factory",
+                    f"training.objective {t.objective} needs a Hugging Face causal LM (model.name_or_path): it computes "
+                    "the log-probabilities of completions from the model's decoder and head",
+                    "use model.name_or_path, or objective sft",
+                )
+            )
+        if t.preference.reference == "base" and cfg.model.lora is None and t.objective in ("dpo", "ipo", "kto"):
+            out.append(
+                Problem(
+                    "objective",
+                    f"{where}training.preference.reference",
+                    "training.preference.reference base is the model with its LoRA adapters disabled, but model.lora is not set",
+                    "set reference: precomputed (or model), or add model.lora",
+                )
+            )
+    return out
+
+
 def rule_problems(spec: RunSpec) -> list[Problem]:
     """Every cross-field rule, on the decided run."""
     out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec) + _factory_rules(spec)
+    out += _objective_rules(spec)
     bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.world_size)
     if bad is not None:
         out.append(bad)

@@ -12,6 +12,7 @@ import torch
 
 from scaletune.data import count_batch_tokens, count_input_tokens, count_target_tokens, count_units, custom_inputs
 from scaletune.models.loss import target_index
+from scaletune.objectives.module import kl_inputs, preference_inputs
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -37,7 +38,46 @@ class BatchKind:
     targets: Callable[[dict], int]
     tokens: Callable[[dict], int]
     checks_units: bool = False
+    #: The loss module leaves detached stats sums after each forward (`PreferenceLoss.last_stats`).
+    collects_stats: bool = False
+    #: Runs before a step's (or an evaluation's) forwards, over its ``(micro_batch, counted)`` pairs:
+    #: KTO's KL pass, whose global mean every micro-batch's loss needs.
+    before_step: Callable[[Any, list], None] | None = None
 
 
 TEXT = BatchKind(model_inputs, lambda b: count_target_tokens(b["labels"]), count_input_tokens)
 CUSTOM = BatchKind(custom_inputs, count_units, count_batch_tokens, checks_units=True)
+
+
+def kto_kl_pass(strategy: Any, batches: list) -> None:
+    """KTO's reference point for one step: the mean over the global batch of (policy - reference)
+    log-probs of the KL rows, clamped at 0 and detached (Ethayarajh et al. 2024, eq. 8; TRL takes it
+    per micro-batch, which makes it depend on the batching). Every rank runs the same forwards."""
+    import torch
+
+    module = strategy.module
+    total = torch.zeros(2, dtype=torch.float64, device=strategy.device)
+    module.pass_kind = "kl"
+    try:
+        with torch.no_grad():
+            for mb, counted in batches:
+                with strategy.forward_context():
+                    out = strategy.model(**strategy.move_batch(kl_inputs(mb)))
+                if counted:
+                    total += out.detach().to(total.device, torch.float64)
+    finally:
+        module.pass_kind = "loss"
+    total = strategy.all_reduce_sum(total)
+    module.kl = (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
+
+
+def preference_kind(objective: Any) -> BatchKind:
+    """How the loop reads a micro-batch of `objective` (an `objectives.Objective`): its units, the
+    non-padding tokens of the rows trained on, its stats, KTO's KL pass."""
+    return BatchKind(
+        preference_inputs,
+        objective.units,
+        lambda b: int(b["attention_mask"].sum()),
+        collects_stats=True,
+        before_step=kto_kl_pass if objective.fmt == "kto" else None,
+    )

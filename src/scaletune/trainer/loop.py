@@ -14,14 +14,12 @@ transformers#34191, done across ranks).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,6 +33,7 @@ from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
 from scaletune.strategies import make_strategy
 from scaletune.strategies.base import torn_down
+from scaletune.trainer.handoff import OpenRunDirectory, Prepared, Resumed, RunDirectory
 from scaletune.trainer.metrics import (
     RunLogger,
     ThroughputWindow,
@@ -45,42 +44,13 @@ from scaletune.trainer.metrics import (
 )
 from scaletune.trainer.model_setup import StageFreezing
 from scaletune.trainer.model_source import model_source
+from scaletune.trainer.objectives import StageObjectives
 from scaletune.trainer.position import Position
 from scaletune.trainer.schedule import Schedule
 from scaletune.trainer.stages import StagePlan, plan_stages, stage_loaders
 from scaletune.trainer.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
 
 __all__ = ["Prepared", "Resumed", "RunDirectory", "Trainer"]
-
-
-class RunDirectory(Protocol):
-    """The run directory as the loop uses it (`run.rundir.RunDirectory`)."""
-
-    def checking(self) -> contextlib.AbstractContextManager[None]:
-        """Around the last checks (model wrapped, checkpoint resumed): a replaced run is rolled back on failure."""
-        ...
-
-
-#: Opens (locks, prepares) a run's directory for the run's lifetime (`run.rundir.opened`).
-OpenRunDirectory = Callable[[RunSpec], contextlib.AbstractContextManager[RunDirectory]]
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What `fit` prepares before the engine wraps the model, all of it there for every stage."""
-
-    tokenizer: Any  # the tokenizer or a factory's processor; None: a factory's model without one
-    plans: list[StagePlan]
-    freezing: StageFreezing
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """A resumed run's hand-off to the stage it continues in (taken once, by that stage's entry)."""
-
-    path: Path  # the checkpoint
-    progress: Progress
-    scheduler: dict  # the schedule's saved state
 
 
 class Trainer:
@@ -105,7 +75,8 @@ class Trainer:
         self.predicted_memory = predicted_memory
         self.open_run_dir = open_run_dir
         self.source = model_source(spec)
-        self.kind = self.source.kind
+        self.kind = self.source.kind  # a stage's objective may replace it (`enter_stage`)
+        self.preference = StageObjectives(spec)
         self.schedule = Schedule()
         self.position = Position()
         self.start_time = time.perf_counter()
@@ -195,8 +166,11 @@ class Trainer:
         if progress is not None:
             self.strategy.prepare_resume(self.spec.resume_from, progress.world_size)
         loss = self.source.loss(model, self.strategy)
+        if self.preference.any:
+            loss = self.preference.loss_module(loss)
         self.prepared.freezing.before_wrap(loss, self.strategy, progress.stage_index if progress is not None else 0)
         self.strategy.wrap(loss)
+        self.preference.after_wrap(self.strategy, self.source)
         if progress is not None:
             self.resume(progress)
 
@@ -241,8 +215,8 @@ class Trainer:
                 break
             lr = self.strategy.lr()
             result = train_step(self.strategy, micro, self.kind, check_units=not self.units_checked)
-            self.schedule.step()  # after the optimizer's step, as LambdaLR expects
             self.units_checked = True
+            self.schedule.step()  # after the optimizer's step, as LambdaLR expects
             self.position.advance(epoch, i)
             self.after_step(plan, lr, result, eval_loader, window)
 
@@ -275,6 +249,9 @@ class Trainer:
                 f"[scaletune] stage {stage.name} ended at step {start.stage_step} in the checkpoint; its steps are now "
                 f"{plan.total}: continuing, the learning-rate schedule stretched over {plan.schedule_steps} steps"
             )
+        self.kind = self.preference.enter(
+            plan, self.strategy, prepared.tokenizer, resumed is not None, self.source.kind
+        )
         batches, eval_loader = stage_loaders(plan, self.spec, prepared.tokenizer, start)
         retargeted = prepared.freezing.enter(self.strategy, stage.index)
         # A continuing stage keeps the running schedule; resumed into one, it rebuilds its origin's
@@ -319,8 +296,14 @@ class Trainer:
     # -- what a step leaves ----------------------------------------------------------------
     def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
         """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
-        loss, elapsed = evaluate(self.strategy, eval_loader, self.kind), round(time.perf_counter() - self.start_time, 3)
-        self.logger.log({"step": self.position.step, "stage": plan.stage.name, "eval_loss": loss, "elapsed_s": elapsed})
+        (loss, stats), elapsed = (
+            evaluate(self.strategy, eval_loader, self.kind),
+            round(time.perf_counter() - self.start_time, 3),
+        )
+        extra = {f"eval_{k}": v for k, v in self.preference.metrics(stats).items()}
+        self.logger.log(
+            {"step": self.position.step, "stage": plan.stage.name, "eval_loss": loss, **extra, "elapsed_s": elapsed}
+        )
 
     def log_step(self, plan: StagePlan, lr: float, result: StepResult, window: ThroughputWindow) -> None:
         """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
@@ -337,6 +320,7 @@ class Trainer:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
+                **self.preference.metrics(result.stats),
                 "tokens": int(result.tokens),
                 "tokens_per_s": window.close(now),
                 "elapsed_s": round(now - self.start_time, 3),

@@ -125,11 +125,24 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
     return plans
 
 
+def stage_collator(plan: StagePlan, tokenizer: Any) -> Any:
+    """A data factory's collator; preference pairs (and KTO records): `PreferenceCollator`; else the text `Collator`."""
+    from scaletune.data import Collator
+    from scaletune.data.preference import PreferenceCollator
+
+    if plan.bundle.collator is not None:
+        return plan.bundle.collator
+    source = plan.stage.data.train
+    if source is not None and source.format in ("preference", "kto"):
+        return PreferenceCollator(tokenizer.pad_token_id, source.format)
+    return Collator(tokenizer.pad_token_id)
+
+
 def stage_loaders(plan: StagePlan, spec: RunSpec, tokenizer: Any, start: Progress | None) -> tuple[Iterator, Any]:
     """(global batches from the stage's start or from `start`'s position, the eval loader or None)."""
-    from scaletune.data import Collator, global_batches, make_eval_loader, make_loader
+    from scaletune.data import global_batches, make_eval_loader, make_loader
 
-    collator = plan.bundle.collator or Collator(tokenizer.pad_token_id)
+    collator = stage_collator(plan, tokenizer)
     stage, env = plan.stage, spec.env
     loader, sampler = make_loader(
         plan.bundle.train, collator, plan.batch, env, spec.config.seed, stage.data.num_workers

@@ -36,10 +36,16 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # global mean token loss (0-dim, on device)
+    loss: torch.Tensor  # global mean loss (0-dim, on device)
     grad_norm: torch.Tensor
     tokens: torch.Tensor  # non-padding tokens, global count (float64, on device: read it at log time)
     skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
+    stats: torch.Tensor | None = None  # a preference objective's global stats sums (float64, on device)
+
+
+def _units(kind: BatchKind, mb: dict) -> tuple[int, ...]:
+    units = kind.targets(mb)
+    return tuple(units) if isinstance(units, (tuple, list)) else (units,)
 
 
 def train_step(
@@ -52,12 +58,16 @@ def train_step(
 
     The loss of each micro-batch is its summed token loss divided by the target tokens of the
     whole global batch (all-reduced first), so accumulation and world size do not change the step.
-    `kind` says how batches are read and counted (`batches.TEXT`, `batches.CUSTOM`); `check_units`
-    compares a factory module's own count of its first micro-batch with the loop's.
+    A preference objective's loss has one component per unit it averages over (pairs; ORPO also
+    chosen tokens), each divided by that unit's global count. `kind` says how batches are read and
+    counted (`batches.TEXT`, `batches.CUSTOM`, `batches.preference_kind`); `check_units` compares a
+    factory module's own count of its first micro-batch with the loop's.
     """
     device = strategy.device
+    per_batch = [_units(kind, mb) for mb in micro_batches]
+    k = len(per_batch[0])
     counts = torch.tensor(
-        [sum(kind.targets(mb) for mb in micro_batches), sum(kind.tokens(mb) for mb in micro_batches)],
+        [sum(u[j] for u in per_batch) for j in range(k)] + [sum(kind.tokens(mb) for mb in micro_batches)],
         dtype=torch.float64,
     )
     if device.type == "cuda":
@@ -66,26 +76,37 @@ def train_step(
         # then stay on the device (StepResult.tokens); the loop reads them when it logs.
         counts = counts.pin_memory().to(device, non_blocking=True)
     counts = strategy.all_reduce_sum(counts)
-    denominator = counts[0].clamp(min=1).to(device, torch.float32)
+    denominator = counts[:k].clamp(min=1).to(device, torch.float32)
+    if kind.before_step is not None:
+        kind.before_step(strategy, [(mb, True) for mb in micro_batches])
     loss_total = torch.zeros((), dtype=torch.float32, device=device)
+    stats = None
     n = len(micro_batches)
     for i, mb in enumerate(micro_batches):
         inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.micro_step(is_last=i == n - 1):
             with strategy.forward_context():
-                loss = strategy.model(**inputs) / denominator
+                loss = (strategy.model(**inputs) / denominator).sum()
             if check_units and i == 0 and kind.checks_units:
                 strategy.module.check_units(kind.targets(mb))
             strategy.backward(loss)
         loss_total += loss.detach()
+        if kind.collects_stats:
+            mb_stats = strategy.module.last_stats.to(device)
+            stats = mb_stats if stats is None else stats + mb_stats
     grad_norm = strategy.step()
-    return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[1], strategy.skipped_step)
+    if stats is None:
+        return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[k], strategy.skipped_step)
+    both = strategy.all_reduce_sum(torch.cat([loss_total.double().reshape(1), stats]))
+    return StepResult(both[0].float(), grad_norm, counts[k], strategy.skipped_step, both[1:])
 
 
 @torch.no_grad()
-def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> float:
-    """Mean token loss (loss per target unit) over the whole eval set: the summed loss and target
-    count of every rank's micro-batches, all-reduced, then divided once (as one process would).
+def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> tuple[float, torch.Tensor | None]:
+    """Mean loss over the whole eval set: each loss component's sum over every rank's micro-batches,
+    all-reduced, divided once by its unit's total (as one process would): the mean token loss for
+    SFT, the objective's loss for preference data. Returns (loss, the objective's global stats sums
+    or None).
 
     `loader` yields ``(micro_batch, counted)`` (`data.EvalBatches`): every rank runs the same number
     of forwards, filler batches included (FSDP and ZeRO-3 gather parameters in each), and a filler's
@@ -93,16 +114,35 @@ def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> flo
     """
     strategy.train_mode(False)
     device = strategy.device
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    targets = 0
-    for mb, counted in loader:
+    batches = loader
+    if kind.before_step is not None:
+        batches = list(loader)  # KTO: the KL pass over the whole set first
+        kind.before_step(strategy, batches)
+    sums: torch.Tensor | None = None
+    units: list[float] = []
+    stats = None
+    k = 1
+    for mb, counted in batches:
         inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.forward_context():
             loss = strategy.model(**inputs)
-        if counted:
-            loss_sum += loss.detach().to(device, torch.float64)
-            targets += kind.targets(mb)
+        k = len(_units(kind, mb))
+        if not counted:
+            continue
+        loss = loss.detach().to(device, torch.float64).reshape(-1)
+        sums = loss if sums is None else sums + loss
+        mb_units = _units(kind, mb)
+        units = [a + b for a, b in zip(units, mb_units)] if units else list(mb_units)
+        if kind.collects_stats:
+            mb_stats = strategy.module.last_stats.to(device)
+            stats = mb_stats if stats is None else stats + mb_stats
     strategy.train_mode(True)
-    total = torch.stack([loss_sum, torch.tensor(float(targets), dtype=torch.float64, device=device)])
-    total = strategy.all_reduce_sum(total).cpu()
-    return float(total[0] / total[1].clamp(min=1))
+    if sums is None:  # this rank evaluated fillers only: zeros of the right length for the all-reduce
+        sums, units = torch.zeros(k, dtype=torch.float64, device=device), [0.0] * k
+        if kind.collects_stats:
+            stats = torch.zeros_like(strategy.module.last_stats, device=device)
+    k = sums.numel()
+    parts = [sums, torch.tensor(units, dtype=torch.float64, device=device)] + ([stats] if stats is not None else [])
+    total = strategy.all_reduce_sum(torch.cat(parts)).cpu()
+    loss = float((total[:k] / total[k : 2 * k].clamp(min=1)).sum())
+    return loss, (total[2 * k :] if stats is not None else None)

@@ -1,0 +1,113 @@
+"""Per-sequence log-probabilities of the trained tokens: what every preference loss is built from.
+
+The decoder runs once over the batch; the output head and log-softmax run only at target positions,
+in chunks under activation checkpointing (as `models.loss.CausalLMLoss` does for the SFT loss), so
+the full ``[rows, T, vocab]`` logits never exist. Each target's log-probability is added to its row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from scaletune.models.loss import IGNORE_INDEX, _decoder_and_head, default_chunk, packed_mask
+
+__all__ = ["sequence_logps", "token_logps"]
+
+
+def _head_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()
+    return -F.cross_entropy(logits, targets.to(logits.device), reduction="none")
+
+
+def token_logps(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None, *, partitioned: bool = False
+) -> torch.Tensor:
+    """log p(targets[i] | hidden[i]) under `head`, chunk by chunk.
+
+    Args:
+        hidden: [n, hidden_size] final hidden states at target positions.
+        head: the output projection (hidden_size -> vocab).
+        targets: [n] int64 token ids.
+        chunk: rows per chunk (default `models.loss.default_chunk`).
+        partitioned: the engine gathers the head's weight inside each call (DeepSpeed ZeRO-3): one
+            call per micro-batch on every rank, also with no target, since unequal calls deadlock.
+
+    Returns:
+        [n] float32 log-probabilities (connected to the graph when grad is enabled).
+    """
+    grad = torch.is_grad_enabled()
+    n = hidden.size(0)
+    if partitioned or n == 0:
+        return (
+            checkpoint(_head_logps, hidden, head, targets, use_reentrant=False)
+            if grad
+            else _head_logps(hidden, head, targets)
+        )
+    if chunk is None:
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        chunk = default_chunk(vocab, hidden.device)
+    parts = []
+    for start in range(0, n, chunk):
+        h, y = hidden[start : start + chunk], targets[start : start + chunk]
+        parts.append(checkpoint(_head_logps, h, head, y, use_reentrant=False) if grad else _head_logps(h, head, y))
+    return torch.cat(parts)
+
+
+def sequence_logps(
+    causal_lm: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    partitioned_head: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probability of each row's trained tokens, and how many there are.
+
+    Args:
+        causal_lm: a Hugging Face causal LM, or a peft model around one.
+        input_ids: [B, T] token ids.
+        labels: [B, T] unshifted labels (-100 where not trained): position t predicts labels[t+1].
+        attention_mask: [B, T] 1 real, 0 padding (None: packed rows, masked by position_ids).
+        position_ids: [B, T].
+        partitioned_head: DeepSpeed ZeRO-3 partitions the head (see :func:`token_logps`).
+        chunk: head rows per chunk.
+
+    Returns:
+        (logp [B] float32: sum over the row's targets of log p(label), tokens [B] int64: its targets).
+    """
+    shifted = labels[:, 1:]
+    flat = shifted.reshape(-1)
+    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = torch.div(index, shifted.size(1), rounding_mode="floor")
+    tokens = torch.zeros(labels.size(0), dtype=torch.long, device=labels.device).index_add_(
+        0, rows, torch.ones_like(rows)
+    )
+    config = getattr(causal_lm, "config", None)
+    if attention_mask is None and position_ids is not None:
+        attention_mask = packed_mask(config, position_ids)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        # Heads that transform logits (Gemma-2 soft-capping, Cohere's scale): the model's own forward.
+        logits = causal_lm(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+        picked = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index.to(logits.device)).float()
+        per_token = -F.cross_entropy(
+            picked, flat.to(logits.device).index_select(0, index.to(logits.device)), reduction="none"
+        )
+    else:
+        decoder, head = _decoder_and_head(causal_lm)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1, :]
+        idx = index.to(hidden.device)
+        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, idx)
+        per_token = token_logps(
+            hidden, head, flat.to(hidden.device).index_select(0, idx), chunk, partitioned=partitioned_head
+        )
+    per_token = per_token.to(labels.device)
+    logp = torch.zeros(labels.size(0), dtype=torch.float32, device=labels.device).index_add(0, rows, per_token)
+    return logp, tokens

@@ -1,0 +1,80 @@
+"""The stages' training objectives, owned in one place: the loss module a run with a preference
+stage wraps (`objectives.module.PreferenceLoss`), each stage's objective set on it when the stage
+starts, its reference (precomputed tables attached to the stage's data, or the frozen model of
+`reference: model` made resident once), the batch kind the step reads, and the metrics it adds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from scaletune.objectives.objective import KTO, Objective, objective_for
+
+if TYPE_CHECKING:
+    from scaletune.resolve import RunSpec
+    from scaletune.trainer.batches import BatchKind
+    from scaletune.trainer.stages import StagePlan
+
+__all__ = ["StageObjectives"]
+
+
+class StageObjectives:
+    """Per stage: SFT (None) or an `objectives.Objective`; `any`: a stage trains a preference loss."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+        self.by_stage: dict[int, Objective | None] = {
+            st.index: objective_for(st.training.objective, st.training.preference) for st in spec.stages
+        }
+        self.any = any(o is not None for o in self.by_stage.values())
+        self.current: Objective | None = None
+        self.strategy: Any = None
+
+    def loss_module(self, loss: Any) -> Any:
+        """The SFT loss module (`models.loss.CausalLMLoss`) as a `PreferenceLoss` with its settings."""
+        from scaletune.objectives.module import PreferenceLoss
+
+        return PreferenceLoss(
+            loss.causal_lm,
+            chunk=loss.chunk,
+            activation_offload=loss.activation_offload,
+            liger=loss.liger,
+            partitioned_head=loss.partitioned_head,
+        )
+
+    def after_wrap(self, strategy: Any, source: Any) -> None:
+        """`reference: model` in any stage: the frozen reference loaded and made resident like the policy."""
+        self.strategy = strategy
+        wanted = [
+            o for o in self.by_stage.values() if o is not None and o.uses_reference and o.settings.reference == "model"
+        ]
+        if wanted:
+            strategy.module.set_reference(strategy.wrap_reference(source.load_reference(strategy)))
+
+    def enter(self, plan: StagePlan, strategy: Any, tokenizer: Any, resumed: bool, default: BatchKind) -> BatchKind:
+        """Set the stage's objective on the loss module; `reference: precomputed`: attach the
+        reference tables to the stage's data (computed now unless cached). Returns the batch kind."""
+        from scaletune.trainer.batches import preference_kind
+
+        objective = self.current = self.by_stage[plan.stage.index]
+        self.strategy = strategy
+        if not self.any:
+            return default
+        strategy.module.objective = objective
+        if objective is None:
+            return default
+        strategy.module.reference_mode = objective.settings.reference
+        if objective.uses_reference and objective.settings.reference == "precomputed":
+            from scaletune.objectives.reference import reference_tables
+            from scaletune.trainer.stages import stage_collator
+
+            reference_tables(strategy, self.spec, plan, stage_collator(plan, tokenizer), resumed=resumed)
+        return preference_kind(objective)
+
+    def metrics(self, stats: Any) -> dict[str, float]:
+        """The current objective's metrics from global stats sums (empty for SFT)."""
+        if stats is None or self.current is None:
+            return {}
+        out = self.current.metrics(stats.tolist())
+        if isinstance(self.current, KTO) and self.strategy.module.kl is not None:
+            out["kl"] = float(self.strategy.module.kl)
+        return out
