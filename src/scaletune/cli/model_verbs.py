@@ -120,7 +120,11 @@ def generate(
 def eval_(
     target: TargetArg,
     data: Annotated[
-        str | None, typer.Option(help="Data file, folder or data set name (as data.train.path): loss and perplexity.")
+        str | None,
+        typer.Option(
+            help="Data file, folder or data set name (as data.train.path): loss and perplexity; with "
+            "--format preference, reward accuracy and margins of its pairs."
+        ),
     ] = None,
     tasks: Annotated[
         str | None,
@@ -133,11 +137,31 @@ def eval_(
     output: Annotated[
         Path | None,
         typer.Option(
-            "-o", "--output", help="--tasks: folder for the results (default: the run's eval/; none for other models)."
+            "-o",
+            "--output",
+            help="--tasks and --format preference: folder for the results (default: the run's eval/; none for "
+            "other models).",
         ),
     ] = None,
     format: Annotated[
-        str | None, typer.Option("--format", help="alpaca, messages or text (default: the run's, else alpaca).")
+        str | None,
+        typer.Option(
+            "--format",
+            help="alpaca, messages, text (default: the run's, else alpaca) or preference ({prompt, chosen, "
+            "rejected} pairs: reward accuracy and margins).",
+        ),
+    ] = None,
+    reference: Annotated[
+        str | None,
+        typer.Option(
+            help="--format preference: the reference model (folder, run, preset or hub id). Default: a LoRA "
+            "adapter's own base (adapter disabled), else the run's model.name_or_path; none for a model "
+            "without a run (log-prob margins only)."
+        ),
+    ] = None,
+    beta: Annotated[
+        float | None,
+        typer.Option(help="--format preference: the rewards' beta (default: the run's, else 0.1)."),
     ] = None,
     field: Annotated[str | None, typer.Option(help="Column holding the records (text / messages).")] = None,
     max_seq_length: Annotated[
@@ -151,7 +175,10 @@ def eval_(
 ) -> None:
     """With --data: mean loss and perplexity on a data set, over the tokens training would train
     (the same prompt format, masking and truncation), so it compares with eval_loss in
-    metrics.jsonl. With --tasks: zero-shot benchmarks through EleutherAI's lm-evaluation-harness
+    metrics.jsonl. With --data and --format preference: over {prompt, chosen, rejected} pairs,
+    rendered and masked as training does, the reward accuracy (chosen reward strictly above
+    rejected), mean reward margin and mean log-probs of chosen and rejected answers, against the
+    reference (--reference); table printed, JSON written to the run's eval/ (or --output). With --tasks: zero-shot benchmarks through EleutherAI's lm-evaluation-harness
     on task data shipped with scaletune (offline); prints the harness's table and writes its
     results (per task and per item) as JSON to the run's eval/ (or --output)."""
     from scaletune.errors import UserError
@@ -160,8 +187,17 @@ def eval_(
     problems: list[str] = []
     if (data is None) == (tasks is None):
         problems.append("give exactly one of --data (loss and perplexity) and --tasks (lm-eval benchmarks)")
-    if format is not None and format not in ("alpaca", "messages", "text"):
-        problems.append(f"--format {format}: use alpaca, messages or text")
+    if format is not None and format not in ("alpaca", "messages", "text", "preference"):
+        problems.append(f"--format {format}: use alpaca, messages, text or preference")
+    pairs = format == "preference"
+    if beta is not None and not beta > 0:
+        problems.append(f"--beta {beta}: must be above 0")
+    if not pairs:
+        problems += [
+            f"{f} applies to --format preference"
+            for f, v in (("--reference", reference), ("--beta", beta))
+            if v is not None
+        ]
     names: list[str] = []
     if tasks is not None:
         from scaletune.inference.lm_eval_tasks import parse_tasks
@@ -175,8 +211,19 @@ def eval_(
         if template != "auto":  # the harness writes each task's own prompt, as its YAML says
             problems.append(f"--template {template} applies to --data, not --tasks (a task's prompt is its own)")
     elif data is not None:
-        given = [f for f, v in (("--limit", limit), ("--output", output)) if v is not None]
+        given = [f for f, v in (("--limit", limit), ("--output", None if pairs else output)) if v is not None]
         problems += [f"{f} applies to --tasks, not --data" for f in given]
+        if pairs and field is not None:
+            problems.append("--field applies to text and messages data, not --format preference")
+    plan = None
+    if pairs and tasks is None:
+        from scaletune.inference.evaluate import preference_plan
+        from scaletune.inference.loading import find_target
+
+        try:
+            plan = preference_plan(find_target(target), reference, beta)
+        except UserError as exc:
+            problems += exc.problems
     if problems:
         raise UserError(problems, title="invalid arguments")
     loaded = _load(target, dtype, template, trust_remote_code)
@@ -193,6 +240,9 @@ def eval_(
         typer.echo(f"results: {path}" if path else "results not written (not a run; give --output DIR)", err=True)
         return
     assert data is not None
+    if plan is not None:
+        _eval_pairs(loaded, plan, target, data, max_seq_length, batch_size, output, json_out, dtype, trust_remote_code)
+        return
     result = evaluate(loaded, eval_data_config(loaded, data, format, max_seq_length, field), batch_size=batch_size)
     if json_out:
         typer.echo(json.dumps(result))
@@ -201,3 +251,28 @@ def eval_(
         f"loss {result['loss']:.4f}  perplexity {result['perplexity']:.2f}  "
         f"({result['target_tokens']:,} target tokens in {result['examples']} examples; {loaded.description})"
     )
+
+
+def _eval_pairs(loaded, plan, target, data, max_seq_length, batch_size, output, json_out, dtype, trust) -> None:
+    """`eval --format preference`: the reference loaded where the plan names one, the table
+    printed and the JSON written (the run's eval/ or --output), as --tasks does."""
+    from scaletune.inference.evaluate import (
+        eval_data_config,
+        evaluate_preference,
+        preference_table,
+        write_preference_report,
+    )
+    from scaletune.inference.lm_eval_tasks import default_out_dir
+
+    ref_model = None
+    if plan.rewards == "reference" and plan.reference != "adapter":
+        ref_model = _load(plan.reference, dtype, "none", trust).model
+    cfg = eval_data_config(loaded, data, "preference", max_seq_length)
+    result = evaluate_preference(loaded, cfg, plan, reference_model=ref_model, batch_size=batch_size)
+    out_dir = output or default_out_dir(target)
+    path = write_preference_report(result, out_dir) if out_dir is not None else None
+    if json_out:
+        typer.echo(json.dumps({**result, "file": str(path) if path else None}))
+        return
+    typer.echo(f"{loaded.description}\n{preference_table(result)}")
+    typer.echo(f"results: {path}" if path else "results not written (not a run; give --output DIR)", err=True)

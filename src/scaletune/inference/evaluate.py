@@ -1,13 +1,19 @@
 """Loss and perplexity of a model on a data set, tokenized and masked exactly as training does
-(the data package's encoder and collator, the training loss module)."""
+(the data package's encoder and collator, the training loss module); reward accuracy and margins of
+preference pairs against a reference model (the preference rows and `objectives.sequence_logps`)."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from scaletune.config import DataConfig, DataSource
-from scaletune.inference.loading import LoadedModel
+from scaletune.config import Config, DataConfig, DataSource
+from scaletune.errors import UserError
+from scaletune.inference.loading import LoadedModel, Target
 
 
 def eval_data_config(
@@ -66,3 +72,198 @@ def evaluate(loaded: LoadedModel, data_cfg: DataConfig, *, batch_size: int = 8) 
         "examples": len(rows),
         "truncated": bundle.stats.get("truncated", 0),
     }
+
+
+# -- preference pairs (`--format preference`, issue 24) ---------------------------------------------
+
+#: Objectives whose rewards need no reference: beta times the average log-prob per completion token.
+REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo")
+
+
+@dataclass(frozen=True)
+class PreferencePlan:
+    """What `eval --format preference` compares: the policy against `reference`.
+
+    Attributes:
+        objective: the run's preference objective (its last stage's that has one; `dpo` without a run).
+        beta: the rewards' scale.
+        reference: "adapter" (the policy's own base: the LoRA adapter disabled), a model to load
+            (name, folder or run), or None: no reference (SimPO/ORPO rewards, or log-probs only).
+        rewards: "reference" (beta * (logp - reference logp), summed over completion tokens),
+            "length" (beta * logp / completion tokens: SimPO, ORPO) or None (a bare model without
+            --reference: log-prob margins only).
+    """
+
+    objective: str
+    beta: float
+    reference: str | None
+    rewards: str | None
+
+    def describe(self) -> str:
+        if self.rewards is None:
+            return "reference-free: no run and no --reference, so no rewards; log-prob margins only"
+        if self.rewards == "length":
+            return f"rewards: beta * mean log-prob per completion token ({self.objective} has no reference)"
+        ref = "the base model (LoRA adapter disabled)" if self.reference == "adapter" else str(self.reference)
+        return f"rewards: beta * (logp - reference logp), summed over completion tokens; reference: {ref}"
+
+
+def _run_preference(run: Config) -> tuple[str, Any]:
+    """The objective and `preference` settings the run ended with: the last stage that trains a
+    preference objective (a stage's `preference` replaces the top level's), else the top level's."""
+    objective, settings = run.training.objective, run.training.preference
+    for stage in run.stages or []:
+        t = stage.training
+        obj = (t.objective if t is not None and t.objective is not None else None) or run.training.objective
+        if obj != "sft":
+            objective = obj
+            settings = t.preference if t is not None and t.preference is not None else run.training.preference
+    return objective, settings
+
+
+def preference_plan(target: Target, reference: str | None, beta: float | None) -> PreferencePlan:
+    """The reference and beta for RUN_OR_MODEL: a LoRA adapter is compared with its own base (the
+    adapter disabled), as `reference: base` trains; another model with `reference` (default: the
+    run's `model.name_or_path`, the model a full fine-tune started from); a model without a run
+    and without `reference` is not compared (log-probs only). beta: `beta`, else the run's
+    `training.preference.beta`, else 0.1. A SimPO or ORPO run's rewards need no reference.
+
+    Raises:
+        UserError: `reference` given for a SimPO or ORPO run (their rewards have none).
+    """
+    run = target.run_config
+    objective, settings = _run_preference(run) if run is not None else ("dpo", None)
+    if objective == "sft":
+        objective = "dpo"  # an SFT run scored on pairs: DPO's rewards against its starting model
+    beta = beta if beta is not None else (settings.beta if settings is not None else 0.1)
+    if objective in REFERENCE_FREE_OBJECTIVES:
+        if reference is not None:
+            raise UserError(
+                f"--reference {reference}: this run trained {objective}, whose rewards use no reference model",
+                title="invalid arguments",
+            )
+        return PreferencePlan(objective, beta, None, "length")
+    if reference is not None:
+        return PreferencePlan(objective, beta, reference, "reference")
+    if target.adapter:
+        return PreferencePlan(objective, beta, "adapter", "reference")
+    if run is not None:
+        return PreferencePlan(objective, beta, run.model.name_or_path, "reference")
+    return PreferencePlan(objective, beta, None, None)
+
+
+def evaluate_preference(
+    loaded: LoadedModel, data_cfg: DataConfig, plan: PreferencePlan, *, reference_model: Any = None, batch_size: int = 8
+) -> dict[str, Any]:
+    """Reward accuracy and margin of preference pairs, rendered and masked as training renders them
+    (the data package's preference rows and collator: each micro-batch of m pairs is one forward
+    over 2m rows) and scored with the trainer's `sequence_logps`.
+
+    Args:
+        loaded: the policy.
+        data_cfg: a `data` section whose `train` source has `format: preference`.
+        plan: from :func:`preference_plan`.
+        reference_model: the loaded reference when `plan.reference` names a model to load.
+        batch_size: pairs per forward.
+
+    Returns:
+        `pairs`, `truncated`, `objective`, `beta`, `rewards` (what they are), `reward_accuracy`
+        (the fraction of pairs whose chosen reward is strictly above the rejected one's: a tie is
+        not correct, as in training), `reward_margin` (mean chosen - rejected reward), `logp_chosen`,
+        `logp_rejected` (mean summed log-probs), `logp_margin`, `logp_accuracy` (the same on the
+        policy's log-probs alone). Rewards are None where the plan has none.
+
+    Raises:
+        DataError: the data cannot be read or leaves no pair to score.
+    """
+    import torch
+
+    from scaletune.data import build_datasets
+    from scaletune.data.preference import PreferenceCollator
+    from scaletune.models import max_positions
+    from scaletune.objectives.logprobs import sequence_logps
+
+    tok = loaded.tokenizer
+    base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()
+    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(base.config))
+    rows = bundle.train
+    collate = PreferenceCollator(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, "preference")
+    policy_parts, ref_parts, token_parts = [], [], []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = collate([rows[i] for i in range(start, min(start + batch_size, len(rows)))])
+            inputs = [batch[k].to(loaded.device) for k in ("input_ids", "labels", "attention_mask", "position_ids")]
+            logp, tokens = sequence_logps(loaded.model, *inputs)
+            policy_parts.append(logp.double().cpu())
+            token_parts.append(tokens.cpu())
+            if plan.reference == "adapter":
+                with loaded.model.disable_adapter():
+                    ref_parts.append(sequence_logps(loaded.model, *inputs)[0].double().cpu())
+            elif plan.rewards == "reference":
+                ref_inputs = [t.to(next(reference_model.parameters()).device) for t in inputs]
+                ref_parts.append(sequence_logps(reference_model, *ref_inputs)[0].double().cpu())
+    chosen, rejected, tc, tr, ref_c, ref_r = _split_pairs(policy_parts, token_parts, ref_parts)
+    out: dict[str, Any] = {
+        "format": "preference",
+        "pairs": int(chosen.numel()),
+        "truncated": bundle.stats.get("truncated", 0),
+        "objective": plan.objective,
+        "beta": plan.beta,
+        "reference": plan.reference,
+        "rewards": plan.describe(),
+        "reward_accuracy": None,
+        "reward_margin": None,
+        "logp_chosen": float(chosen.mean()),
+        "logp_rejected": float(rejected.mean()),
+        "logp_margin": float((chosen - rejected).mean()),
+        "logp_accuracy": float((chosen > rejected).double().mean()),
+    }
+    if plan.rewards is not None:
+        if plan.rewards == "length":
+            rc, rr = plan.beta * chosen / tc.clamp(min=1), plan.beta * rejected / tr.clamp(min=1)
+        else:
+            rc, rr = plan.beta * (chosen - ref_c), plan.beta * (rejected - ref_r)
+        out["reward_accuracy"] = float((rc > rr).double().mean())
+        out["reward_margin"] = float((rc - rr).mean())
+    return out
+
+
+def _split_pairs(policy: list, tokens: list, ref: list) -> tuple:
+    """(chosen, rejected) of each per-row list: every micro-batch's rows are m chosen then m rejected."""
+    import torch
+
+    def halves(parts: list) -> tuple:
+        if not parts:
+            return None, None
+        return torch.cat([p[: p.numel() // 2] for p in parts]), torch.cat([p[p.numel() // 2 :] for p in parts])
+
+    return (*halves(policy), *halves(tokens), *halves(ref))
+
+
+def preference_table(result: dict[str, Any]) -> str:
+    """The result as a Markdown table (metric, value), with what the rewards are under it."""
+    lines = ["| metric | value |", "| --- | --- |", f"| pairs | {result['pairs']} |"]
+    for key in ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected", "logp_margin", "logp_accuracy"):
+        value = result[key]
+        lines.append(f"| {key} | {'n/a' if value is None else f'{value:.4f}'} |")
+    lines.append(f"| beta | {result['beta']:g} |")
+    return "\n".join(lines) + f"\n\n{result['rewards']}\n"
+
+
+def write_preference_report(result: dict[str, Any], out_dir: Path) -> Path:
+    """`preference-<UTC time>.json` (and its table as `.md`) in `out_dir` (created); returns the JSON's path.
+
+    Raises:
+        UserError: `out_dir` cannot be created or written.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path, n = out_dir / f"preference-{stamp}.json", 1
+        while path.exists():  # two evaluations in one second keep both
+            path, n = out_dir / f"preference-{stamp}-{n}.json", n + 1
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        path.with_suffix(".md").write_text(preference_table(result))
+    except OSError as exc:
+        raise UserError(f"{out_dir}: cannot write the results: {exc}", title="invalid arguments") from None
+    return path

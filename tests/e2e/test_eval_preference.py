@@ -1,0 +1,134 @@
+"""`scaletune eval RUN --data PAIRS --format preference` (issue 24) against the trainer's own
+evaluation of the same held-out pairs (an independent code path: the loop's all-reduced eval with
+its own batching, reference tables and stats): real tiny DPO runs, LoRA (reference: the adapter
+disabled) and full fine-tune (reference: the run's model.name_or_path), and the lr=0 control, whose
+policy is its reference: margin 0 and no pair correct, since a tie is not a win (as the trainer
+counts it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import REPO_ROOT, make_config, metrics, run_cli, train
+
+PAIRS = REPO_ROOT / "examples" / "data" / "alpaca_pairs.jsonl"
+HELDOUT = REPO_ROOT / "examples" / "data" / "alpaca_pairs_heldout.jsonl"
+BETA = 0.25  # not the default 0.1: the eval must take the run's
+LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0}}
+
+
+def dpo_config(model, out, held, **training):
+    return make_config(
+        model,
+        out,
+        data={
+            "train": {"path": str(PAIRS), "format": "preference", "max_samples": 32},
+            "eval": {"path": str(held), "format": "preference"},
+        },
+        training={
+            "objective": "dpo",
+            "preference": {"beta": BETA},
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "max_steps": 4,
+            "eval_every": 2,
+            "save_every": 0,
+            "learning_rate": 5e-3,
+            **training,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def held(module_tmp_path):
+    path = module_tmp_path / "heldout.jsonl"
+    path.write_text("".join(HELDOUT.read_text().splitlines(keepends=True)[:16]))
+    return path
+
+
+def run_dpo(tiny_model_dir, tmp, held, name, model=None, **training):
+    cfg = dpo_config(tiny_model_dir, tmp / name, held, **training)
+    if model is not None:
+        cfg["model"].update(model)
+    train(cfg, tmp, name=f"{name}.yaml")
+    return tmp / name
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, module_tmp_path, held):
+    return run_dpo(tiny_model_dir, module_tmp_path, held, "lora", LORA)
+
+
+@pytest.fixture(scope="module")
+def control_run(tiny_model_dir, module_tmp_path, held):
+    return run_dpo(tiny_model_dir, module_tmp_path, held, "control", LORA, learning_rate=0.0)
+
+
+def evaluate(target, held, *extra) -> dict:
+    proc = run_cli(["eval", str(target), "--data", str(held), "--format", "preference", "--json", *extra])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def final_eval(run) -> dict:
+    return [r for r in metrics(run) if "eval_reward_accuracy" in r][-1]
+
+
+def test_lora_run_matches_the_trainers_final_eval(lora_run, held):
+    want = final_eval(lora_run)
+    got = evaluate(lora_run, held)  # 8 pairs per forward; the trainer's eval took 4
+    assert (got["pairs"], got["beta"], got["reference"]) == (16, BETA, "adapter"), got
+    assert got["reward_accuracy"] == want["eval_reward_accuracy"], (got, want)
+    assert abs(got["reward_margin"]) > 1e-3, got  # trained: the comparison is not of zeros
+    assert got["reward_margin"] == pytest.approx(want["eval_reward_margin"], abs=1e-5)
+    for key in ("logp_chosen", "logp_rejected"):
+        assert got[key] == pytest.approx(want[f"eval_{key}"], rel=1e-5), key
+    written = json.loads((lora_run / "eval" / got["file"].rsplit("/", 1)[1]).read_text())
+    assert written == {k: v for k, v in got.items() if k != "file"}
+    # --beta scales the rewards, not the log-probs: the margin in proportion, the order unchanged.
+    doubled = evaluate(lora_run, held, "--beta", str(2 * BETA))
+    assert doubled["reward_margin"] == pytest.approx(2 * got["reward_margin"], rel=1e-6)
+    assert doubled["reward_accuracy"] == got["reward_accuracy"]
+
+
+def test_lr0_control_has_no_margin_and_counts_ties_as_not_correct(control_run, held):
+    want = final_eval(control_run)
+    got = evaluate(control_run, held, "--batch-size", "4")
+    assert abs(got["reward_margin"]) <= 1e-6 and abs(want["eval_reward_margin"]) <= 1e-6, (got, want)
+    assert got["reward_accuracy"] == want["eval_reward_accuracy"] == 0.0, (got, want)
+    assert abs(got["logp_margin"]) > 1.0, got  # the answers differ; only the rewards tie
+
+
+def test_model_without_a_run_is_reference_free(tiny_model_dir, control_run, held):
+    got = evaluate(tiny_model_dir, held, "--batch-size", "4", "--max-seq-length", "64")  # the runs' length
+    assert got["reference"] is None and got["reward_accuracy"] is None and got["reward_margin"] is None, got
+    assert "reference-free" in got["rewards"] and got["file"] is None
+    control = evaluate(control_run, held, "--batch-size", "4")  # lr 0: the base model's log-probs
+    for key in ("logp_chosen", "logp_rejected", "logp_margin", "logp_accuracy"):
+        assert got[key] == pytest.approx(control[key], rel=1e-6), key
+    proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--format", "preference"])
+    assert proc.returncode == 0 and "| reward_accuracy | n/a |" in proc.stdout and "reference-free" in proc.stdout
+
+
+def test_full_finetune_is_compared_with_its_starting_model(tiny_model_dir, module_tmp_path, held):
+    run = run_dpo(tiny_model_dir, module_tmp_path, held, "full", max_steps=2)
+    want = final_eval(run)
+    got = evaluate(run, held)
+    assert got["reference"] == str(tiny_model_dir), got
+    assert got["reward_accuracy"] == want["eval_reward_accuracy"], (got, want)
+    assert abs(got["reward_margin"]) > 1e-3, got
+    assert got["reward_margin"] == pytest.approx(want["eval_reward_margin"], abs=1e-5)
+    # --reference the run itself: the policy against itself, as the lr=0 control.
+    same = evaluate(run, held, "--reference", str(run))
+    assert abs(same["reward_margin"]) <= 1e-6 and same["reward_accuracy"] == 0.0, same
+
+
+def test_bad_arguments_are_refused_together(tiny_model_dir, held):
+    proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--beta", "0", "--reference", "x"])
+    assert proc.returncode == 2, proc.stderr
+    for text in ("--beta 0.0: must be above 0", "--reference applies to --format preference"):
+        assert text in proc.stderr, proc.stderr
+    proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--format", "preference", "--field", "x"])
+    assert proc.returncode == 2 and "--field applies to" in proc.stderr, proc.stderr
