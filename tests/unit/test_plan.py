@@ -61,13 +61,14 @@ def test_llama32_1b_chooses_ddp():
 def test_json_shape(llama8b):
     cfg, shape = llama8b
     data = plan(cfg, world_size=8, gpu_memory_bytes=80 * GiB, shape=shape).to_json()
-    assert set(data) == {"strategies", "chosen", "reason"}
+    assert set(data) == {"strategies", "chosen", "reason", "reference"}
+    assert data["reference"]["mode"] == "none"  # an SFT run: no preference reference
     assert [s["name"] for s in data["strategies"]] == list(ORDER)
     for s in data["strategies"]:
         assert set(s) == {"name", "per_rank_bytes", "fits"}
         b = s["per_rank_bytes"]
-        assert set(b) == {"params", "grads", "optimizer", "activations", "total"}
-        assert b["total"] >= b["params"] + b["grads"] + b["optimizer"] + b["activations"]
+        assert set(b) == {"params", "grads", "optimizer", "activations", "reference", "total"}
+        assert b["total"] >= b["params"] + b["grads"] + b["optimizer"] + b["activations"] + b["reference"]
     json.dumps(data)
 
 

@@ -47,7 +47,8 @@ LoRA adds each adapter's `x A` (s b r) and, with `lora.dropout > 0`, the dropped
 layer keeps only its input (sbh) and one layer is recomputed at a time: `L sbh + one layer`.
 The loss (`loss.py`) never builds `[tokens, vocab]` logits: one chunk of 1024 target rows is
 alive, in the compute dtype, as fp32, its log-softmax and its gradient (`1024 V (b_c + 12)`).
-See also `simulate.py` (the meta model sharded by FSDP2 over a fake process group).
+See also `simulate.py` (the meta model sharded by FSDP2 over a fake process group), and
+`reference.py` for the reference model of preference training (`reference` per rank, in the total).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan, sequences_per_example
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
 from scaletune.resolve import FLOAT_DTYPES, AutoChoice
 from scaletune.strategies.deepspeed_config import PERSISTENCE_THRESHOLD as DS_PERSISTENCE_THRESHOLD
@@ -80,8 +82,9 @@ class StrategyPlan:
     """One strategy's bytes per rank (rank 0, which holds the largest shard).
 
     `per_rank_bytes` = device memory: params, grads, optimizer (with DeepSpeed's fp32 master
-    partition), activations (as configured: with or without checkpointing), total (the four plus
-    `margin`). Offloaded state is in `host_bytes` instead.
+    partition), activations (as configured: with or without checkpointing), reference (the frozen
+    reference model of preference training, `plan/reference.py`), total (the five plus `margin`).
+    Offloaded state is in `host_bytes` instead.
     """
 
     name: str
@@ -95,6 +98,7 @@ class StrategyPlan:
     activations_ckpt: int = 0
     host_bytes: int = 0
     scaletune: dict = field(default_factory=dict)  # {"strategy": ..., zero_stage / offload overrides}
+    reference: int = 0
 
     @property
     def model_states(self) -> int:
@@ -102,7 +106,7 @@ class StrategyPlan:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.margin
+        return self.params + self.grads + self.optimizer + self.activations + self.reference + self.margin
 
     @property
     def per_rank_bytes(self) -> dict[str, int]:
@@ -111,6 +115,7 @@ class StrategyPlan:
             "grads": self.grads,
             "optimizer": self.optimizer,
             "activations": self.activations,
+            "reference": self.reference,
             "total": self.total,
         }
 
@@ -127,9 +132,11 @@ class Plan:
     gpu_memory_bytes: int | None
     nodes: int = 1
     shape: ModelShape | None = None
+    reference: ReferencePlan | None = None
 
     def to_json(self) -> dict:
-        return {"strategies": [s.to_json() for s in self.strategies], "chosen": self.chosen, "reason": self.reason}
+        out = {"strategies": [s.to_json() for s in self.strategies], "chosen": self.chosen, "reason": self.reason}
+        return out | ({"reference": self.reference.to_json()} if self.reference is not None else {})
 
     def get(self, name: str) -> StrategyPlan:
         for s in self.strategies:
@@ -197,11 +204,11 @@ def _shard(p: ParamInfo, w: int) -> int:
 
 def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool) -> int:
     """Activation bytes of one micro-batch on one rank (see the module docstring), for the first
-    stage's sequence length; a factory's model: what its meta forward saved (`ModelShape.activations`)."""
+    stage's sequence length (a micro-batch of preference pairs is 2 sequences a pair); a factory's model: what its meta forward saved (`ModelShape.activations`)."""
     if shape.activations is not None:
         return shape.activations
     cfg = spec.config
-    s, b = spec.batch.max_seq_length, spec.batch.micro_batch_size
+    s, b = spec.batch.max_seq_length, spec.batch.micro_batch_size * sequences_per_example(spec)  # pairs: 2 rows
     h, i, L = shape.hidden, shape.intermediate, shape.layers
     p = FLOAT_DTYPES[spec.precision.compute][0]
     h_kv = shape.kv_heads * shape.head_dim
@@ -338,12 +345,15 @@ def plan(
     w = world_size or spec.world_size
     shape = shape or model_shape(spec)
     out = [_strategy_plan(n, shape, spec, w) for n in ORDER]
+    ref = reference_plan(spec)
     for s in out:
+        device, host = reference_bytes(s.name, shape, spec, w, ref)
+        s.reference, s.host_bytes, s.margin = device, s.host_bytes + host, s.margin + device // 10
         s.fits = None if gpu_memory_bytes is None else s.total <= gpu_memory_bytes
     # A quantized base cannot be sharded by FSDP (resolve/rules.py), so it is never chosen for one.
     quantized = spec.config.model.quantization is not None
     chosen, reason = _choose([s for s in out if not (quantized and s.name.startswith("fsdp"))], w, gpu_memory_bytes)
-    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape)
+    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref)
 
 
 def _choose(out: list[StrategyPlan], w: int, mem: int | None) -> tuple[str, str]:

@@ -16,17 +16,22 @@ def _gib(n: int) -> str:
 
 
 def render_table(p: Plan) -> Any:
-    """A rich Table of the plan (GiB per rank)."""
+    """A rich Table of the plan (GiB per rank); its caption says what the preference reference costs."""
     from rich.table import Table
 
     mem = f"{p.gpu_memory_bytes / GiB:.0f} GiB" if p.gpu_memory_bytes else "unknown memory"
-    t = Table(title=f"memory per rank, world size {p.world_size} ({p.nodes} node(s)), {mem} per device; GiB")
+    caption = p.reference.note if p.reference is not None and p.reference.mode != "none" else None
+    t = Table(
+        title=f"memory per rank, world size {p.world_size} ({p.nodes} node(s)), {mem} per device; GiB",
+        caption=caption,
+    )
     for col in (
         "strategy",
         "params",
         "grads",
         "optimizer",
         "activations",
+        "reference",
         "act. no ckpt",
         "act. ckpt",
         "margin",
@@ -44,6 +49,7 @@ def render_table(p: Plan) -> Any:
             _gib(s.grads),
             _gib(s.optimizer),
             _gib(s.activations),
+            _gib(s.reference),
             _gib(s.activations_no_ckpt),
             _gib(s.activations_ckpt),
             _gib(s.margin),
