@@ -35,6 +35,12 @@ BY_HAND = {
     "scaletune.cli.serve_verbs": ["tests/serve/test_auth_cli.py"],
     "scaletune.cli.remote_verbs": ["tests/serve/test_remote.py"],
     "scaletune.config.yamlfile": ["tests/unit/test_config.py"],
+    "scaletune.config.strict": ["tests/unit/test_config.py"],
+    "scaletune.trainer.handoff": ["tests/e2e/test_train_cli.py", "tests/distributed/test_resume.py"],
+    "scaletune.trainer.objectives": [
+        "tests/distributed/test_preference_parity.py",
+        "tests/distributed/test_preference_resume.py",
+    ],
     "scaletune.data.render": ["tests/unit/test_data.py", "tests/security/test_strangers_files.py"],
     "scaletune.data.render_worker": ["tests/security/test_strangers_files.py"],
     "scaletune.data.factory": ["tests/e2e/test_custom_models.py", "tests/distributed/test_custom_model.py"],

@@ -103,9 +103,9 @@ def attach_reference(dataset: Any, table: torch.Tensor, fmt: str) -> Any:
 def reference_tables(strategy: Any, spec: RunSpec, plan: Any, collator: Any, *, resumed: bool) -> None:
     """Attach the stage's reference columns to its train and eval sets (`plan.bundle`).
 
-    A run resuming inside the stage reads the table it wrote when the stage began
-    (``reference/stage-N.safetensors`` in the run directory: the model has trained since, so it cannot
-    be recomputed); a first stage reads the shared cache when it has the entry; otherwise
+    A run resuming inside the stage reads the table written when the stage began
+    (``reference/stage-N.safetensors`` in the checkpoint's run directory, else its own: the model has
+    trained since, so it cannot be recomputed); a first stage reads the shared cache when it has the entry; otherwise
     :func:`precompute`, then rank 0 writes both.
 
     Raises:
@@ -121,20 +121,25 @@ def reference_tables(strategy: Any, spec: RunSpec, plan: Any, collator: Any, *, 
     own = spec.run_dir / "reference" / f"stage-{stage.index}.safetensors"
     shared = cache_path(spec, stage.index, [ds._fingerprint for ds in splits.values()]) if stage.index == 0 else None
     if resumed:
-        if not own.is_file():
+        # The checkpoint's own run directory first (a run may resume from another run's checkpoint).
+        assert spec.resume_from is not None
+        found = [p for p in (spec.resume_from.parent.parent / own.parent.name / own.name, own) if p.is_file()]
+        if not found:
             raise UserError(
-                f"{own} is missing: the reference log-probs of stage {stage.name} were computed when the stage began "
-                "and cannot be recomputed from the model trained since. Restore the file, or restart the stage",
+                f"{own.name} is missing from {spec.resume_from.parent.parent / own.parent.name}: the reference "
+                f"log-probs of stage {stage.name} were computed when the stage began and cannot be recomputed from "
+                "the model trained since. Restore the file, or restart the stage",
                 title="cannot resume",
             )
-        tables, source = load_file(str(own)), str(own)
+        tables, source = load_file(str(found[0])), str(found[0])
     elif shared is not None and shared.is_file():
         tables, source = load_file(str(shared)), f"the cache, {shared}"
     else:
         tables = {name: precompute(strategy, ds, collator, plan.batch.micro_batch_size) for name, ds in splits.items()}
         source = f"{sum(len(ds) for ds in splits.values()):,} pairs scored once"
-    if not resumed and strategy.env.is_main:
-        for path in [own] + ([shared] if shared is not None and not shared.is_file() else []):
+    if strategy.env.is_main:
+        targets = [] if own.is_file() and resumed else [own]  # a resumed run keeps a copy for its own resumes
+        for path in targets + ([shared] if shared is not None and not shared.is_file() and not resumed else []):
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp))
