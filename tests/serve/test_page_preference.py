@@ -1,18 +1,19 @@
-"""The job page's reward-accuracy chart (issue 24): a preference run's `reward_accuracy` and
-`eval_reward_accuracy` drawn on a second chart with a fixed 0..1 axis, in a real headless
+"""The job page's reward-accuracy chart (issue 24): a real tiny DPO job's `reward_accuracy` and
+`eval_reward_accuracy` drawn live on a second chart with a fixed 0..1 axis, in a real headless
 Chromium, compared with the run's own metrics.jsonl; an SFT job's page (the control) shows no
 such chart. Both jobs run for real through the service."""
 
 from __future__ import annotations
 
-import httpx
 import yaml
 
-from tests.helpers import make_config, metrics, wait_for
-from tests.serve.conftest import client, plant_job, wait_state
+from tests.helpers import REPO_ROOT, make_config, metrics, wait_for
+from tests.serve.conftest import client, wait_state
 from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8, "eval_every": 2}
+PAIRS = REPO_ROOT / "examples" / "data" / "alpaca_pairs.jsonl"
+HELDOUT = REPO_ROOT / "examples" / "data" / "alpaca_pairs_heldout.jsonl"
 REWARD_KEYS = ("reward_accuracy", "eval_reward_accuracy")
 HEIGHT, PAD = 180, 30  # #reward-chart's height and chart()'s padding (base.html)
 
@@ -52,18 +53,42 @@ def assert_chart_shows(chart: dict, want: dict[str, list[tuple[int, float]]]) ->
     assert chart["title"].endswith("0.000 .. 1.000"), chart["title"]
 
 
-def run_job(server, cfg: dict) -> str:
+def submit(server, cfg: dict) -> str:
+    return client(server, server.submit).post("/api/jobs", json={"config": yaml.safe_dump(cfg)}).json()["id"]
+
+
+def finish(server, job_id: str) -> None:
     c = client(server, server.submit)
-    job_id = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)}).json()["id"]
     job = wait_state(c, job_id, {"succeeded", "failed", "cancelled"}, timeout=300)
     assert job["state"] == "succeeded", c.get(f"/api/jobs/{job_id}/logs").text[-3000:]
-    return job_id
+
+
+def dpo_config(model, out) -> dict:
+    """A tiny LoRA DPO run on the shipped pairs, evaluated before the first step and every 2 steps."""
+    return make_config(
+        model,
+        out,
+        model={"lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
+        data={
+            "train": {"path": str(PAIRS), "format": "preference", "max_samples": 32},
+            "eval": {"path": str(HELDOUT), "format": "preference", "max_samples": 8},
+        },
+        training={
+            **JOB,
+            "objective": "dpo",
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "learning_rate": 5e-3,
+            "eval_on_start": True,
+        },
+    )
 
 
 def test_reward_accuracy_chart(server, page, tiny_model_dir, tmp_path):  # noqa: F811
     # The control: a real SFT job's page has its loss chart and no reward chart.
     sft = make_config(tiny_model_dir, tmp_path / "sft", training=JOB, data={"eval_fraction": 0.25})
-    sft_id = run_job(server, sft)
+    sft_id = submit(server, sft)
+    finish(server, sft_id)
     sft_lines = metrics(tmp_path / "sft")
     assert any("eval_loss" in r for r in sft_lines) and not any(k in r for r in sft_lines for k in REWARD_KEYS)
     page.get(f"{server.url}/jobs/{sft_id}")
@@ -71,23 +96,19 @@ def test_reward_accuracy_chart(server, page, tiny_model_dir, tmp_path):  # noqa:
     chart = reward_chart(page)
     assert not chart["shown"] and chart["series"] == [], chart
 
-    # The SFT run's own lines with the preference keys a DPO run adds (until a DPO job runs
-    # here: see the report), reported the way a run reports them, to a job the page follows live.
-    lines = [dict(r) for r in sft_lines]
-    for i, r in enumerate(lines):
-        key = "eval_reward_accuracy" if "eval_loss" in r else "reward_accuracy"
-        r[key], r[key.replace("accuracy", "margin")] = [0.5, 0.625, 0.75, 1.0, 0.0, 0.875][i % 6], 0.1 * i
-    token = "stj_preference_page"
-    job_id = plant_job(server.svc, tmp_path / "dpo", state="running", token=token)
+    # A real DPO job, watched live from its submission: the chart appears with its first reward
+    # line and ends showing exactly what metrics.jsonl holds.
+    job_id = submit(server, dpo_config(tiny_model_dir, tmp_path / "dpo"))
     page.get(f"{server.url}/jobs/{job_id}")
+    wait_for(lambda: reward_chart(page)["shown"], 240, "the reward chart")
+    finish(server, job_id)
+    lines = metrics(tmp_path / "dpo")
     want = expected(lines)
-    assert set(want) == set(REWARD_KEYS), want
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as c:
-        first = lines[:1]
-        assert c.post(f"/api/jobs/{job_id}/report", json={"events": [{"kind": "metric", "data": first[0]}]}).json()
-        wait_for(lambda: reward_chart(page)["shown"], 30, "the reward chart after the first line")
-        assert_chart_shows(reward_chart(page), expected(first))
-        events = [{"kind": "metric", "data": r} for r in lines[1:]]
-        assert c.post(f"/api/jobs/{job_id}/report", json={"events": events}).json()["accepted"] == len(events)
-    wait_for(lambda: len(reward_chart(page)["series"]) == 2, 30, "both reward series")
+    assert set(want) == set(REWARD_KEYS) and len(want["eval_reward_accuracy"]) == 3, want  # steps 0, 2, 4
+    assert len({v for _, v in want["reward_accuracy"] + want["eval_reward_accuracy"]}) > 1, want  # not flat
+    wait_for(lambda: dom_series(page) == {k: len(v) for k, v in want.items()}, 60, "every reward line drawn")
     assert_chart_shows(reward_chart(page), want)
+
+
+def dom_series(driver) -> dict[str, int]:
+    return {s["label"]: len(s["values"].split(" ")) for s in reward_chart(driver)["series"]}
