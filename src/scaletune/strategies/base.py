@@ -162,6 +162,8 @@ class Strategy(ABC):
 
         Raises:
             RuntimeError: the model is on the meta device."""
+        if model is self.reference:  # already resident (`ModelSource.load_reference` wraps it)
+            return model
         self.reference = resident_whole(model, self.device)
         return self.reference
 
