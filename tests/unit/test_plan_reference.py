@@ -202,3 +202,14 @@ def test_auto_strategy_accounts_for_the_reference():
     p = plan(spec_model, gpu_memory_bytes=40 * GiB)
     assert p.get("zero2").fits is False and p.get("fsdp").fits
     assert p.get("fsdp").reference * 8 == pytest.approx(p.get("ddp").reference, rel=1e-3)
+
+
+def test_factory_has_no_reference_model(tiny_model_dir):
+    """A factory's module has no Hugging Face causal LM to copy: `load_reference` says so (the
+    planner counts none for it)."""
+    from scaletune.errors import UserError
+    from scaletune.trainer.model_source import FactorySource
+
+    spec = spec_for(tiny_model_dir, "model")
+    with pytest.raises(UserError, match="reference: model needs a Hugging Face causal LM"):
+        FactorySource(spec).load_reference(None)
