@@ -13,8 +13,8 @@ and SimPO have none):
   with parameter offload the shards are in host memory. No gradients, no optimizer state. The
   activations of its no_grad forward live one layer at a time inside the policy's step (margin).
 * `base`: the policy with its LoRA adapters disabled: no second model.
-* `precomputed`: no second model; a table of 2 float32 per pair (8 bytes a pair, in host memory) is
-  read beside the tokenised data: negligible.
+* `precomputed`: no second model; a table of 2 float32 per pair (8 bytes a pair on disk, the data
+  set's two float64 columns in host memory: 16 bytes a pair) beside the tokenised data: negligible.
 * `auto`: `base` under LoRA, else `precomputed`.
 
 The run's most expensive stage counts (a `model` reference in any stage holds its copy then).
@@ -77,7 +77,7 @@ def reference_plan(spec: RunSpec) -> ReferencePlan:
         "none": "no reference model (no DPO, IPO or KTO stage)",
         "base": "reference base: the policy with its LoRA adapters disabled, no second model",
         "precomputed": "reference precomputed: no second model; its log-probs are a table of 2 float32 "
-        "per pair (8 bytes a pair, host memory), negligible",
+        "per pair (8 bytes a pair; 16 as the data set's columns in host memory), negligible",
         "model": "reference model: a frozen copy of the model's parameters (no gradients, no optimizer), "
         "whole under ddp and ZeRO-1/2, sharded 1/W under fsdp and ZeRO-3",
     }
