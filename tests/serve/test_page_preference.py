@@ -5,10 +5,12 @@ such chart. Both jobs run for real through the service."""
 
 from __future__ import annotations
 
+import json
+
 import yaml
 
-from tests.helpers import REPO_ROOT, make_config, metrics, wait_for
-from tests.serve.conftest import client, wait_state
+from tests.helpers import REPO_ROOT, make_config, metrics, run_cli, wait_for
+from tests.serve.conftest import client, dom, wait_state
 from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8, "eval_every": 2}
@@ -108,6 +110,20 @@ def test_reward_accuracy_chart(server, page, tiny_model_dir, tmp_path):  # noqa:
     assert len({v for _, v in want["reward_accuracy"] + want["eval_reward_accuracy"]}) > 1, want  # not flat
     wait_for(lambda: dom_series(page) == {k: len(v) for k, v in want.items()}, 60, "every reward line drawn")
     assert_chart_shows(reward_chart(page), want)
+
+    # `scaletune eval RUN --format preference` on the run's held-out pairs: its results file in the
+    # run's eval/ is tabulated on the page as the JSON holds it (and agrees with the run's last eval).
+    held = tmp_path / "heldout.jsonl"
+    held.write_text("".join(HELDOUT.read_text().splitlines(keepends=True)[:8]))  # the run's max_samples
+    proc = run_cli(["eval", str(tmp_path / "dpo"), "--data", str(held), "--format", "preference", "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["reward_accuracy"] == want["eval_reward_accuracy"][-1][1], (result, want)
+    page.get(f"{server.url}/jobs/{job_id}")
+    rows = wait_for(lambda: dom(page, "#evaluation tbody tr"), 30, "the evaluation table")
+    shown = {tuple(r.split("\t")[1:4]) for r in rows}
+    for metric in ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected"):
+        assert ("preference pairs (8)", metric, f"{result[metric]:.4f}") in shown, (metric, rows)
 
 
 def dom_series(driver) -> dict[str, int]:
