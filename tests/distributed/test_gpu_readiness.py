@@ -90,7 +90,7 @@ def drive_zero3_load(model_dir: str, out: str) -> None:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from scaletune.strategies import make_strategy
-    from scaletune.strategies.base import torn_down
+    from scaletune.strategies import torn_down
 
     spec = spec_for(model_dir, out, strategy="deepspeed", zero_stage=3)
     strategy = make_strategy(spec)
@@ -190,7 +190,7 @@ def drive_wait(model_dir: str, out: str, mode: str) -> None:
     import torch.distributed as dist
 
     from scaletune.strategies import make_strategy
-    from scaletune.strategies.base import torn_down
+    from scaletune.strategies import torn_down
 
     spec = spec_for(model_dir, out, strategy="ddp", timeout_minutes=0.04, barrier_timeout_minutes=1)
     strategy = make_strategy(spec)

@@ -137,7 +137,7 @@ def fp16_run(tiny_model_dir, tmp_path, scaler: bool, init_scale: float = 2.0**8)
     """One real optimizer step of the tiny model in fp16 on the CPU (GradScaler or none)."""
     from scaletune.data import Collator
     from scaletune.models import load_tokenizer, prepare_model
-    from scaletune.strategies.base import torn_down
+    from scaletune.strategies import torn_down
     from scaletune.trainer import seed_everything, train_step
 
     cfg = make_config(tiny_model_dir, tmp_path / "run", RUN, as_config=True, model={"dtype": "float16"})

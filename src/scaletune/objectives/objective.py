@@ -86,7 +86,7 @@ class DPO(Objective):
         rc, rr = self.split(ref)
         s = self.settings
         per_pair = losses.dpo(pc, pr, rc, rr, beta=s.beta, label_smoothing=s.label_smoothing)
-        return per_pair.sum().reshape(1), self.stats(logp, tokens, ref)
+        return torch.stack([per_pair.sum()]), self.stats(logp, tokens, ref)
 
 
 class IPO(Objective):
@@ -99,7 +99,7 @@ class IPO(Objective):
         rc, rr = self.split(ref)
         tc, tr = self.split(tokens)
         per_pair = losses.ipo(pc, pr, rc, rr, tc, tr, beta=self.settings.beta)
-        return per_pair.sum().reshape(1), self.stats(logp, tokens, ref)
+        return torch.stack([per_pair.sum()]), self.stats(logp, tokens, ref)
 
 
 class SimPO(Objective):
@@ -117,7 +117,7 @@ class SimPO(Objective):
         tc, tr = self.split(tokens)
         s = self.settings
         per_pair = losses.simpo(pc, pr, tc, tr, beta=s.beta, gamma=s.gamma, label_smoothing=s.label_smoothing)
-        return per_pair.sum().reshape(1), self.stats(logp, tokens, ref)
+        return torch.stack([per_pair.sum()]), self.stats(logp, tokens, ref)
 
 
 class ORPO(SimPO):
@@ -180,7 +180,7 @@ class KTO(Objective):
             desirable_weight=s.desirable_weight,
             undesirable_weight=s.undesirable_weight,
         )
-        return per.sum().reshape(1), self.stats(logp, tokens, ref, batch["desirable"])
+        return torch.stack([per.sum()]), self.stats(logp, tokens, ref, batch["desirable"])
 
     def metrics(self, stats: list[float]) -> dict[str, float]:
         nd, nu = max(stats[0], 1.0), max(stats[1], 1.0)

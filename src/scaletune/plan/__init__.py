@@ -1,12 +1,12 @@
 """The memory planner: model shapes, bytes per rank of every strategy, the `auto` choice, report."""
 
+from scaletune.plan.choice import choose_auto
 from scaletune.plan.estimates import (
     ORDER,
     GiB,
     Plan,
     StrategyPlan,
     activation_bytes,
-    choose_auto,
     deepspeed_available,
     plan,
     plan_name,

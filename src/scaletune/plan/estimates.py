@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 
 from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan, sequences_per_example
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
-from scaletune.resolve import FLOAT_DTYPES, AutoChoice
+from scaletune.resolve import FLOAT_DTYPES
 from scaletune.strategies.deepspeed_config import PERSISTENCE_THRESHOLD as DS_PERSISTENCE_THRESHOLD
 from scaletune.strategies.deepspeed_config import REDUCE_BUCKET as DS_REDUCE_BUCKET
 
@@ -380,29 +380,4 @@ def _choose(out: list[StrategyPlan], w: int, mem: int | None) -> tuple[str, str]
     return pick.name, (
         f"ddp needs {ddp.total / GiB:.1f} GiB per device, more than {gib:.0f} GiB; {pick.name} is the fastest "
         f"that fits ({pick.total / GiB:.1f} GiB)"
-    )
-
-
-def choose_auto(spec: RunSpec) -> AutoChoice:
-    """The planner's answer for `distributed.strategy: auto` (resolve asks it with the run decided as
-    :meth:`AutoChoice.default`).
-
-    With the memory of this rank's GPU (`env.device_memory_bytes`) the plan decides: the fastest
-    strategy that fits. Without one (a CPU, or a machine the run only plans for) the default: single
-    on one process, ddp on several.
-    """
-    default = AutoChoice.default(spec.world_size)
-    mem = spec.env.device_memory_bytes
-    if mem is None:
-        return default
-    p = plan(spec, gpu_memory_bytes=mem)
-    if p.chosen == "ddp":
-        return AutoChoice(default.strategy, p.reason)
-    settings = dict(_scaletune_settings(p.chosen))
-    return AutoChoice(
-        settings.pop("strategy"),
-        p.reason,
-        zero_stage=settings.get("zero_stage"),
-        offload_optimizer=settings.get("offload_optimizer", False),
-        offload_params=settings.get("offload_params", False),
     )

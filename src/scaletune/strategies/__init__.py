@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing this package stays torch-free (deepspeed_config is used by `config deepspeed`)
@@ -28,3 +30,13 @@ def make_strategy(spec: RunSpec) -> Strategy:
 
         return DeepSpeedStrategy(spec)
     raise AssertionError(f"resolve produced an unknown strategy {spec.strategy!r}")
+
+
+@contextlib.contextmanager
+def torn_down(strategy: Strategy) -> Iterator[Strategy]:
+    """Set up the strategy and tear its process group down on exit and on error."""
+    strategy.setup()
+    try:
+        yield strategy
+    finally:
+        strategy.teardown()

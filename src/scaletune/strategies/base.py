@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -32,7 +31,7 @@ from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
 from scaletune.strategies.reference import reference_tensors, resident_whole
 
-__all__ = ["Strategy", "check_devices", "free_port", "init_process_group", "torn_down"]
+__all__ = ["Strategy", "check_devices", "free_port", "init_process_group"]
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
@@ -155,15 +154,12 @@ class Strategy(ABC):
         :meth:`_finish_wrap`). The loop's schedule drives the optimizer's learning rate."""
 
     def wrap_reference(self, model: nn.Module) -> nn.Module:
-        """Make the frozen reference model (`preference.reference: model`) resident as this engine keeps
-        the policy, without optimizer or gradient hooks (`strategies/reference.py`); here: whole, on this
-        rank's device (or where a device_map spread it). Returns the `reference.FrozenReference` the loss
-        calls under no_grad: `reference(fn, *args)` is `fn(causal_lm, *args)`.
+        """The frozen reference model (`preference.reference: model`) made resident as this engine keeps
+        the policy, without optimizer or gradient hooks (`strategies/reference.py`); here: whole on this
+        rank's device. Returns the `reference.FrozenReference` the loss calls under no_grad.
 
         Raises:
             RuntimeError: the model is on the meta device."""
-        if model is self.reference:  # already resident (`ModelSource.load_reference` wraps it)
-            return model
         self.reference = resident_whole(model, self.device)
         return self.reference
 
@@ -219,10 +215,9 @@ class Strategy(ABC):
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def make_scaler(self) -> Any:
-        """`torch.amp.GradScaler` on this device where the run computes in float16 (DeepSpeed scales
-        its own loss); None otherwise. fp16's 5 exponent bits flush small gradients to zero, so the loss
-        is multiplied by a dynamic scale before backward and the gradients divided by it before
-        clipping; a step whose gradients overflow is skipped and the scale halved
+        """`torch.amp.GradScaler` where the run computes in float16 (DeepSpeed scales its own loss), else
+        None: fp16's 5 exponent bits flush small gradients to zero, so the loss is scaled before backward
+        and the gradients unscaled before clipping; an overflowing step is skipped and the scale halved
         (Micikevicius et al. 2018, arXiv:1710.03740)."""
         if self.compute_dtype != torch.float16:
             return None
@@ -286,9 +281,8 @@ class Strategy(ABC):
 
     def memory_devices(self) -> list[torch.device]:
         """The CUDA devices this rank computes on (several where a device_map splits the model)."""
-        if not self.env.cuda_available or not torch.cuda.is_available():
-            return []
-        return [self.device] if self.device.type == "cuda" else []
+        cuda = self.env.cuda_available and torch.cuda.is_available() and self.device.type == "cuda"
+        return [self.device] if cuda else []
 
     def _track_gradients(self) -> None:
         """Record the gradient bytes held when the optimizer first steps (engines free them right after)."""
@@ -301,11 +295,10 @@ class Strategy(ABC):
             self.optimizer.register_step_pre_hook(hook)
 
     def memory_breakdown(self) -> dict:
-        """Bytes this rank holds, from its tensors (`memory.json`): `params` (this rank's shards),
-        `grads` (at the first optimizer step), `optimizer` (state and the optimizer's own parameters
-        that are not the module's, e.g. fp32 masters), `peak_device` (CUDA's peak allocated bytes
-        since the end of `wrap`, summed over :meth:`memory_devices`; None on the CPU), `reference` (the
-        frozen reference model's parameter bytes this rank holds; 0 without one)."""
+        """Bytes this rank holds, from its tensors (`memory.json`): `params` (its shards), `grads` (at
+        the first optimizer step), `optimizer` (state and its own parameters, e.g. fp32 masters),
+        `reference` (the frozen reference model's bytes here; 0 without one), `peak_device` (CUDA's
+        peak allocated since `wrap`, summed over :meth:`memory_devices`; None on the CPU)."""
         seen: dict = {}
         p_bytes = memory.count_bytes(self._param_tensors(), seen)
         o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
@@ -405,13 +398,3 @@ class Strategy(ABC):
         if p.mixed:
             prec += f" compute, {p.storage} master weights"
         return f"strategy {self.name}, world_size {self.env.world_size}, {prec}"
-
-
-@contextlib.contextmanager
-def torn_down(strategy: Strategy) -> Iterator[Strategy]:
-    """Set up the strategy and tear its process group down on exit and on error."""
-    strategy.setup()
-    try:
-        yield strategy
-    finally:
-        strategy.teardown()

@@ -148,8 +148,6 @@ class DeepSpeedStrategy(Strategy):
         optimizer (TRL's `prepare_deepspeed`), the engine's module returned (the engine kept for its
         hooks); ZeRO-1/2: whole on the device, parameters in the compute dtype as DeepSpeed casts the
         policy's (`strategies/reference.py`)."""
-        if model is self.reference:  # already resident (`ModelSource.load_reference` wraps it)
-            return model
         from scaletune.strategies import reference as ref
 
         if self.spec.zero_stage != 3:

@@ -90,8 +90,6 @@ class FSDPStrategy(Strategy):
     def wrap_reference(self, model: nn.Module) -> nn.Module:
         """The frozen reference sharded like the policy (its mixed-precision and offload policies),
         every unit resharded after its forward, filled from rank 0 (`strategies/reference.py`)."""
-        if model is self.reference:  # already resident (`ModelSource.load_reference` wraps it)
-            return model
         from scaletune.strategies.reference import freeze
 
         ref = freeze(model)

@@ -31,8 +31,7 @@ from scaletune.errors import UserError
 from scaletune.inference import samples
 from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
-from scaletune.strategies import make_strategy
-from scaletune.strategies.base import torn_down
+from scaletune.strategies import make_strategy, torn_down
 from scaletune.trainer.handoff import OpenRunDirectory, Prepared, Resumed, RunDirectory
 from scaletune.trainer.metrics import (
     RunLogger,

@@ -48,7 +48,7 @@ class StageObjectives:
             o for o in self.by_stage.values() if o is not None and o.uses_reference and o.settings.reference == "model"
         ]
         if wanted:
-            strategy.module.set_reference(strategy.wrap_reference(source.load_reference(strategy)))
+            strategy.module.set_reference(source.load_reference(strategy))  # loaded and made resident
 
     def enter(self, plan: StagePlan, strategy: Any, tokenizer: Any, resumed: bool, default: BatchKind) -> BatchKind:
         """Set the stage's objective on the loss module; `reference: precomputed`: attach the
