@@ -144,7 +144,9 @@ def _run(
             "learning_rate": 1e-2,
         },
     )
-    train(cfg, tmp_path, name=f"{objective}.yaml", timeout=300)
+    # Its own cache (tokenised data, the precomputed reference table): the runs start together, and
+    # nothing is read from an earlier session's.
+    train(cfg, tmp_path, name=f"{objective}.yaml", timeout=300, env={"SCALETUNE_CACHE": str(tmp_path / "cache")})
     return cfg, out
 
 
