@@ -1,14 +1,15 @@
 """`scaletune eval RUN --data PAIRS --format preference` (issue 24) against the trainer's own
 evaluation of the same held-out pairs (an independent code path: the loop's all-reduced eval with
 its own batching, reference tables and stats): real tiny DPO runs, LoRA (reference: the adapter
-disabled) and full fine-tune (reference: the run's model.name_or_path), and the lr=0 control, whose
-policy is its reference: margin 0 and no pair correct, since a tie is not a win (as the trainer
-counts it)."""
+disabled), full fine-tune (reference: the run's model.name_or_path) and SimPO (no reference: its
+length-normalised rewards), and the lr=0 control, whose policy is its reference: margin 0 and no
+pair correct, since a tie is not a win (as the trainer counts it)."""
 
 from __future__ import annotations
 
 import json
 
+import matplotlib.image
 import pytest
 
 from tests.helpers import REPO_ROOT, make_config, metrics, run_cli, train
@@ -66,6 +67,11 @@ def control_run(tiny_model_dir, module_tmp_path, held):
     return run_dpo(tiny_model_dir, module_tmp_path, held, "control", LORA, learning_rate=0.0)
 
 
+@pytest.fixture(scope="module")
+def control_eval(control_run, held):
+    return evaluate(control_run, held, "--batch-size", "4")
+
+
 def evaluate(target, held, *extra) -> dict:
     proc = run_cli(["eval", str(target), "--data", str(held), "--format", "preference", "--json", *extra])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,25 +97,27 @@ def test_lora_run_matches_the_trainers_final_eval(lora_run, held):
     doubled = evaluate(lora_run, held, "--beta", str(2 * BETA))
     assert doubled["reward_margin"] == pytest.approx(2 * got["reward_margin"], rel=1e-6)
     assert doubled["reward_accuracy"] == got["reward_accuracy"]
+    # The run's loss.png has the reward panel below the loss (the unit test reads its axes).
+    assert matplotlib.image.imread(lora_run / "loss.png").shape[:2] == (700, 700)
 
 
-def test_lr0_control_has_no_margin_and_counts_ties_as_not_correct(control_run, held):
-    want = final_eval(control_run)
-    got = evaluate(control_run, held, "--batch-size", "4")
+def test_lr0_control_has_no_margin_and_counts_ties_as_not_correct(control_run, control_eval):
+    want, got = final_eval(control_run), control_eval
     assert abs(got["reward_margin"]) <= 1e-6 and abs(want["eval_reward_margin"]) <= 1e-6, (got, want)
     assert got["reward_accuracy"] == want["eval_reward_accuracy"] == 0.0, (got, want)
     assert abs(got["logp_margin"]) > 1.0, got  # the answers differ; only the rewards tie
 
 
-def test_model_without_a_run_is_reference_free(tiny_model_dir, control_run, held):
-    got = evaluate(tiny_model_dir, held, "--batch-size", "4", "--max-seq-length", "64")  # the runs' length
+def test_model_without_a_run_is_reference_free(tiny_model_dir, control_eval, held, tmp_path):
+    args = ["--batch-size", "4", "--max-seq-length", "64", "--output", str(tmp_path)]  # the runs' length
+    proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--format", "preference", *args])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| reward_accuracy | n/a |" in proc.stdout and "reference-free" in proc.stdout, proc.stdout
+    (written,) = tmp_path.glob("preference-*.json")
+    got = json.loads(written.read_text())
     assert got["reference"] is None and got["reward_accuracy"] is None and got["reward_margin"] is None, got
-    assert "reference-free" in got["rewards"] and got["file"] is None
-    control = evaluate(control_run, held, "--batch-size", "4")  # lr 0: the base model's log-probs
-    for key in ("logp_chosen", "logp_rejected", "logp_margin", "logp_accuracy"):
-        assert got[key] == pytest.approx(control[key], rel=1e-6), key
-    proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--format", "preference"])
-    assert proc.returncode == 0 and "| reward_accuracy | n/a |" in proc.stdout and "reference-free" in proc.stdout
+    for key in ("logp_chosen", "logp_rejected", "logp_margin", "logp_accuracy"):  # lr 0: the base's log-probs
+        assert got[key] == pytest.approx(control_eval[key], rel=1e-6), key
 
 
 def test_full_finetune_is_compared_with_its_starting_model(tiny_model_dir, module_tmp_path, held):
@@ -132,3 +140,14 @@ def test_bad_arguments_are_refused_together(tiny_model_dir, held):
         assert text in proc.stderr, proc.stderr
     proc = run_cli(["eval", str(tiny_model_dir), "--data", str(held), "--format", "preference", "--field", "x"])
     assert proc.returncode == 2 and "--field applies to" in proc.stderr, proc.stderr
+
+
+def test_simpo_run_uses_its_own_reference_free_rewards(tiny_model_dir, module_tmp_path, held):
+    run = run_dpo(tiny_model_dir, module_tmp_path, held, "simpo", LORA, objective="simpo", max_steps=2)
+    want = final_eval(run)
+    got = evaluate(run, held)
+    assert (got["objective"], got["reference"]) == ("simpo", None) and "mean log-prob per" in got["rewards"]
+    assert got["reward_accuracy"] == want["eval_reward_accuracy"], (got, want)
+    assert got["reward_margin"] == pytest.approx(want["eval_reward_margin"], abs=1e-6)
+    proc = run_cli(["eval", str(run), "--data", str(held), "--format", "preference", "--reference", str(run)])
+    assert proc.returncode == 2 and "whose rewards use no reference model" in proc.stderr, proc.stderr

@@ -242,7 +242,7 @@ def _reward_panel(acc_ax: Any, history: list[dict]) -> None:
         for key, style, label in margins:
             handles += margin_ax.plot(*zip(*_series(history, key)), style, color=MARGIN_COLOR[label], label=label)
         margin_ax.set_ylabel("reward margin (chosen - rejected)")
-    acc_ax.legend(handles=handles, loc="best")
+    acc_ax.legend(handles=handles, loc="best", fontsize="small", framealpha=0.8)
 
 
 def plot_losses(history: list[dict], path: Path) -> None:
