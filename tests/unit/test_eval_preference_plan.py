@@ -1,8 +1,9 @@
 """What `scaletune eval --format preference` compares a model with, from the run's real config:
 the reference (a LoRA run's base with the adapter disabled, a full fine-tune's starting model,
 `--reference`, none for a model without a run) and beta (`--beta`, the run's last preference
-stage's, the top level's, 0.1); SimPO and ORPO runs refuse a reference. The rewards themselves
-are checked against real runs in tests/e2e/test_eval_preference.py."""
+stage's, the top level's, 0.1) and that stage's own data keys; SimPO and ORPO runs refuse a
+reference. The rewards themselves are checked against real runs in
+tests/e2e/test_eval_preference.py."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def test_sft_then_dpo_takes_the_last_preference_stage():
     ]
     top = {"data": PAIRS, "training": {"preference": {"beta": 0.2}}}
     plan = preference_plan(target(make_config("base-model", "out", top, stages=stages, as_config=True)), None, None)
-    assert (plan.objective, plan.beta) == ("dpo", 0.4)
+    assert (plan.objective, plan.beta, plan.max_seq_length, plan.chat_template) == ("dpo", 0.4, None, None)
+    stages[1]["data"] = {"max_seq_length": 48, "chat_template": "{{ messages }}"}  # the stage's own data keys
+    plan = preference_plan(target(make_config("base-model", "out", top, stages=stages, as_config=True)), None, None)
+    assert (plan.max_seq_length, plan.chat_template) == (48, "{{ messages }}")
     stages[1]["training"].pop("preference")  # not given in the stage: the top level's
     plan = preference_plan(target(make_config("base-model", "out", top, stages=stages, as_config=True)), None, None)
     assert (plan.objective, plan.beta) == ("dpo", 0.2)

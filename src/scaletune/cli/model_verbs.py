@@ -257,8 +257,8 @@ def _eval_pairs(loaded, plan, target, data, max_seq_length, batch_size, output, 
     """`eval --format preference`: the reference loaded where the plan names one, the table
     printed and the JSON written (the run's eval/ or --output), as --tasks does."""
     from scaletune.inference.evaluate import (
-        eval_data_config,
         evaluate_preference,
+        preference_data_config,
         preference_table,
         write_preference_report,
     )
@@ -267,7 +267,7 @@ def _eval_pairs(loaded, plan, target, data, max_seq_length, batch_size, output, 
     ref_model = None
     if plan.rewards == "reference" and plan.reference != "adapter":
         ref_model = _load(plan.reference, dtype, "none", trust).model
-    cfg = eval_data_config(loaded, data, "preference", max_seq_length)
+    cfg = preference_data_config(loaded, plan, data, max_seq_length)
     result = evaluate_preference(loaded, cfg, plan, reference_model=ref_model, batch_size=batch_size)
     out_dir = output or default_out_dir(target)
     path = write_preference_report(result, out_dir) if out_dir is not None else None

@@ -92,12 +92,16 @@ class PreferencePlan:
         rewards: "reference" (beta * (logp - reference logp), summed over completion tokens),
             "length" (beta * logp / completion tokens: SimPO, ORPO) or None (a bare model without
             --reference: log-prob margins only).
+        max_seq_length, chat_template: those of the run's last preference stage where it sets its
+            own (`stages[].data`), else None (the run's top-level `data`).
     """
 
     objective: str
     beta: float
     reference: str | None
     rewards: str | None
+    max_seq_length: int | None = None
+    chat_template: str | None = None
 
     def describe(self) -> str:
         if self.rewards is None:
@@ -108,17 +112,18 @@ class PreferencePlan:
         return f"rewards: beta * (logp - reference logp), summed over completion tokens; reference: {ref}"
 
 
-def _run_preference(run: Config) -> tuple[str, Any]:
-    """The objective and `preference` settings the run ended with: the last stage that trains a
-    preference objective (a stage's `preference` replaces the top level's), else the top level's."""
-    objective, settings = run.training.objective, run.training.preference
+def _run_preference(run: Config) -> tuple[str, Any, Any]:
+    """The objective, `preference` settings and stage `data` overrides the run ended with: those of
+    the last stage that trains a preference objective (a stage's `preference` replaces the top
+    level's), else the top level's (no overrides)."""
+    objective, settings, data = run.training.objective, run.training.preference, None
     for stage in run.stages or []:
         t = stage.training
         obj = (t.objective if t is not None and t.objective is not None else None) or run.training.objective
         if obj != "sft":
-            objective = obj
+            objective, data = obj, stage.data
             settings = t.preference if t is not None and t.preference is not None else run.training.preference
-    return objective, settings
+    return objective, settings, data
 
 
 def preference_plan(target: Target, reference: str | None, beta: float | None) -> PreferencePlan:
@@ -132,24 +137,38 @@ def preference_plan(target: Target, reference: str | None, beta: float | None) -
         UserError: `reference` given for a SimPO or ORPO run (their rewards have none).
     """
     run = target.run_config
-    objective, settings = _run_preference(run) if run is not None else ("dpo", None)
+    objective, settings, data = _run_preference(run) if run is not None else ("dpo", None, None)
     if objective == "sft":
         objective = "dpo"  # an SFT run scored on pairs: DPO's rewards against its starting model
     beta = beta if beta is not None else (settings.beta if settings is not None else 0.1)
+    own = {
+        "max_seq_length": getattr(data, "max_seq_length", None),
+        "chat_template": getattr(data, "chat_template", None),
+    }
     if objective in REFERENCE_FREE_OBJECTIVES:
         if reference is not None:
             raise UserError(
                 f"--reference {reference}: this run trained {objective}, whose rewards use no reference model",
                 title="invalid arguments",
             )
-        return PreferencePlan(objective, beta, None, "length")
+        return PreferencePlan(objective, beta, None, "length", **own)
     if reference is not None:
-        return PreferencePlan(objective, beta, reference, "reference")
+        return PreferencePlan(objective, beta, reference, "reference", **own)
     if target.adapter:
-        return PreferencePlan(objective, beta, "adapter", "reference")
+        return PreferencePlan(objective, beta, "adapter", "reference", **own)
     if run is not None:
-        return PreferencePlan(objective, beta, run.model.name_or_path, "reference")
+        return PreferencePlan(objective, beta, run.model.name_or_path, "reference", **own)
     return PreferencePlan(objective, beta, None, None)
+
+
+def preference_data_config(
+    loaded: LoadedModel, plan: PreferencePlan, path: str, max_seq_length: int | None
+) -> DataConfig:
+    """The `data` section that reads the pairs at `path` as the run's preference stage did: its
+    `max_seq_length` and chat template where the stage set its own, else the run's (else 1024 and
+    the tokenizer's template); `max_seq_length` given wins."""
+    cfg = eval_data_config(loaded, path, "preference", max_seq_length or plan.max_seq_length)
+    return cfg.model_copy(update={"chat_template": plan.chat_template}) if plan.chat_template else cfg
 
 
 def evaluate_preference(
