@@ -1,7 +1,7 @@
 """`scaletune eval RUN --data PAIRS --format preference` (issue 24) against the trainer's own
 evaluation of the same held-out pairs (an independent code path: the loop's all-reduced eval with
-its own batching, reference tables and stats): real tiny DPO runs, LoRA (reference: the adapter
-disabled), full fine-tune (reference: the run's model.name_or_path) and SimPO (no reference: its
+its own batching, reference tables and stats): real tiny DPO runs, LoRA after an SFT stage
+(reference: the adapter disabled), full fine-tune (reference: the run's model.name_or_path) and SimPO (no reference: its
 length-normalised rewards), and the lr=0 control, whose policy is its reference: margin 0 and no
 pair correct, since a tie is not a win (as the trainer counts it)."""
 
@@ -12,7 +12,7 @@ import json
 import matplotlib.image
 import pytest
 
-from tests.helpers import REPO_ROOT, make_config, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, metrics, run_cli, train
 
 PAIRS = REPO_ROOT / "examples" / "data" / "alpaca_pairs.jsonl"
 HELDOUT = REPO_ROOT / "examples" / "data" / "alpaca_pairs_heldout.jsonl"
@@ -59,7 +59,18 @@ def run_dpo(tiny_model_dir, tmp, held, name, model=None, **training):
 
 @pytest.fixture(scope="module")
 def lora_run(tiny_model_dir, module_tmp_path, held):
-    return run_dpo(tiny_model_dir, module_tmp_path, held, "lora", LORA)
+    """SFT then DPO in one LoRA run (issue 24's curriculum): 2 SFT steps on Alpaca records, then 4
+    DPO steps whose stage reads its pairs at its own max_seq_length (48: one held-out pair keeps no
+    trained token and is dropped, by the trainer and by the eval alike)."""
+    cfg = dpo_config(tiny_model_dir, module_tmp_path / "lora", held, objective="sft", max_steps=6)
+    cfg["model"].update(LORA)
+    pairs, cfg["data"] = cfg["data"], {"train": {"path": str(ALPACA_5000), "max_samples": 16}, "max_seq_length": 64}
+    cfg["stages"] = [
+        {"name": "sft", "training": {"max_steps": 2}},
+        {"name": "dpo", "training": {"objective": "dpo", "max_steps": 4}, "data": {**pairs, "max_seq_length": 48}},
+    ]
+    train(cfg, module_tmp_path, name="lora.yaml")
+    return module_tmp_path / "lora"
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +93,11 @@ def final_eval(run) -> dict:
     return [r for r in metrics(run) if "eval_reward_accuracy" in r][-1]
 
 
-def test_lora_run_matches_the_trainers_final_eval(lora_run, held):
+def test_sft_then_dpo_lora_run_matches_the_trainers_final_eval(lora_run, held):
     want = final_eval(lora_run)
+    assert want["stage"] == "dpo" and want["step"] == 6, want
     got = evaluate(lora_run, held)  # 8 pairs per forward; the trainer's eval took 4
-    assert (got["pairs"], got["beta"], got["reference"]) == (16, BETA, "adapter"), got
+    assert (got["pairs"], got["beta"], got["reference"]) == (15, BETA, "adapter"), got
     assert got["reward_accuracy"] == want["eval_reward_accuracy"], (got, want)
     assert abs(got["reward_margin"]) > 1e-3, got  # trained: the comparison is not of zeros
     assert got["reward_margin"] == pytest.approx(want["eval_reward_margin"], abs=1e-5)
