@@ -110,6 +110,15 @@ def test_reward_accuracy_chart(server, page, tiny_model_dir, tmp_path):  # noqa:
     assert len({v for _, v in want["reward_accuracy"] + want["eval_reward_accuracy"]}) > 1, want  # not flat
     wait_for(lambda: dom_series(page) == {k: len(v) for k, v in want.items()}, 60, "every reward line drawn")
     assert_chart_shows(reward_chart(page), want)
+    # The main chart offers the run's other preference keys: reward_margin drawn as the lines hold it.
+    options = page.execute_script("return Array.from(document.querySelectorAll('#series option')).map(o => o.value)")
+    assert {"reward_margin", "logp_chosen", "logp_rejected"} <= set(options) and "kl" not in options, options
+    drawn = page.execute_script(
+        """const s = document.getElementById('series'); s.value = 'reward_margin'; s.onchange();
+        return Array.from(document.querySelectorAll('#chart polyline')).map(p => p.getAttribute('data-values'));"""
+    )
+    margins = [(r["step"], r["reward_margin"]) for r in lines if "reward_margin" in r and "eval_loss" not in r]
+    assert [[(int(x), float(y)) for x, y in (v.split(":") for v in d.split(" "))] for d in drawn] == [margins], drawn
 
     # `scaletune eval RUN --format preference` on the run's held-out pairs: its results file in the
     # run's eval/ is tabulated on the page as the JSON holds it (and agrees with the run's last eval).
