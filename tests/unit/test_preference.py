@@ -1,6 +1,6 @@
 """Preference data and log-probs (issue 24), each against an independent control: pairs render as the
 tokenizer's own chat template renders them with only the completion trained; KTO's KL rows pair each
-prompt with the next record's completion; the collator lays out [chosen; rejected]; per-sequence
+prompt with the previous record's completion (as TRL); the collator lays out [chosen; rejected]; per-sequence
 log-probs equal a log-softmax over the model's full logits; the DPO module's loss equals the paper's
 formula on those; bad preference configs fail once, naming every problem (exit 2)."""
 
@@ -69,7 +69,7 @@ def test_pairs_render_through_the_template_and_train_only_the_completion(tmp_pat
             assert trained == answer + "<|im_end|>"
 
 
-def test_pairs_without_a_trained_token_are_dropped_and_kto_pairs_the_next_completion(tmp_path, tokenizer):
+def test_pairs_without_a_trained_token_are_dropped_and_kto_pairs_the_previous_completion(tmp_path, tokenizer):
     long = "word " * 400
     records = [
         {"prompt": "a", "chosen": "yes", "rejected": "no"},
@@ -84,7 +84,7 @@ def test_pairs_without_a_trained_token_are_dropped_and_kto_pairs_the_next_comple
     assert [r["desirable"] for r in rows] == [True, False, True]
     for i, row in enumerate(rows):
         kl_answer = tokenizer.decode(_trained(row["kl_input_ids"], row["kl_labels"]))
-        assert kl_answer == alpaca[(i + 1) % 3]["output"] + "<|im_end|>"
+        assert kl_answer == alpaca[(i - 1) % 3]["output"] + "<|im_end|>"
         assert alpaca[i]["instruction"] in tokenizer.decode(row["kl_input_ids"])
 
 
@@ -183,3 +183,25 @@ def test_bad_preference_configs_name_every_problem(tmp_path, tiny_model_dir):
     for key in ("data.train.format", "data.packing", "training.preference.reference"):
         assert key in proc.stderr, (key, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_stage_sets_its_own_preference_section(tmp_path, tiny_model_dir):
+    """`stages[].training.preference` replaces the top level's section, decided like it (auto ->
+    base under LoRA): SFT, then DPO with its own beta, then IPO with the top level's."""
+    from scaletune.config import load_config
+    from scaletune.resolve import resolve_stages
+
+    cfg = make_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        model={"lora": {"r": 4}},
+        training={"preference": {"beta": 0.3}},
+        stages=[
+            {"name": "sft"},
+            {"name": "dpo", "training": {"objective": "dpo", "preference": {"beta": 0.05, "reference": "model"}}},
+            {"name": "ipo", "training": {"objective": "ipo"}},
+        ],
+    )
+    stages = resolve_stages(load_config(None, data=cfg))
+    prefs = [(s.training.objective, s.training.preference.beta, s.training.preference.reference) for s in stages]
+    assert prefs == [("sft", 0.3, "base"), ("dpo", 0.05, "model"), ("ipo", 0.3, "base")]

@@ -15,8 +15,8 @@ on the prompt and on the first token):
 - preference: ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``, ``rejected_labels``,
   ``index`` (the pair's place in its split, which keys the precomputed reference log-probs);
 - kto: ``input_ids``, ``labels``, ``kl_input_ids``, ``kl_labels`` (record i's prompt with record
-  (i + 1) mod N's completion, in file order: the mismatched pairs KTO's KL estimate is taken over,
-  fixed by the data rather than by the batching, so the estimate does not depend on world size or
+  (i - 1) mod N's completion, in file order, as TRL's `KTOTrainer` pairs them within a batch: the
+  mismatched pairs KTO's KL estimate is taken over, fixed by the data rather than by the batching, so the estimate does not depend on world size or
   micro-batch split), ``desirable``, ``index``.
 
 A pair whose chosen or rejected side keeps no trained token within ``max_seq_length`` is dropped.
@@ -33,10 +33,11 @@ from scaletune.data.templates import _Encoder, span_labels
 
 
 def with_kl_completions(records: list[dict]) -> list[dict]:
-    """KTO records with ``kl_completion``: the completion of record (i + 1) mod N (the mismatched
-    pairs of the KL estimate; TRL's `KTOTrainer` cycles completions by one within a batch)."""
+    """KTO records with ``kl_completion``: the completion of record (i - 1) mod N, the mismatched
+    pairs of the KL estimate (TRL 1.16's `KTOTrainer` builds ``[y_N-1, y_0, ..., y_N-2]`` within each
+    batch; here over the split, so the pairs do not depend on the batching)."""
     n = len(records)
-    return [{**r, "kl_completion": records[(i + 1) % n]["completion"]} for i, r in enumerate(records)]
+    return [{**r, "kl_completion": records[(i - 1) % n]["completion"]} for i, r in enumerate(records)]
 
 
 class PreferenceEncoder(_Encoder):

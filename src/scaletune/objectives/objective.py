@@ -4,8 +4,9 @@ loss components from the policy's and the reference's per-sequence log-probs, an
 
 The step divides component k of every micro-batch by the global sum of unit k, so the loss of a step
 is the same computation on 1 or 64 ranks and with any micro-batch split: DPO, IPO, SimPO and the
-odds-ratio term of ORPO average over pairs, ORPO's NLL over the chosen answers' tokens (as TRL's
-`ORPOTrainer`), KTO over records.
+odds-ratio term of ORPO average over pairs, ORPO's NLL over the chosen answers' trained tokens (the
+answer only, as the SFT loss and TRL's `CPOTrainer.nll_loss`; TRL's `ORPOTrainer` also counts the
+prompt's tokens), KTO over records.
 """
 
 from __future__ import annotations

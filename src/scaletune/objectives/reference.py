@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -141,7 +142,8 @@ def reference_tables(strategy: Any, spec: RunSpec, plan: Any, collator: Any, *, 
         targets = [] if own.is_file() and resumed else [own]  # a resumed run keeps a copy for its own resumes
         for path in targets + ([shared] if shared is not None and not shared.is_file() and not resumed else []):
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            # Unique per writer: two runs of the same data and model may fill the shared entry at once.
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             save_file({k: v.contiguous() for k, v in tables.items()}, str(tmp))
             tmp.replace(path)
     strategy.barrier()

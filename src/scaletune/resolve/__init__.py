@@ -110,7 +110,8 @@ def resolve_stages(cfg: Config) -> list[Stage]:
     out = []
     for i, s in enumerate(cfg.stages):
         overrides = s.training.model_dump(exclude_none=True) if s.training else {}
-        training = cfg.training.model_copy(update=overrides)
+        # Validated, not model_copy: a nested section a stage gives (preference) becomes its model.
+        training = TrainingConfig.model_validate({**cfg.training.model_dump(), **overrides})
         if "max_steps" not in overrides and "epochs" in overrides:
             training = training.model_copy(update={"max_steps": None})
         data = cfg.data
