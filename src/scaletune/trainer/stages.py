@@ -67,11 +67,17 @@ def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrat
     return bundle
 
 
+def _unit(stage: Stage) -> str:
+    """What a stage's batch sizes count: sequences, or (preference objectives) pairs, KTO's records."""
+    objective = stage.training.objective
+    return "sequences" if objective == "sft" else "records" if objective == "kto" else "pairs (2 sequences each)"
+
+
 def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
     if rows >= batch.global_batch_size:
         return None
     return (
-        f"stage {stage.name}: {rows} training sequences are fewer than one global batch "
+        f"stage {stage.name}: {rows} training {_unit(stage)} are fewer than one global batch "
         f"({batch.global_batch_size}); add data or lower training.global_batch_size"
     )
 
@@ -113,7 +119,7 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
         origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
         plans.append(StagePlan(stage, batch, bundle, steps_per_epoch, total, total, origin))
         print0(
-            f"[scaletune] stage {stage.name}: {len(bundle.train)} sequences, {steps_per_epoch} steps per epoch, "
+            f"[scaletune] stage {stage.name}: {len(bundle.train)} {_unit(stage)}, {steps_per_epoch} steps per epoch, "
             f"{total} optimizer steps; {describe_stats(bundle.stats)}"
         )
     # A stage that continues the schedule extends the horizon of the stage that started it.
