@@ -2,7 +2,7 @@
 tokenizer's own chat template renders them with only the completion trained; KTO's KL rows pair each
 prompt with the previous record's completion (as TRL); the collator lays out [chosen; rejected]; per-sequence
 log-probs equal a log-softmax over the model's full logits; the DPO module's loss equals the paper's
-formula on those; bad preference configs fail once, naming every problem (exit 2)."""
+formula on those; a stage's own preference section."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import json
 
 import pytest
 import torch
-import yaml
 
-from tests.helpers import ALPACA_5000, OLMO2_TOKENIZER, make_config, run_cli
+from tests.helpers import ALPACA_5000, OLMO2_TOKENIZER, make_config
 
 CHATML = (
     "{%- for message in messages -%}"
@@ -164,25 +163,6 @@ def test_dpo_module_loss_is_the_papers_formula_on_the_models_log_probs(llama):
         and stats[1] == float((margin > 0).sum())
         and stats[2] == pytest.approx(0.2 * float(margin.sum()), rel=1e-5)
     )
-
-
-def test_bad_preference_configs_name_every_problem(tmp_path, tiny_model_dir):
-    records = [{"instruction": "x", "output": "y"}]
-    data = tmp_path / "alpaca.json"
-    data.write_text(json.dumps(records))
-    cfg = make_config(
-        tiny_model_dir,
-        tmp_path / "run",
-        data={"train": {"path": str(data), "format": "alpaca"}, "packing": True},
-        training={"objective": "dpo", "preference": {"reference": "base"}},
-    )
-    path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = run_cli(["train", str(path)])
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    for key in ("data.train.format", "data.packing", "training.preference.reference"):
-        assert key in proc.stderr, (key, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
 def test_a_stage_sets_its_own_preference_section(tmp_path, tiny_model_dir):
