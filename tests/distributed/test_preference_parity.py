@@ -115,7 +115,7 @@ ENGINES = {
 MODES = {
     "precomputed": ({}, ("ddp", "fsdp", "zero2", "zero3")),
     "base": (LORA, ("ddp", "fsdp", "zero2", "zero3")),
-    "model": ({}, ("ddp", "fsdp", "zero3")),
+    "model": ({}, ("ddp", "fsdp", "zero2", "zero3")),
 }
 SINGLE = {"strategy": "single", "num_processes": 1}
 

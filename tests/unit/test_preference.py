@@ -185,3 +185,14 @@ def test_a_stage_sets_its_own_preference_section(tmp_path, tiny_model_dir):
     stages = resolve_stages(load_config(None, data=cfg))
     prefs = [(s.training.objective, s.training.preference.beta, s.training.preference.reference) for s in stages]
     assert prefs == [("sft", 0.3, "base"), ("dpo", 0.05, "model"), ("ipo", 0.3, "base")]
+
+
+def test_inference_prompts_a_preference_run_through_the_chat_template():
+    """Sample prompts, `chat` and `generate` prompt a preference or KTO run as its data was rendered
+    (through the chat template, as `data.build` renders every pair); an alpaca run stays alpaca."""
+    from scaletune.config import DataConfig
+    from scaletune.inference.loading import trained_template
+
+    for fmt, want in (("preference", "chat"), ("kto", "chat"), ("alpaca", "alpaca"), ("text", "none")):
+        data = DataConfig.model_validate({"train": {"path": "x.jsonl", "format": fmt}})
+        assert trained_template(data, tokenizer=None) == want, fmt

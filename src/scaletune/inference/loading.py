@@ -119,12 +119,13 @@ class LoadedModel:
 
 
 def trained_template(data: DataConfig | None, tokenizer: Any) -> Template:
-    """The prompt format a run trained with: chat for `messages` data or alpaca records with
-    `template: chat`, alpaca for Stanford Alpaca prompts, none for plain text. Without a run: chat
-    where the tokenizer has a chat template, else none."""
+    """The prompt format a run trained with: chat for `messages`, `preference` and `kto` data (always
+    rendered with the chat template) or alpaca records with `template: chat`, alpaca for Stanford
+    Alpaca prompts, none for plain text. Without a run: chat where the tokenizer has a chat
+    template, else none."""
     if data is not None and data.train is not None and data.dummy is None:
         src = data.train
-        if src.format == "messages" or src.template == "chat":
+        if src.format in ("messages", "preference", "kto") or src.template == "chat":
             return "chat"
         return "alpaca" if src.format == "alpaca" else "none"
     return "chat" if isinstance(getattr(tokenizer, "chat_template", None), str) else "none"
