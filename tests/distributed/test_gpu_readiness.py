@@ -89,8 +89,7 @@ def drive_zero3_load(model_dir: str, out: str) -> None:
     import torch.distributed as dist
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    from scaletune.strategies import make_strategy
-    from scaletune.strategies import torn_down
+    from scaletune.strategies import make_strategy, torn_down
 
     spec = spec_for(model_dir, out, strategy="deepspeed", zero_stage=3)
     strategy = make_strategy(spec)
@@ -189,8 +188,7 @@ def drive_wait(model_dir: str, out: str, mode: str) -> None:
     `Strategy.barrier` (mode `wait`) or a barrier of the training group (mode `collective`)."""
     import torch.distributed as dist
 
-    from scaletune.strategies import make_strategy
-    from scaletune.strategies import torn_down
+    from scaletune.strategies import make_strategy, torn_down
 
     spec = spec_for(model_dir, out, strategy="ddp", timeout_minutes=0.04, barrier_timeout_minutes=1)
     strategy = make_strategy(spec)

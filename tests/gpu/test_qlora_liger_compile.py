@@ -28,8 +28,7 @@ def test_qlora_matmuls_run_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
     from scaletune.env import DistributedEnv
     from scaletune.models import decoder_layer_classes, prepare_model
     from scaletune.resolve import resolve
-    from scaletune.strategies import make_strategy
-    from scaletune.strategies import torn_down
+    from scaletune.strategies import make_strategy, torn_down
     from scaletune.trainer import seed_everything, train_step
 
     cfg = make_config(

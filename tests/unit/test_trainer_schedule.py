@@ -148,8 +148,7 @@ def test_the_loop_steps_the_schedule_after_the_optimizer(tiny_model_dir, tmp_pat
     from scaletune.models import load_tokenizer, prepare_model
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve
-    from scaletune.strategies import make_strategy
-    from scaletune.strategies import torn_down
+    from scaletune.strategies import make_strategy, torn_down
     from scaletune.trainer import train_step
     from tests.helpers import make_config, make_env
 
