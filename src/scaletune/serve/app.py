@@ -362,8 +362,14 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         kind = mimetypes.guess_type(found.name)[0] or "application/octet-stream"
         return StreamingResponse(found.chunks, media_type=kind, headers=headers)
 
+    from scaletune.serve.datasets import add_data_routes
+    from scaletune.serve.form import add_form_routes
+    from scaletune.serve.results import add_result_routes
     from scaletune.serve.web import add_pages
 
     add_team_routes(app, svc, caller, read, admin)
+    add_data_routes(app, svc, need)
+    add_form_routes(app, svc, need)
+    add_result_routes(app, svc, need)
     add_pages(app, svc, caller)
     return app
