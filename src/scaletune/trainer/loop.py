@@ -37,6 +37,7 @@ from scaletune.trainer.metrics import (
     RunLogger,
     ThroughputWindow,
     plot_losses,
+    rank_resources,
     read_metrics,
     report_memory,
     truncate_metrics,
@@ -323,6 +324,9 @@ class Trainer:
                 "tokens": int(result.tokens),
                 "tokens_per_s": window.close(now),
                 "elapsed_s": round(now - self.start_time, 3),
+                # The page's progress bar and ETA (all stages' steps), memory per rank (a collective).
+                "total_steps": sum(p.total for p in self.prepared.plans),
+                **rank_resources(self.strategy.all_reduce_sum, self.env.world_size, self.env.rank),
                 **({"skipped": True} if result.skipped else {}),
             }
         )

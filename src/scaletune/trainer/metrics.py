@@ -52,6 +52,45 @@ class ThroughputWindow:
         return rate
 
 
+#: Per-rank lists in a metrics line up to this many ranks: serve takes lists of up to 256 values.
+MAX_RANKS_LISTED = 256
+
+
+def rank_resources(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int) -> dict:
+    """What each rank holds, for a metrics line (the page's memory per rank): `memory_bytes`, one
+    number per rank (the device's peak allocation on CUDA, the process's resident set on the CPU,
+    named by `memory_of`), and `gpu_util`, percent per rank, where every rank's
+    `torch.cuda.utilization()` answers (it needs NVML; left out otherwise). A collective on the
+    training group (one all-reduce of a small tensor), so every rank calls it, on log steps only.
+    """
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        mine = float(torch.cuda.max_memory_allocated())
+        try:
+            util = float(torch.cuda.utilization())
+        except Exception:  # noqa: BLE001 - no NVML (pynvml) or a device it cannot read: no utilisation
+            util = -1.0
+    else:
+        import psutil
+
+        mine, util = float(psutil.Process().memory_info().rss), -1.0
+    # Rank r's pair in slots r and world_size + r; the others' zeros: the sum gathers them.
+    slots = torch.zeros(2 * world_size, dtype=torch.float64)
+    slots[rank], slots[world_size + rank] = mine, util
+    got = all_reduce_sum(slots).cpu().tolist() if world_size > 1 else slots.tolist()
+    memory, utils = [int(v) for v in got[:world_size]], [round(u) for u in got[world_size:]]
+    out: dict = {"memory_of": "device peak" if cuda else "process rss"}
+    if world_size > MAX_RANKS_LISTED:  # a list serve would refuse: the largest rank only
+        out["memory_max_bytes"] = max(memory)
+        return out
+    out["memory_bytes"] = memory
+    if cuda and all(u >= 0 for u in utils):
+        out["gpu_util"] = utils
+    return out
+
+
 class RunLogger:
     """metrics.jsonl, TensorBoard, W&B and the progress display; a no-op on ranks other than 0.
 
