@@ -78,6 +78,22 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path("~/.cache/scaletune/datasets").expanduser()
 
 
+def encoding(source: DataSource, data_cfg: DataConfig, tokenizer) -> tuple[str, str]:
+    """(the encoder's format, the chat template or "") `source` is tokenized with: alpaca with
+    `template: chat` is `alpaca_chat`; messages, preference and kto records and chat alpaca go
+    through the resolved chat template."""
+    chat = source.format in ("preference", "kto", "messages") or source.template == "chat"
+    template = resolve_chat_template(data_cfg, tokenizer) if chat else ""
+    return ("alpaca_chat" if source.format == "alpaca" and chat else source.format), template
+
+
+def sft_encoder(source: DataSource, data_cfg: DataConfig, tokenizer) -> _Encoder:
+    """The encoder :func:`build_datasets` tokenizes an alpaca, messages or text `source` with (the
+    serve page's data preview calls it, so it shows what training sees)."""
+    fmt, template = encoding(source, data_cfg, tokenizer)
+    return _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+
+
 def _tokenize(
     records: list[dict], source: DataSource, data_cfg: DataConfig, tokenizer, tok_hash: str, cache: Path, name: str
 ) -> tuple[datasets.Dataset, dict]:
@@ -91,9 +107,7 @@ def _tokenize(
         # `index` keys a pair's precomputed reference log-probs; kto's KL rows are fixed here.
         records = [{**r, "index": i} for i, r in enumerate(records)]
         records = with_kl_completions(records) if source.format == "kto" else records
-    chat = pairs or source.format == "messages" or source.template == "chat"
-    template = resolve_chat_template(data_cfg, tokenizer) if chat else ""
-    fmt = "alpaca_chat" if source.format == "alpaca" and chat else source.format
+    fmt, template = encoding(source, data_cfg, tokenizer)
     h = hashlib.sha256()
     for part in (_CACHE_VERSION, fmt, tok_hash, str(data_cfg.max_seq_length), template):
         h.update(part.encode() + b"\0")

@@ -105,19 +105,37 @@ class _Encoder:
         self.tok, self.fmt, self.max_len, self.template = tokenizer, fmt, max_len, template
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        pairs = getattr(self, f"_{self.fmt}")(batch)
         out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "truncated": []}
-        for ids, labels in pairs:
-            truncated = len(ids) > self.max_len
-            ids, labels = ids[: self.max_len], labels[: self.max_len]
-            labels[0] = IGNORE_INDEX
-            if all(x == IGNORE_INDEX for x in labels):
+        for ids, labels in self.pairs(batch):
+            row = self.cut(ids, labels)
+            if row is None:
                 continue
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["position_ids"].append(list(range(len(ids))))
-            out["truncated"].append(truncated)
+            out["input_ids"].append(row[0])
+            out["labels"].append(row[1])
+            out["position_ids"].append(list(range(len(row[0]))))
+            out["truncated"].append(row[2])
         return out
+
+    def pairs(self, batch: dict[str, list]) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, labels) of every record of `batch`, in order, before truncation (the serve
+        page's data preview measures and shows them; training keeps `cut`'s part).
+
+        Raises:
+            DataError: the tokenizer lacks what the format needs (an eos token, a fast tokenizer),
+                or the chat template cannot be split into turns.
+            jinja2.TemplateError: the chat template's own error.
+        """
+        return getattr(self, f"_{self.fmt}")(batch)
+
+    def cut(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool] | None:
+        """One pair as training keeps it: (ids, labels, truncated) cut at max_len with the first
+        label masked, or None when no trained token is left (the example is dropped)."""
+        truncated = len(ids) > self.max_len
+        ids, labels = ids[: self.max_len], labels[: self.max_len]
+        labels[0] = IGNORE_INDEX
+        if all(x == IGNORE_INDEX for x in labels):
+            return None
+        return ids, labels, truncated
 
     def _eos(self) -> int:
         eos = self.tok.eos_token_id

@@ -4,7 +4,10 @@ and the headers every answer carries (nosniff, a Content-Security-Policy with a 
 script nonce, no framing, no referrer to other sites).
 
 A plain ASGI middleware: the body is counted as it arrives and refused (413) at the limit, before
-the rest is read or anything parses it.
+the rest is read or anything parses it. One route is let through unread: the data upload
+(`POST /api/data`, :data:`UPLOAD_PATH`), whose file may be far larger than a request; it is refused
+here only when it declares more than the policy's `max_upload_bytes`, and the route streams it to
+disk counting every byte against that limit itself (datasets.py).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from scaletune.serve.policy import Policy
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 NONCE_KEY = "csp_nonce"  # in request.state: the page's scripts carry it
+UPLOAD_PATH = "/api/data"  # the route that counts its own (larger) body: see the module's docstring
 
 
 def host_name(value: str) -> str:
@@ -80,6 +84,12 @@ class Guard:
             await self.app(scope, receive, send_with_headers)
             return
         declared = headers.get("content-length", "")
+        if scope["method"] == "POST" and _route_path(scope) == UPLOAD_PATH:
+            if declared.isdigit() and int(declared) > policy.max_upload_bytes:
+                await self.too_large(policy, policy.max_upload_bytes)(scope, receive, send_with_headers)
+                return
+            await self.app(scope, receive, send_with_headers)
+            return
         if declared.isdigit() and int(declared) > policy.max_request_bytes:
             await self.too_large(policy)(scope, receive, send_with_headers)
             return
@@ -105,9 +115,10 @@ class Guard:
         await self.app(scope, replay, send_with_headers)
 
     @staticmethod
-    def too_large(policy: Policy) -> JSONResponse:
-        mib = policy.max_request_bytes / 2**20
-        return JSONResponse({"detail": f"request body over {mib:g} MiB: refused"}, status_code=413)
+    def too_large(policy: Policy, limit: int | None = None) -> JSONResponse:
+        mib = (limit or policy.max_request_bytes) / 2**20
+        what = "data file" if limit else "request body"
+        return JSONResponse({"detail": f"{what} over {mib:g} MiB: refused"}, status_code=413)
 
     def refusal(self, scope: Scope, headers: Headers, policy: Policy) -> JSONResponse | None:
         host = host_name(headers.get("host", ""))
@@ -134,3 +145,9 @@ class Guard:
         ):
             return None
         return JSONResponse({"detail": f"Origin {origin!r} may not change anything here"}, status_code=403)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the app routes, without the mount prefix (`root_path`) a server may leave in it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root + "/") else path

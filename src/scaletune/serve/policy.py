@@ -2,7 +2,8 @@
 checked on the raw submitted mapping (the YAML with the overrides applied) before anything of it
 is imported, resolved or read: no factory (submitted code), no `trust_remote_code`, only
 `distributed.env` variables of an allow-list of prefixes (none that loads code: PYTHONPATH,
-LD_PRELOAD, PATH, ...), local data and models only under the read roots, and the run directory
+LD_PRELOAD, PATH, ...), local data and models only under the read roots (and in the service's data
+area, the files uploaded with `POST /api/data`), and the run directory
 only in the job's own folder (or under an admin's write root), never another job's, never the
 service's own files. Each is an admin setting (`scaletune serve --allow-... / --read-root /
 --write-root`, or `PUT /api/admin/policy`); a refusal is a 422 naming the rule.
@@ -40,6 +41,8 @@ SAFE_ENV_PREFIXES = (
 _NEVER_ENV = ("TRUST_REMOTE_CODE",)
 MAX_DEPTH = 64  # nesting of a config, aliases expanded (a real one has about 5)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
+MAX_UPLOAD_BYTES = 256 * 1024 * 1024  # one data file uploaded to the data area (POST /api/data)
+DATA_AREA = "data"  # the uploaded data files' folder, in the jobs folder (a job id is 12 hex digits)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Policy:
         always once any is given).
     trusted_origins: origins (scheme://host:port) allowed to make unsafe requests besides the
         service's own.
+    max_upload_bytes: the largest data file `POST /api/data` takes into the data area (the other
+        routes keep max_request_bytes).
     """
 
     allow_factories: bool = False
@@ -63,6 +68,7 @@ class Policy:
     trusted_hosts: tuple[str, ...] = ()
     trusted_origins: tuple[str, ...] = ()
     max_request_bytes: int = MAX_REQUEST_BYTES
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_depth: int = MAX_DEPTH
 
     def public(self) -> dict[str, Any]:
@@ -82,6 +88,16 @@ class Places:
     db_file: Path | None
     other_runs: list[Path] = field(default_factory=list)
     workdir: Path = field(default_factory=Path.cwd)
+
+    @property
+    def data_area(self) -> Path:
+        return data_area(self.jobs_home)
+
+
+def data_area(jobs_home: Path) -> Path:
+    """The folder of the data files uploaded through the API (`POST /api/data`): readable by every
+    job's config, besides the read roots; written only by the service's upload route."""
+    return jobs_home / DATA_AREA
 
 
 # -- the rules on the raw mapping ---------------------------------------------------------------
@@ -174,13 +190,14 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
     else:
         own.append(run_dir)  # type: ignore[arg-type]
     roots = [_real(Path(r)) for r in (policy.read_roots if policy.read_roots is not None else [places.workdir])]
+    area = _real(places.data_area)
     for key, value in _read_paths(data):
         if isinstance(value, str) and "\x00" in value:
             problems.append(f"policy: {key}: contains a NUL byte")
             continue
         p = _local_path(value, places.workdir)
-        if p is None or any(_inside(p, o) for o in own):
-            continue
+        if p is None or any(_inside(p, o) for o in own) or _inside(p, area):
+            continue  # the job's own files, or the data area's (in the jobs folder, yet no job's)
         why = _service_file(p, places) or (
             None if any(_inside(p, r) for r in roots) else "is outside the folders this service reads from"
         )

@@ -57,6 +57,7 @@ class PolicyUpdate(BaseModel):
     write_roots: list[str] | None = None
     trusted_hosts: list[str] | None = None
     trusted_origins: list[str] | None = None
+    max_upload_bytes: int | None = Field(None, ge=1, description="The largest data file POST /api/data takes")
 
 
 class JobSummary(BaseModel):

@@ -1,0 +1,329 @@
+"""Bring data (the serve page's data part): uploads into the data area through the real service
+(each format, hostile names, the size limit, malformed files), the area readable by a job's
+config under the policy, and the preview compared with what the trainer itself builds
+(`build_datasets`' label masks and truncation counts); one headless-Chromium walk of the page."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from scaletune.serve.auth import create_token
+from scaletune.serve.data_preview import MEASURED
+from scaletune.serve.datasets import SUFFIXES
+from scaletune.serve.policy import Policy, data_area
+from tests.helpers import ALPACA_5000, make_config, wait_for
+from tests.serve.conftest import SHARED_DATA, Server, client, dom, headless_chromium
+
+ALPACA = json.loads(ALPACA_5000.read_text())
+
+
+def jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def as_csv(records: list[dict]) -> bytes:
+    out = io.StringIO()
+    w = csv.DictWriter(out, fieldnames=["instruction", "input", "output"])
+    w.writeheader()
+    w.writerows(records)
+    return out.getvalue().encode()
+
+
+def as_parquet(records: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def srv(module_tmp_path, tiny_model_dir):
+    """A service whose read roots are the model and the shared data only (not the temporary
+    folder its jobs folder, and so its data area, is in): what it reads there, the area allows."""
+    policy = Policy(read_roots=(str(tiny_model_dir), str(SHARED_DATA)), write_roots=(tempfile.gettempdir(),))
+    s = Server(f"sqlite:///{module_tmp_path / 'db.sqlite'}", module_tmp_path / "jobs", policy=policy)
+    s.admin = create_token(s.svc.Session, "admin")
+    s.submit = create_token(s.svc.Session, "submit")
+    s.read = create_token(s.svc.Session, "read")
+    yield s
+    s.stop()
+
+
+def upload(srv, name: str, body, token: str | None = None):
+    return client(srv, token or srv.submit).post("/api/data", params={"name": name}, content=body)
+
+
+def test_upload_each_format_and_list(srv):
+    from scaletune.config import DataSource
+    from scaletune.data import load_records
+
+    recs = ALPACA[:40]
+    bodies = {
+        "alpaca.json": json.dumps(recs).encode(),
+        "alpaca.jsonl": jsonl(recs),
+        "alpaca.csv": as_csv(recs),
+        "alpaca.parquet": as_parquet(recs),
+    }
+    assert {Path(n).suffix for n in bodies} == set(SUFFIXES)
+    area = data_area(srv.svc.home)
+    for name, body in bodies.items():
+        r = upload(srv, name, body)
+        assert r.status_code == 201, r.text
+        entry = r.json()
+        assert entry == {"name": name, "size": len(body), "records": 40, "path": str(area / name)}
+        assert Path(entry["path"]).read_bytes() == body
+        # The control: the trainer's own reader finds the records that were sent.
+        got = load_records(DataSource(path=entry["path"], format="alpaca"))
+        assert got == [{k: r.get(k) or "" for k in ("instruction", "input", "output")} for r in recs]
+    listed = {f["name"]: f for f in client(srv, srv.read).get("/api/data").json()}
+    assert set(bodies) <= set(listed) and listed["alpaca.csv"]["records"] == 40
+    assert not any(p.name.startswith(".upload") for p in area.iterdir())  # no temporary file left
+    assert upload(srv, "x.jsonl", jsonl(recs), srv.read).status_code == 403  # a read token uploads nothing
+
+
+def test_same_name_never_overwrites(srv):
+    first, other = jsonl(ALPACA[:3]), jsonl(ALPACA[3:6])
+    assert upload(srv, "same.jsonl", first).status_code == 201
+    again = upload(srv, "same.jsonl", first)  # the same bytes: the file already there
+    assert again.status_code == 200 and again.json()["name"] == "same.jsonl"
+    r = upload(srv, "same.jsonl", other)  # other bytes: stored beside it, under a suffixed name
+    assert r.status_code == 201 and r.json()["name"] == "same-2.jsonl"
+    area = data_area(srv.svc.home)
+    assert (area / "same.jsonl").read_bytes() == first and (area / "same-2.jsonl").read_bytes() == other
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("../x.jsonl", "not a path"),
+        ("../../escaped.jsonl", "not a path"),
+        ("/tmp/abs.jsonl", "not a path"),
+        ("sub/x.jsonl", "not a path"),
+        ("a\\b.json", "not a path"),
+        ("x\x00.jsonl", "NUL"),
+        (".hidden.jsonl", "dot file"),
+        ("..", "not a path"),
+        ("notes.exe", "ends with"),
+        ("x" * 200 + ".json", "characters"),
+    ],
+)
+def test_hostile_names_refused(srv, name, why):
+    area = data_area(srv.svc.home)
+    before = sorted(p.name for p in area.iterdir()) if area.is_dir() else []
+    r = upload(srv, name, jsonl(ALPACA[:2]))
+    assert r.status_code == 422, r.text
+    assert why in " ".join(r.json()["problems"]), r.json()
+    assert (sorted(p.name for p in area.iterdir()) if area.is_dir() else []) == before
+    for outside in (area.parent / "x.jsonl", area.parent.parent / "escaped.jsonl", Path("/tmp/abs.jsonl")):
+        assert not outside.exists()
+
+
+def test_odd_characters_are_replaced(srv):
+    r = upload(srv, "my data (v2).jsonl", jsonl(ALPACA[:2]))
+    assert r.status_code == 201 and r.json()["name"] == "my_data__v2_.jsonl"
+
+
+def test_size_limit_is_the_admins_and_other_routes_keep_theirs(srv):
+    admin = client(srv, srv.admin)
+    body = jsonl(ALPACA[:200])  # about 70 KB
+    assert admin.put("/api/admin/policy", json={"max_upload_bytes": 16384}).status_code == 200
+    try:
+        declared = upload(srv, "big.jsonl", body)  # Content-Length over the limit: the guard
+        assert declared.status_code == 413 and "0.015625 MiB" in declared.text, declared.text
+        streamed = upload(srv, "big.jsonl", (body[i : i + 4096] for i in range(0, len(body), 4096)))
+        assert streamed.status_code == 413, streamed.text  # chunked, no length: the route counts
+        assert "max_upload_bytes" in streamed.text and "0.015625 MiB" in streamed.text
+        assert upload(srv, "small.jsonl", jsonl(ALPACA[:5])).status_code == 201
+        area = data_area(srv.svc.home)
+        assert not (area / "big.jsonl").exists() and not any(p.name.startswith(".upload") for p in area.iterdir())
+        # A larger upload limit leaves the other routes at max_request_bytes (4 MiB).
+        admin.put("/api/admin/policy", json={"max_upload_bytes": 8 << 20})
+        big = jsonl(ALPACA * 3)  # about 5 MiB
+        assert len(big) > srv.svc.policy.max_request_bytes
+        assert upload(srv, "five.jsonl", big).status_code == 201
+        r = client(srv, srv.submit).post("/api/jobs", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+    finally:
+        admin.put("/api/admin/policy", json={"max_upload_bytes": 256 << 20})
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "message"),
+    [
+        (
+            "bad.jsonl",
+            jsonl(ALPACA[:2]) + b'{"instruction": "x", \n' + jsonl(ALPACA[2:3]),
+            "bad.jsonl:3: not valid JSON",
+        ),
+        ("bad.json", json.dumps(ALPACA[:3], indent=1).encode()[:-40], "bad.json:"),
+        ("list.jsonl", b'{"a": 1}\n[1, 2]\n', "list.jsonl:2: a record is a JSON object"),
+        ("bad.csv", b"instruction,input,output\na,b,c\nd,e\n", "bad.csv:3: row 2 has 2 fields, the header has 3"),
+        ("bad.parquet", b"PAR1 not really", "bad.parquet: not a Parquet file"),
+        ("latin.jsonl", b'{"text": "caf\xe9"}\n', "latin.jsonl:1: not UTF-8"),
+        ("empty.json", b"[]", "empty.json: no records"),
+    ],
+)
+def test_malformed_file_named_with_its_line(srv, name, body, message):
+    r = upload(srv, name, body)
+    assert r.status_code == 422, r.text
+    assert any(p.startswith(message) for p in r.json()["problems"]), r.json()
+    assert not (data_area(srv.svc.home) / name).exists()
+
+
+def test_a_job_reading_the_area_passes_the_policy(srv, tiny_model_dir, tmp_path):
+    path = upload(srv, "for-job.jsonl", jsonl(ALPACA[:32])).json()["path"]
+    cfg = make_config(tiny_model_dir, "run", training={"max_steps": 1, "save_every": 0})
+    cfg["data"]["train"] = {"path": path, "format": "alpaca"}
+    c = client(srv, srv.submit)
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True})
+    assert r.status_code == 200, r.text
+    # The control: the same file outside the area and the read roots is refused.
+    copy = tmp_path / "for-job.jsonl"
+    copy.write_bytes(Path(path).read_bytes())
+    cfg["data"]["train"]["path"] = str(copy)
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True})
+    assert r.status_code == 422
+    assert any("data.train.path" in p and "outside the folders" in p for p in r.json()["problems"]), r.json()
+
+
+def trainer_rows(path: str, tiny_model_dir: Path, tmp_path: Path, **train) -> tuple[list[dict], dict]:
+    """The control: what `build_datasets` (the trainer's data build) makes of the file."""
+    from scaletune.config import DataConfig, ModelConfig
+    from scaletune.data import build_datasets
+    from scaletune.models import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    dcfg = DataConfig.model_validate({"train": {"path": path, **train}, "max_seq_length": 64})
+    bundle = build_datasets(dcfg, tok, seed=0, cache_dir=tmp_path / "cache")
+    return bundle.train.to_list(), bundle.stats
+
+
+@pytest.mark.parametrize("template", ["alpaca", "chat"])
+def test_preview_is_what_the_trainer_builds(srv, tiny_model_dir, tmp_path, template):
+    from scaletune.config import ModelConfig
+    from scaletune.data import alpaca_prompt
+    from scaletune.models import load_tokenizer
+
+    recs = ALPACA[100:164]
+    path = upload(srv, f"preview-{template}.jsonl", jsonl(recs)).json()["path"]
+    cfg = make_config(tiny_model_dir, "run")
+    cfg["data"]["train"]["template"] = template  # max_seq_length 64: many records are cut
+    r = client(srv, srv.submit).post(
+        "/api/data/preview", json={"file": Path(path).name, "config": yaml.safe_dump(cfg), "records": 12}
+    )
+    assert r.status_code == 200, r.text
+    p = r.json()
+    rows, stats = trainer_rows(path, tiny_model_dir, tmp_path, format="alpaca", template=template)
+    assert p["records_total"] == p["measured"] == min(64, MEASURED) and len(p["records"]) == 12
+    assert (p["truncated"], p["dropped"]) == (stats["truncated"], stats["dropped_empty"])
+    assert p["truncated"] > 5  # the comparison means something
+    kept = [rec for rec in p["records"] if not rec["dropped"]]
+    for rec, row in zip(kept, rows):  # the trainer's rows are the records kept, in order
+        assert rec["input_ids"] == row["input_ids"]
+        assert rec["trained"] == [int(x != -100) for x in row["labels"]]
+        assert any(s["trained"] for s in rec["spans"]) and not rec["spans"][0]["trained"]
+    tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    if template == "alpaca":
+        # An independent count: prompt + output + eos, tokenized as the Alpaca format says.
+        lengths = [
+            len(tok(alpaca_prompt(r["instruction"], r["input"]))["input_ids"])
+            + len(tok(r["output"], add_special_tokens=False)["input_ids"])
+            + 1
+            for r in recs
+        ]
+        assert p["over_max_seq_length"] == sum(n > 64 for n in lengths)
+        assert sum(p["histogram"]["counts"]) == 64 and p["histogram"]["longest"] == max(lengths)
+        first = p["records"][0]
+        trained_text = "".join(s["text"] for s in first["spans"] if s["trained"])
+        if not first["truncated"]:
+            assert trained_text == tok.decode(tok(recs[0]["output"], add_special_tokens=False)["input_ids"]) + (
+                tok.eos_token
+            )
+    else:
+        assert p["template"] == "chat template"
+
+
+def test_preview_problems_name_the_key(srv, tiny_model_dir, tmp_path):
+    name = upload(srv, "problems.jsonl", jsonl(ALPACA[:4])).json()["name"]
+    c = client(srv, srv.submit)
+
+    def problems(cfg: dict | str, file: str = name) -> list[str]:
+        text = cfg if isinstance(cfg, str) else yaml.safe_dump(cfg)
+        r = c.post("/api/data/preview", json={"file": file, "config": text})
+        assert r.status_code == 422, r.text
+        return r.json()["problems"]
+
+    cfg = make_config(tiny_model_dir, "run")
+    bad = {**cfg, "data": {**cfg["data"], "max_seq_length": 2, "train": {"path": "x", "format": "kto"}}}
+    got = problems(bad)
+    assert any(p.startswith("data.max_seq_length") for p in got) and any("data.train.format" in p for p in got)
+    assert any("model.name_or_path" in p for p in problems({"data": cfg["data"]}))
+    outside = tmp_path / "model"
+    outside.mkdir()
+    got = problems({**cfg, "model": {"name_or_path": str(outside)}})
+    assert any(p.startswith("policy: model.name_or_path") for p in got), got
+    got = problems({**cfg, "model": {**cfg["model"], "trust_remote_code": True}})
+    assert any(p.startswith("model.trust_remote_code") for p in got)
+    assert any("not in the data area" in p for p in problems(cfg, "missing.jsonl"))
+    assert any("not a path" in p for p in problems(cfg, "../db.sqlite"))
+    # A record without its required field: the trainer's reader names file, line and field.
+    bad_rec = upload(srv, "no-output.jsonl", b'{"instruction": "x"}\n').json()["name"]
+    assert any("no-output.jsonl:1" in p and "'output'" in p for p in problems(cfg, bad_rec))
+
+
+def test_page_uploads_and_previews(srv, tiny_model_dir, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path)
+    local = tmp_path / "page-alpaca.jsonl"
+    local.write_bytes(jsonl(ALPACA[200:260]))
+    driver = headless_chromium(tmp_path / "profile")
+    try:
+        driver.get(srv.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(srv.submit)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.find_elements(By.ID, "data-file"), 30, "the data part")
+        driver.find_element(By.ID, "data-file").send_keys(str(local))
+        driver.find_element(By.ID, "data-upload").click()
+        wait_for(lambda: "page-alpaca.jsonl" in " ".join(dom(driver, "#data-files li")), 30, "the uploaded file")
+        cfg = make_config(tiny_model_dir, "run")
+        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
+        driver.find_element(By.ID, "data-preview").click()
+        wait_for(lambda: dom(driver, "#data-records .record mark.trained"), 60, "records with trained marks")
+        assert len(dom(driver, "#data-records .record")) == 5
+        assert len(dom(driver, "#data-histogram rect.bar")) == 20 and dom(driver, "#data-histogram text.tick")
+        shown = dom(driver, "#data-truncated", "data-truncated")[0]
+        preview = client(srv, srv.submit).post(
+            "/api/data/preview", json={"file": "page-alpaca.jsonl", "config": yaml.safe_dump(cfg)}
+        )
+        assert int(shown) == preview.json()["truncated"] and "truncated" in dom(driver, "#data-truncated")[0]
+        driver.save_screenshot(str(shots / "page-data-preview.png"))
+        driver.find_element(By.ID, "data-use").click()
+        path = str(data_area(srv.svc.home) / "page-alpaca.jsonl")
+        # The form's setField (asynchronous: it asks the service to edit the YAML), else an override.
+        wait_for(
+            lambda: (
+                path
+                in driver.execute_script(
+                    "return document.getElementById('config').value + document.getElementById('overrides').value"
+                )
+            ),
+            30,
+            f"{path} in the YAML or the overrides (the form's problems: {dom(driver, '#problems li')})",
+        )
+        # An error shows where the person acted.
+        driver.execute_script("document.getElementById('config').value = 'model: {}'")
+        driver.find_element(By.ID, "data-preview").click()
+        wait_for(lambda: dom(driver, "#data-problems li"), 30, "the problems")
+        assert "model.name_or_path" in " ".join(dom(driver, "#data-problems li"))
+    finally:
+        driver.quit()
