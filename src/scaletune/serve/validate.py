@@ -29,11 +29,16 @@ def check(job: JobFiles, dispatcher: Dispatcher, *, in_child: bool = False, dry_
     the CLI reads them from the user's); with `dry_run`, return its plan.
 
     Raises:
-        UserError: every problem, with file:line and key.
+        UserError: every problem, with `config:line` (the submitted text's line) and key.
     """
     if in_child:
         return _in_child(job, dispatcher.name, dry_run)
-    spec = prepare(job, dispatcher)
+    try:
+        spec = prepare(job, dispatcher)
+    except UserError as exc:
+        # The job folder's config.yaml is the service's copy (a dry run's is deleted at once): its
+        # problems name the submitted text, `config:LINE: key: ...`, as the request sent it.
+        raise type(exc)([p.replace(str(job.config_path), "config") for p in exc.problems], title=exc.title) from None
     return plan(spec, job, dispatcher) if dry_run else None
 
 
