@@ -17,6 +17,7 @@ import yaml
 
 from scaletune.config import read_config
 from scaletune.serve.auth import create_token
+from scaletune.serve.form import FIELDS
 from scaletune.serve.policy import Policy
 from tests.helpers import wait_for
 from tests.serve.conftest import REPO_ROOT, Server, client, dom, headless_chromium
@@ -84,7 +85,7 @@ def test_fields_apply_fields_is_the_identity_on_each_example(server):
             for world in (1, 2):
                 text = path.read_text()
                 fields = c.post("/api/config/fields", json={"config": text, "world_size": world}).json()["fields"]
-                assert fields["method"] in ("full", "lora", "qlora") and fields["training.micro_batch_size"], fields
+                assert set(fields) == set(FIELDS) and fields["method"] in ("full", "lora", "qlora"), fields
                 applied = c.post(
                     "/api/config/apply", json={"config": text, "fields": fields, "world_size": world}
                 ).json()
