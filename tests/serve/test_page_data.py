@@ -207,32 +207,49 @@ def trainer_rows(path: str, tiny_model_dir: Path, tmp_path: Path, **train) -> tu
     return bundle.train.to_list(), bundle.stats
 
 
-@pytest.mark.parametrize("template", ["alpaca", "chat"])
-def test_preview_is_what_the_trainer_builds(srv, tiny_model_dir, tmp_path, template):
+def as_format(fmt: str, r: dict) -> dict:
+    """A real Alpaca record in the shape of `fmt`."""
+    user = f"{r['instruction']}\n\n{r['input']}" if r["input"] else r["instruction"]
+    if fmt == "messages":
+        turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": user}]
+        return {"messages": [*turns, {"role": "assistant", "content": r["output"]}]}
+    return {"text": f"{user}\n{r['output']}"} if fmt == "text" else r
+
+
+@pytest.mark.parametrize(
+    "train",
+    [{"format": "alpaca"}, {"format": "alpaca", "template": "chat"}, {"format": "messages"}, {"format": "text"}],
+    ids=["alpaca", "alpaca-chat", "messages", "text"],
+)
+def test_preview_is_what_the_trainer_builds(srv, tiny_model_dir, tmp_path, train):
     from scaletune.config import ModelConfig
     from scaletune.data import alpaca_prompt
     from scaletune.models import load_tokenizer
 
     recs = ALPACA[100:164]
-    path = upload(srv, f"preview-{template}.jsonl", jsonl(recs)).json()["path"]
-    cfg = make_config(tiny_model_dir, "run")
-    cfg["data"]["train"]["template"] = template  # max_seq_length 64: many records are cut
+    name = "preview-" + "-".join(train.values()) + ".jsonl"
+    path = upload(srv, name, jsonl([as_format(train["format"], r) for r in recs])).json()["path"]
+    cfg = make_config(tiny_model_dir, "run")  # max_seq_length 64: many records are cut
+    cfg["data"]["train"] = {"path": "elsewhere.jsonl", "max_samples": 8, **train}  # the preview reads the file
     r = client(srv, srv.submit).post(
-        "/api/data/preview", json={"file": Path(path).name, "config": yaml.safe_dump(cfg), "records": 12}
+        "/api/data/preview", json={"file": name, "config": yaml.safe_dump(cfg), "records": 12}
     )
     assert r.status_code == 200, r.text
     p = r.json()
-    rows, stats = trainer_rows(path, tiny_model_dir, tmp_path, format="alpaca", template=template)
+    rows, stats = trainer_rows(path, tiny_model_dir, tmp_path, **train)
     assert p["records_total"] == p["measured"] == min(64, MEASURED) and len(p["records"]) == 12
     assert (p["truncated"], p["dropped"]) == (stats["truncated"], stats["dropped_empty"])
     assert p["truncated"] > 5  # the comparison means something
     kept = [rec for rec in p["records"] if not rec["dropped"]]
+    assert len(kept) >= 8
     for rec, row in zip(kept, rows):  # the trainer's rows are the records kept, in order
         assert rec["input_ids"] == row["input_ids"]
         assert rec["trained"] == [int(x != -100) for x in row["labels"]]
         assert any(s["trained"] for s in rec["spans"]) and not rec["spans"][0]["trained"]
-    tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
-    if template == "alpaca":
+    chat = train["format"] == "messages" or train.get("template") == "chat"
+    assert p["template"] == ("chat template" if chat else "alpaca prompt" if train["format"] == "alpaca" else "text")
+    if train == {"format": "alpaca"}:
+        tok = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
         # An independent count: prompt + output + eos, tokenized as the Alpaca format says.
         lengths = [
             len(tok(alpaca_prompt(r["instruction"], r["input"]))["input_ids"])
@@ -242,14 +259,12 @@ def test_preview_is_what_the_trainer_builds(srv, tiny_model_dir, tmp_path, templ
         ]
         assert p["over_max_seq_length"] == sum(n > 64 for n in lengths)
         assert sum(p["histogram"]["counts"]) == 64 and p["histogram"]["longest"] == max(lengths)
-        first = p["records"][0]
-        trained_text = "".join(s["text"] for s in first["spans"] if s["trained"])
-        if not first["truncated"]:
-            assert trained_text == tok.decode(tok(recs[0]["output"], add_special_tokens=False)["input_ids"]) + (
-                tok.eos_token
-            )
-    else:
-        assert p["template"] == "chat template"
+        whole = [(i, rec) for i, rec in enumerate(p["records"]) if not rec["truncated"]]
+        assert whole  # records that fit: their trained text is the output and the eos, nothing else
+        for i, rec in whole:
+            trained = "".join(s["text"] for s in rec["spans"] if s["trained"])
+            output = tok(recs[i]["output"], add_special_tokens=False)["input_ids"]
+            assert trained == tok.decode(output) + tok.eos_token
 
 
 def test_preview_problems_name_the_key(srv, tiny_model_dir, tmp_path):

@@ -62,6 +62,9 @@ def serve(
         list[str] | None, typer.Option(help="A Host name answered besides loopback's (repeatable).")
     ] = None,
     max_request_mb: Annotated[float, typer.Option(help="Largest request body, in MiB.")] = 4.0,
+    max_upload_mb: Annotated[
+        float, typer.Option(help="Largest data file uploaded to the data area (POST /api/data), in MiB.")
+    ] = 256.0,
     root_path: Annotated[
         str,
         typer.Option(
@@ -115,6 +118,7 @@ def serve(
         write_roots=tuple(str(p.resolve()) for p in write_root or ()),
         trusted_hosts=tuple(trusted_host or ()),
         max_request_bytes=int(max_request_mb * 2**20),
+        max_upload_bytes=int(max_upload_mb * 2**20),
     )
     db = db or default_url()
     address = f"http://{host}:{port}"

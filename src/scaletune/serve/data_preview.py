@@ -10,6 +10,7 @@ model's (`models.load_tokenizer`, never with remote code), after the policy allo
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,11 @@ from pydantic import ValidationError
 
 from scaletune.errors import UserError
 
-#: Records tokenized for the histogram and the counts (the first ones); the answer says how many.
+#: Records tokenized for the histogram and the counts (the first ones), at most; batches stop
+#: once BUDGET_S have passed (a chat template renders ~500 records a second on a busy CPU), so a
+#: click answers in seconds. The answer says how many were measured (`measured`).
 MEASURED = 5000
+BUDGET_S = 5.0
 BINS = 20
 _BATCH = 256
 _DATA_KEYS = ("max_seq_length", "chat_template")  # what of `data` shapes a record's tokens
@@ -134,7 +138,10 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
     measured = records[:MEASURED]
     encoder = sft_encoder(source, dcfg, tok)
     pairs: list[tuple[list[int], list[int]]] = []
+    start = time.monotonic()
     for first, batch in _batches(measured):
+        if pairs and time.monotonic() - start > BUDGET_S:
+            break
         try:
             pairs += encoder.pairs(batch)
         except jinja2.TemplateError as exc:
@@ -169,7 +176,7 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         "template": "chat template" if encoder.template else ("alpaca prompt" if source.format == "alpaca" else "text"),
         "max_seq_length": max_len,
         "records_total": len(records),
-        "measured": len(measured),
+        "measured": len(pairs),
         "records": shown,
         "histogram": histogram(lengths, max_len),
         "truncated": sum(1 for c in cuts if c is not None and c[2]),

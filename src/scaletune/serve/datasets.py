@@ -280,7 +280,8 @@ def add_data_routes(app: FastAPI, svc, need) -> None:
         """The first `records` records of an uploaded file rendered as training renders them (the
         config's model's tokenizer, format, prompt format or chat template, max_seq_length), each
         with its tokens and which are trained; a token-length histogram and the counts that
-        max_seq_length truncates and drops, over the first 5,000 records (stated in `measured`).
+        max_seq_length truncates and drops, over the first records (at most 5,000, as many as
+        about 5 s allow: `measured` says how many).
         422 with every problem, each naming its key (`model.name_or_path`, `data.train.format`,
         ...) or the file."""
         from scaletune.serve.data_preview import preview
