@@ -52,6 +52,8 @@ class Job(Base):
     job_dir: Mapped[str] = mapped_column(Text)
     run_dir: Mapped[str] = mapped_column(Text)
     last_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # Why the loss is not to be trusted: a non-finite loss, or a divergence (records.loss_flag).
+    flag: Mapped[str | None] = mapped_column(String(200), nullable=True)
     token_hash: Mapped[str] = mapped_column(String(64))
     owner: Mapped[str] = mapped_column(String(64), default="")  # the API token's name that submitted it
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -77,6 +79,7 @@ class Job(Base):
             "overrides": self.overrides,
             "resources": self.resources,
             "last_metrics": self.last_metrics,
+            "flag": self.flag,
             "exit_code": self.exit_code,
             "owner": self.owner,
             "created": self.created.isoformat() + "Z",

@@ -4,10 +4,11 @@ polls, reads files or holds state: the watcher and the job service call these.""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -118,15 +119,59 @@ def set_state(s: Session, job: Job, state: str, **fields: Any) -> None:
     event(s, job, "state", {"state": state, **{k: v for k, v in fields.items() if k in _STATE_FIELDS}})
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with each non-finite float spelled as JavaScript's `Number()` reads it back
+    ("NaN", "Infinity", "-Infinity"): strict JSON (a Postgres JSON column, the API's responses,
+    the page's JSON.parse) has no NaN, and a diverged run's last line has one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+#: The divergence rule of a run whose loss stays finite (docs/serve.md): with at least
+#: DIVERGE_MIN_LINES train losses logged, the mean of the last DIVERGE_LAST is above DIVERGE_OVER_FIRST
+#: times the first logged loss and DIVERGE_OVER_BEST times the lowest: training ended worse than it
+#: began and well above its best, which one noisy batch or a flat run does not do.
+DIVERGE_MIN_LINES, DIVERGE_LAST, DIVERGE_OVER_FIRST, DIVERGE_OVER_BEST = 4, 3, 1.1, 1.5
+
+
+def loss_flag(s: Session, job: Job, record: dict) -> str | None:
+    """The job's flag after the train line `record` (already added): "non-finite ..." once a loss
+    or gradient norm was NaN or infinite (kept: the run had it), else "diverged ..." while the
+    rule above holds, else None. Three indexed queries, on each train line only."""
+    if job.flag and job.flag.startswith("non-finite"):
+        return job.flag
+    bad = [k for k in ("loss", "grad_norm") if isinstance(record.get(k), str)]  # json_safe's spelling
+    if bad and not record.get("skipped"):  # a skipped fp16 step has an infinite norm by design
+        return f"non-finite {bad[0]} ({record[bad[0]]}) at step {record['step']}"
+    train = (Metric.job_id == job.id, Metric.kind == "train", Metric.loss.is_not(None))
+    n = s.scalar(select(func.count()).where(*train))
+    if not n or n < DIVERGE_MIN_LINES:
+        return None
+    first = s.scalar(select(Metric.loss).where(*train).order_by(Metric.step).limit(1))
+    best = s.scalar(select(func.min(Metric.loss)).where(*train))
+    last = list(s.scalars(select(Metric.loss).where(*train).order_by(Metric.step.desc()).limit(DIVERGE_LAST)))
+    recent = sum(last) / len(last)
+    if recent > DIVERGE_OVER_FIRST * first and recent > DIVERGE_OVER_BEST * best:
+        return f"diverged: the last {len(last)} losses average {recent:.4g}, first {first:.4g}, lowest {best:.4g}"
+    return None
+
+
 def add_metric(s: Session, job: Job, record: dict) -> bool:
     """One metrics.jsonl record (posted or read); False when it has no int `step` or is known.
 
-    (job, step, train|eval) is unique, so the post and the file's copy of a line meet once.
+    (job, step, train|eval) is unique, so the post and the file's copy of a line meet once. A
+    non-finite value is kept as its string (:func:`json_safe`) and sets the job's flag.
     """
     try:
         validated(EventKind.METRIC.value, record)
     except ValueError:
         return False
+    record = json_safe(record)
     kind = "eval" if "eval_loss" in record else "train"
     exists = s.scalar(
         select(Metric.id).where(Metric.job_id == job.id, Metric.step == record["step"], Metric.kind == kind)
@@ -135,17 +180,26 @@ def add_metric(s: Session, job: Job, record: dict) -> bool:
         return False
     try:
         with s.begin_nested():
-            s.add(Metric(job_id=job.id, step=record["step"], kind=kind, loss=record.get("loss"), data=record))
+            loss = record.get("loss")
+            s.add(
+                Metric(job_id=job.id, step=record["step"], kind=kind, loss=loss if _number(loss) else None, data=record)
+            )
     except IntegrityError:
         return False
     job.step = max(job.step or 0, record["step"])
     if kind == "train":
         job.last_metrics = record
+        s.flush()
+        job.flag = loss_flag(s, job, record)
         job.stage = record.get("stage", job.stage)
         if job.state == S.STARTING:
             set_state(s, job, S.RUNNING, phase="training")
     event(s, job, "metric", record)
     return True
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _checkpoint_known(s: Session, job: Job, *, path: str | None = None, step: int | None = None) -> bool:

@@ -8,21 +8,30 @@ Every URL the pages hold or go to starts with `base`: the mount prefix (`--root-
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import jinja2
+import yaml
 from fastapi import FastAPI, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
 from scaletune.serve import auth
+from scaletune.serve import states as S
 from scaletune.serve.apidocs import root_of
+from scaletune.serve.db import Event, Job
 from scaletune.serve.guard import NONCE_KEY
 from scaletune.serve.jobs import JobService
 from scaletune.serve.teams import record
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
+MAX_COMPARED = 12  # runs on one compare page (one colour each)
+#: Left out of a compare page's differences: the service gives each job its own run directory.
+NOT_COMPARED = ("output_dir",)
 
 
 def add_pages(app: FastAPI, svc: JobService, caller) -> None:
@@ -93,13 +102,85 @@ def add_pages(app: FastAPI, svc: JobService, caller) -> None:
         job = svc.get(job_id)
         if job is None:
             return HTMLResponse("no such job", status_code=404)
-        return page("job.html", request, job=job.summary(), scope=c.scope, who=c)
+        return page("job.html", request, job=job.summary(), times=run_times(svc, job), scope=c.scope, who=c)
 
     @app.get("/compare", response_class=HTMLResponse, include_in_schema=False)
-    def compare(request: Request, a: str, b: str):
+    def compare(request: Request, ids: str = "", a: str = "", b: str = ""):
+        """N runs' loss curves on one chart and the config keys whose values differ; the older
+        `?a=X&b=Y` form is sent on to `?ids=X,Y`."""
         c = who(request)
         if c is None:
             return go(request, "login")
-        if svc.get(a) is None or svc.get(b) is None:  # only job ids reach the page
+        if a or b:
+            return go(request, "compare?ids=" + quote(",".join(x for x in (a, b) if x)))
+        wanted = [x for x in ids.split(",") if x]  # a run beside itself too (its curve twice)
+        if not 2 <= len(wanted) <= MAX_COMPARED:
+            return HTMLResponse(f"compare 2 to {MAX_COMPARED} jobs: ?ids=ID,ID,...", status_code=422)
+        jobs = [svc.get(x) for x in wanted]
+        if any(j is None for j in jobs):  # only job ids reach the page
             return HTMLResponse("no such job", status_code=404)
-        return page("compare.html", request, a=a, b=b, who=c)
+        configs = [run_config(svc, j) for j in jobs]
+        return page("compare.html", request, jobs=[j.summary() for j in jobs], diff=config_diff(configs), who=c)
+
+
+def run_times(svc: JobService, job: Job) -> dict[str, str | None]:
+    """When the job first started (its first `starting`/`running` state event) and, once it is
+    in an end state, when it got there: ISO 8601 UTC to the second, or None."""
+    from sqlalchemy import select
+
+    with svc.Session() as s:
+        rows = s.execute(
+            select(Event.created, Event.data).where(Event.job_id == job.id, Event.kind == "state").order_by(Event.id)
+        ).all()
+    started = next((t for t, d in rows if d.get("state") in (S.STARTING, S.RUNNING)), None)
+    ended = (
+        next((t for t, d in reversed(rows) if d.get("state") in S.TERMINAL), None) if job.state in S.TERMINAL else None
+    )
+    iso = lambda t: t.isoformat(timespec="seconds") if t is not None else None  # noqa: E731
+    return {"started": iso(started), "ended": iso(ended)}
+
+
+def run_config(svc: JobService, job: Job) -> dict[str, Any]:
+    """The config a job ran with: its run's `config.yaml` (every default filled in, secret values
+    redacted) read as the artifacts API serves it, from any target; before the run wrote it (queued,
+    or its target cannot be asked), the submitted config with the job's overrides, resolved the same
+    way. {} when neither can be read (the page then says so)."""
+    from scaletune.config import load_config, redacted
+    from scaletune.serve.dispatch.base import ArtifactMissing, ArtifactUnreachable
+
+    try:
+        found = svc.dispatchers[job.target].artifact(svc.files(job), job.run_dir, "config.yaml")
+        if not isinstance(found, list):
+            text = found.path.read_text() if found.path is not None else b"".join(found.chunks).decode()
+            data = yaml.safe_load(text)
+            if isinstance(data, dict):
+                return data
+    except (ArtifactMissing, ArtifactUnreachable, OSError, UnicodeDecodeError, yaml.YAMLError):
+        pass
+    try:
+        return redacted(load_config(Path(job.job_dir) / "config.yaml", list(job.overrides)))
+    except Exception:  # noqa: BLE001 - a config that no longer loads (moved data): nothing to compare
+        return {}
+
+
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """`{"training": {"learning_rate": 1}}` -> `{"training.learning_rate": 1}`; lists are values."""
+    if not isinstance(data, dict) or (prefix and not data):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def config_diff(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dotted keys whose values are not the same in every config (absent counts as a value),
+    sorted, each with its value per config as text (JSON; "(absent)" where a config lacks it)."""
+    flats = [_flat(c) for c in configs]
+    keys = sorted({k for f in flats for k in f} - set(NOT_COMPARED))
+    rows = []
+    for key in keys:
+        values = [json.dumps(f[key], sort_keys=True) if key in f else "(absent)" for f in flats]
+        if len(set(values)) > 1:
+            rows.append({"key": key, "values": values})
+    return rows
