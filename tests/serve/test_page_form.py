@@ -198,5 +198,14 @@ def test_the_form_in_the_browser(server, tmp_path):
         assert not any("config.yaml" in t or str(server.home) in t for t in dom(driver, "#problems li"))
         assert yaml_text()["training"]["micro_batch_size"] == 0
         driver.save_screenshot(str(shots / "page-form-problem.png"))
+        # At a phone's width the fields reflow into the screen (none reaches past its right edge).
+        driver.set_window_size(390, 844)
+        wide = driver.execute_script(
+            """return [...document.querySelectorAll('#form [data-key], #config, #plan dl')]
+              .filter(e => e.getBoundingClientRect().right > window.innerWidth + 1).map(e => e.id || e.tagName)"""
+        )
+        assert wide == [], wide
+        driver.execute_script("document.getElementById('f-model').scrollIntoView()")
+        driver.save_screenshot(str(shots / "page-form-phone.png"))
     finally:
         driver.quit()

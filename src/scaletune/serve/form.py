@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from scaletune.config import DataConfig, ModelConfig, TrainingConfig, parse_override
-from scaletune.config.loader import _set_path  # the CLI's own setting of an override's key
+from scaletune.config.loader import _deepcopy, _set_path  # the CLI's own copy and key setting
 from scaletune.config.yamlfile import parse
 from scaletune.serve.schemas import problems_responses, refusal
 
@@ -209,7 +209,7 @@ def apply_fields(text: str, fields: dict[str, Any], world_size: int = 1) -> tupl
     Raises:
         FormProblem: the YAML does not parse, or a field cannot be set (see :func:`overrides_for`).
     """
-    data = read_yaml(text)
+    data = _deepcopy(read_yaml(text))  # an alias's target is set in one place, as read_config sets it
     overrides, remove = overrides_for(data, fields, world_size)
     for item in overrides:
         try:
