@@ -207,7 +207,8 @@ def test_bad_targets_exit_2_without_traceback(lora_run, tmp_path):
     run, eval_file, _ = lora_run
     for args, message in [
         (["chat", str(tmp_path / "missing")], "no such run directory"),
-        (["eval", str(run / "checkpoints" / "step-2"), "--data", str(eval_file)], "export it with `scaletune export`"),
+        # A checkpoint is a target (exported when loaded); the folder of checkpoints is not.
+        (["eval", str(run / "checkpoints"), "--data", str(eval_file)], "neither a run directory nor"),
         (["eval", str(run), "--data", str(eval_file), "--format", "csv"], "--format csv"),
         (["generate", str(run), "--prompts", str(tmp_path / "none.txt")], "prompts file not found"),
     ]:

@@ -5,7 +5,7 @@ with."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,21 +27,25 @@ class Target:
         adapter: `model_dir` holds a peft adapter (`adapter_config.json`).
         run_config: the resolved config of the run that produced it (`config.yaml` of the run
             directory), or None.
+        checkpoint: a `checkpoints/step-N` folder (then `model_dir` is None): loading exports it
+            first (:func:`~scaletune.checkpoint.export_checkpoint`, the restricted loader).
     """
 
     model_dir: Path | None
     name: str
     adapter: bool
     run_config: Config | None
+    checkpoint: Path | None = None
 
 
 def find_target(target: str | Path) -> Target:
-    """Interpret RUN_OR_MODEL: a run directory (its `final/`), a run's `final/`, another model or
-    adapter folder, or (not a path) a pretrained preset name or hub id.
+    """Interpret RUN_OR_MODEL: a run directory (its `final/`), a run's `final/`, a checkpoint
+    (`checkpoints/step-N`: a folder with `progress.json`), another model or adapter folder, or (not a
+    path) a pretrained preset name or hub id.
 
     Raises:
-        UserError: a folder that is none of those (a checkpoint: export it first; a run that has
-            not finished: no `final/`).
+        UserError: a folder that is none of those (a run that has not finished: no `final/`; export
+            or name one of its checkpoints).
     """
     name = str(target)
     p = Path(target).expanduser()
@@ -52,12 +56,18 @@ def find_target(target: str | Path) -> Target:
     if not p.is_dir():
         raise UserError(f"{name}: not a folder (give a run directory or a model folder)", title="invalid model")
     run_cfg = None
+    if (p / "config.yaml").is_file() and (p / "progress.json").is_file() and not (p / "config.json").is_file():
+        # A checkpoint: its config.yaml is the run's (as a run directory's), its weights are
+        # exported to a Hugging Face folder when loaded.
+        run_cfg = _run_config(p / "config.yaml")
+        return Target(None, name, run_cfg.model.lora is not None, run_cfg, checkpoint=p)
     if (p / "config.yaml").is_file() and not (p / "config.json").is_file():
         run_cfg = _run_config(p / "config.yaml")
         if not (p / "final").is_dir():
-            hint = " (a checkpoint: export it with `scaletune export` first)" if (p / "progress.json").is_file() else ""
             raise UserError(
-                f"{name}: this run has no final/ model yet (it has not finished){hint}", title="invalid model"
+                f"{name}: this run has no final/ model yet (it has not finished); name one of its "
+                "checkpoints (RUN/checkpoints/step-N)",
+                title="invalid model",
             )
         p = p / "final"
     elif (p.parent / "config.yaml").is_file():
@@ -147,24 +157,43 @@ def load_for_inference(
     directory's `config.yaml` is data (a downloaded run's `trust_remote_code: true` is not a
     permission); peft reads adapter weights from safetensors (or with `weights_only=True`).
 
+    A checkpoint is exported first (in a temporary folder, removed once loaded), as `scaletune
+    export` writes it: its weights read by the restricted loader (`safe_load`).
+
     Args:
-        target: run directory, model or adapter folder, pretrained preset name or hub id.
+        target: run directory, checkpoint, model or adapter folder, pretrained preset name or hub id.
         dtype: float32, bfloat16, float16 or auto (:func:`inference_dtype`).
         template: auto (as trained: :func:`trained_template`), chat, alpaca or none.
         trust_remote_code: allow the model folder's own Python code (config.json `auto_map`);
             the caller's choice alone (the command line's `--trust-remote-code`).
 
     Raises:
-        UserError: see :func:`find_target`; a model or tokenizer that cannot be loaded.
+        UserError: see :func:`find_target`; a model or tokenizer that cannot be loaded; a checkpoint
+            that cannot be exported (corrupt, unsafe, a factory model).
     """
+    if template not in TEMPLATES:
+        raise UserError(f"--template {template}: use one of {', '.join(TEMPLATES)}", title="invalid arguments")
+    t = find_target(target)
+    if t.checkpoint is not None:
+        import tempfile
+
+        from scaletune.checkpoint import export_checkpoint
+
+        # The checkpoint as `scaletune export` writes it (an adapter stays an adapter, loaded on
+        # its base below), in a folder that lives while the weights are read into memory.
+        with tempfile.TemporaryDirectory(prefix="scaletune-checkpoint-") as tmp:
+            folder = export_checkpoint(t.checkpoint, Path(tmp) / "model", trust_remote_code=trust_remote_code)
+            exported = replace(t, model_dir=folder, checkpoint=None)
+            return _load_target(exported, dtype, template, trust_remote_code)
+    return _load_target(t, dtype, template, trust_remote_code)
+
+
+def _load_target(t: Target, dtype: str, template: str, trust_remote_code: bool) -> LoadedModel:
     import torch
 
     from scaletune.env import DistributedEnv
     from scaletune.models import resolve_device_map
 
-    if template not in TEMPLATES:
-        raise UserError(f"--template {template}: use one of {', '.join(TEMPLATES)}", title="invalid arguments")
-    t = find_target(target)
     env = DistributedEnv.from_environ(environ={})  # this process alone, whatever launched it
     dt = inference_dtype(dtype, torch.device(resolve_device_map(None, env).device))
     run_model = t.run_config.model if t.run_config is not None else None

@@ -41,7 +41,10 @@ from scaletune.serve.teams import add_team_routes, need_owner, record
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 10.0
-ARTIFACTS = ("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints", "eval")
+ARTIFACTS = (
+    *("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints", "eval"),
+    *("samples.md", "samples.jsonl", "exports"),
+)
 MAX_LOG_BYTES = 8 << 20  # one /logs answer at most
 # Declared in /openapi.json (Swagger's Authorize button); auto_error off: the page's session
 # cookie and the token-less mode authenticate too, and `caller` words the 401 itself.

@@ -1,0 +1,301 @@
+"""The job page's results part (issue 23, "talk to the result", "ship it") against a real service and
+two real tiny jobs it ran (a full fine-tune and a LoRA one, 2 steps, a checkpoint at each): chat
+streams the answer `scaletune.inference` gives greedily for final/ and a checkpoint, adapters on
+their base; refusals; the evaluate task against `scaletune eval` from the command line; the export
+task against `scaletune export`; archives against the folders' bytes; one Chromium walk."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scaletune.serve.auth import create_token
+from tests.helpers import ALPACA_5000, LORA, make_config, run_cli, wait_for
+from tests.serve.conftest import client, dom, headless_chromium, plant_job, wait_state
+
+PROMPT = "Name a colour."
+JOB = {"max_steps": 2, "save_every": 1, "sample_prompts": [PROMPT], "sample_max_new_tokens": 8}
+
+
+def sse(resp) -> list[tuple[str, dict]]:
+    """(event, data) of a server-sent event stream, in order."""
+    out, kind = [], "message"
+    for line in resp.iter_lines():
+        if line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            out.append((kind, json.loads(line[5:].strip())))
+    return out
+
+
+def chat(c, job_id: str, checkpoint: str = "final", prompt: str = PROMPT, max_new_tokens: int = 12):
+    """(status, streamed events or the refusal's body)."""
+    body = {
+        "checkpoint": checkpoint,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_new_tokens": max_new_tokens,
+    }
+    with c.stream("POST", f"/api/jobs/{job_id}/chat", json=body, timeout=300) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            return resp.status_code, resp.json()
+        return 200, sse(resp)
+
+
+def control_answer(target: Path, max_new_tokens: int = 12) -> str:
+    """What the inference module answers greedily (what `scaletune generate` prints)."""
+    from scaletune.inference import Sampling, generate, load_for_inference
+
+    return generate(load_for_inference(target), [PROMPT], Sampling(max_new_tokens=max_new_tokens))[0]
+
+
+def exported_like_a_run(checkpoint: Path, out: Path, *flags: str) -> Path:
+    """`scaletune export CHECKPOINT` from the command line into out/model, beside the run's
+    config.yaml (as final/ sits in its run directory): the control of a checkpoint's answers."""
+    proc = run_cli(["export", str(checkpoint), "-o", str(out / "model"), *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copy(checkpoint / "config.yaml", out / "config.yaml")
+    return out / "model"
+
+
+def wait_task(c, job_id: str, task_id: str, timeout: float = 300) -> dict:
+    def ended():
+        t = next(t for t in c.get(f"/api/jobs/{job_id}/tasks").json() if t["id"] == task_id)
+        return t if t["state"] != "running" else None
+
+    return wait_for(ended, timeout, f"task {task_id}", interval=0.5)
+
+
+@pytest.fixture(scope="module")
+def jobs(server, tiny_model_dir, module_tmp_path) -> dict[str, dict]:
+    """Two jobs the service ran: `full` and `lora` (a high learning rate, so the adapter changes the answer)."""
+    c = client(server, server.submit)
+    out = {}
+    for name, extra in (("full", {}), ("lora", {"model": LORA | {"gradient_checkpointing": False}})):
+        training = JOB | ({"learning_rate": 0.05} if name == "lora" else {})
+        cfg = make_config(tiny_model_dir, module_tmp_path / name, training=training, **extra)
+        r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)})
+        assert r.status_code == 201, r.text
+        out[name] = r.json()["id"]
+    for name, job_id in out.items():
+        job = wait_state(c, job_id, {"succeeded", "failed"}, timeout=600)
+        assert job["state"] == "succeeded", c.get(f"/api/jobs/{job_id}/logs").text[-3000:]
+        out[name] = job
+    return out
+
+
+@pytest.fixture(scope="module")
+def eval_file(module_tmp_path) -> Path:
+    path = module_tmp_path / "eval.json"
+    path.write_text(json.dumps(json.loads(ALPACA_5000.read_text())[100:108]))
+    return path
+
+
+@pytest.mark.parametrize(
+    "name,checkpoint",
+    [("full", "final"), ("full", "checkpoints/step-1"), ("lora", "final"), ("lora", "checkpoints/step-1")],
+)
+def test_chat_streams_the_greedy_answer_of_the_inference_module(server, jobs, name, checkpoint, tmp_path):
+    job = jobs[name]
+    run = Path(job["run_dir"])
+    with client(server, server.submit) as c:
+        status, events = chat(c, job["id"], checkpoint)
+    assert status == 200, events
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "model" and kinds[-1] == "done", kinds
+    tokens = [d["text"] for k, d in events if k == "token"]
+    assert len(tokens) >= 2, events  # streamed, not sent whole
+    answer = events[-1][1]["answer"]
+    if checkpoint == "final":
+        control = control_answer(run)
+    else:
+        control = control_answer(exported_like_a_run(run / checkpoint, tmp_path))
+    assert answer == control and "".join(tokens).strip() == control
+    if name == "lora":
+        assert "LoRA adapter on" in events[0][1]["model"]
+        if checkpoint == "final":  # the adapter matters: its answer is not the base model's
+            base = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+            assert control_answer(run, 8) == base["trained"] != base["base"]
+
+
+def test_chat_refusals(server, jobs, module_tmp_path):
+    full, lora = jobs["full"], jobs["lora"]
+    other_ckpt = str(Path(lora["run_dir"]) / "checkpoints" / "step-1")
+    with client(server, server.submit) as c:
+        for bad in (
+            other_ckpt,
+            "checkpoints/../../lora/checkpoints/step-1",
+            "../lora/final",
+            "checkpoints/latest",
+            "loss.png",
+        ):
+            status, body = chat(c, full["id"], bad)
+            assert status in (404, 409) and "not one of this job's models" in body["detail"], (bad, status, body)
+        # A link among the checkpoints to another job's checkpoint is not one of this job's.
+        planted = module_tmp_path / "planted"
+        shutil.copytree(full["run_dir"], planted, symlinks=True)
+        (planted / "checkpoints" / "step-9").symlink_to(other_ckpt)
+        copy = plant_job(server.svc, planted)
+        status, body = chat(c, copy, "checkpoints/step-9")
+        assert status in (404, 409), body
+        running = plant_job(server.svc, module_tmp_path / "running", state="running")
+        status, body = chat(c, running)
+        assert status == 409 and "running" in body["problems"][0], body
+        modal = plant_job(server.svc, module_tmp_path / "modal-run")
+        from scaletune.serve.db import Job
+
+        with server.svc.Session() as s:
+            s.get(Job, modal).target = "modal"
+            s.commit()
+        (module_tmp_path / "modal-run").rmdir()
+        status, body = chat(c, modal)
+        assert status == 409 and "Modal's volume" in body["problems"][0], body
+        assert c.get(f"/api/jobs/{modal}/models").json()["refused"]
+    with client(server, server.read) as c:
+        assert (
+            c.post(f"/api/jobs/{full['id']}/chat", json={"messages": [{"role": "user", "content": "x"}]}).status_code
+            == 403
+        )
+
+
+def test_models_and_samples_are_listed(server, jobs):
+    job = jobs["full"]
+    with client(server, server.read) as c:
+        models = c.get(f"/api/jobs/{job['id']}/models").json()
+        samples = c.get(f"/api/jobs/{job['id']}/samples").json()
+    assert models["models"] == ["final", "checkpoints/step-1", "checkpoints/step-2"] and models["refused"] is None
+    written = [json.loads(line) for line in (Path(job["run_dir"]) / "samples.jsonl").read_text().splitlines()]
+    assert samples == written and samples[0]["prompt"] == PROMPT and "trained" in samples[0]
+
+
+def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs, eval_file):
+    job = jobs["full"]
+    run = Path(job["run_dir"])
+    with client(server, server.submit) as c:
+        refused = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": "/etc/hostname"})
+        assert refused.status_code == 422 and "outside the folders" in refused.json()["problems"][0], refused.text
+        for checkpoint in ("final", "checkpoints/step-1"):
+            r = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(eval_file), "checkpoint": checkpoint})
+            assert r.status_code == 202, r.text
+            busy = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(eval_file)})
+            assert busy.status_code == 409 and "task running" in busy.json()["problems"][0]
+            task = wait_task(c, job["id"], r.json()["id"])
+            assert task["state"] == "succeeded", task
+            target = run if checkpoint == "final" else run / checkpoint
+            proc = run_cli(["eval", str(target), "--data", str(eval_file), "--json"])
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            control = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert task["result"]["loss"] == pytest.approx(control["loss"], rel=1e-6)
+            assert task["result"]["target_tokens"] == control["target_tokens"]
+            written = json.loads((run / task["result"]["file"]).read_text())
+            assert written["loss"] == task["result"]["loss"] and written["model"] == checkpoint
+            assert task["result"]["file"] in c.get(f"/api/jobs/{job['id']}/artifacts/eval").json()
+        failed = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(run / "plan.json")})
+        task = wait_task(c, job["id"], failed.json()["id"])
+        assert task["state"] == "failed" and task["log_tail"], task
+
+
+def test_export_task_matches_the_command_line_and_its_archive_the_folder(server, jobs, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = jobs["lora"]
+    run = Path(job["run_dir"])
+    with client(server, server.submit) as c:
+        r = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"merge_lora": True, "dtype": "float32"})
+        assert r.status_code == 202, r.text
+        task = wait_task(c, job["id"], r.json()["id"])
+        assert task["state"] == "succeeded", task
+        folder = run / task["result"]["path"]
+        proc = run_cli(["export", str(run), "-o", str(tmp_path / "control"), "--merge-lora", "--dtype", "float32"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "control").state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert task["result"]["path"] in c.get(f"/api/jobs/{job['id']}/models").json()["exports"]
+        resp = c.get("/" + task["result"]["archive"])
+        assert resp.status_code == 200 and resp.headers["content-type"] == "application/x-tar"
+        assert resp.headers["content-disposition"] == f'attachment; filename="{job["id"]}-exports-{folder.name}.tar"'
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        got_files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    want_files = {str(p.relative_to(run / "exports")): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert got_files == want_files and any(n.endswith(".safetensors") for n in got_files)
+
+
+def test_archive_does_not_follow_links_out_of_the_run(server, jobs, module_tmp_path):
+    run = module_tmp_path / "linked"
+    shutil.copytree(jobs["full"]["run_dir"], run, symlinks=True)
+    outside = module_tmp_path / "secret.txt"
+    outside.write_text("not the run's")
+    (run / "final" / "leak.txt").symlink_to(outside)
+    (run / "final" / "config-copy.yaml").symlink_to(run / "config.yaml")  # inside the run: read
+    job_id = plant_job(server.svc, run)
+    with client(server, server.read) as c:
+        resp = c.get(f"/api/jobs/{job_id}/archive/final")
+        # Dots percent-encoded: a client would otherwise remove the dot segments before sending.
+        for bad in (
+            "%2E%2E/linked/final",
+            "config.yaml",
+            "checkpoints/latest",
+            "checkpoints/%2E%2E/final/%2E%2E",
+            "exports/%2E%2E/%2E%2E",
+            "final%2F%2E%2E%2F%2E%2E",
+        ):
+            assert c.get(f"/api/jobs/{job_id}/archive/{bad}").status_code in (404, 409), bad
+    assert resp.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    want = {f"final/{p.name}": p.read_bytes() for p in (run / "final").iterdir() if p.is_file() and not p.is_symlink()}
+    assert {k: v for k, v in got.items() if k != "final/config-copy.yaml"} == want
+    assert got["final/config-copy.yaml"] == (run / "config.yaml").read_bytes() and "final/leak.txt" not in got
+
+
+def test_tasks_need_the_jobs_owner(server, jobs, eval_file):
+    other = create_token(server.svc.Session, "submit", name="someone-else")
+    job_id = jobs["full"]["id"]
+    with client(server, other) as c:
+        r = c.post(f"/api/jobs/{job_id}/tasks/eval", json={"data": str(eval_file)})
+        assert r.status_code == 403 and "belongs to" in r.json()["detail"], r.text
+        assert c.post(f"/api/jobs/{job_id}/tasks/export", json={}).status_code == 403
+
+
+def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
+    from selenium.webdriver.common.by import By
+
+    job = jobs["full"]
+    shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or module_tmp_path)
+    driver = headless_chromium(module_tmp_path / "chromium-results")
+    try:
+        driver.get(server.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(server.submit)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
+        driver.get(f"{server.url}/jobs/{job['id']}")
+        wait_for(lambda: "checkpoints/step-1" in dom(driver, "#chat-checkpoint option", prop="value"), 30, "the models")
+        assert dom(driver, "#samples tr.sample td")[0] == PROMPT
+        driver.execute_script("document.getElementById('chat-max').value = 12")
+        driver.find_element(By.ID, "chat-input").send_keys(PROMPT)
+        driver.find_element(By.ID, "chat-send").click()
+        wait_for(lambda: dom(driver, "#chat-log .msg.assistant[data-state=done]"), 120, "the answer")
+        assert dom(driver, "#chat-log .msg.assistant .text") == [control_answer(Path(job["run_dir"]))]
+        assert int(dom(driver, "#chat-log .msg.assistant", "data-tokens")[0]) >= 2  # arrived in pieces
+        driver.find_element(By.ID, "eval-data").send_keys(str(eval_file))
+        driver.find_element(By.ID, "eval-run").click()
+        wait_for(lambda: dom(driver, "#tasks li[data-kind=eval][data-state=succeeded]"), 180, "the eval task")
+        rows = wait_for(lambda: dom(driver, "#evaluation tbody tr[data-metric=loss]"), 30, "the loss row")
+        assert str(eval_file) in rows[0]
+        driver.find_element(By.ID, "export-run").click()
+        links = wait_for(
+            lambda: dom(driver, "#downloads a.archive[data-path^='exports/']", "href"), 240, "the export's link"
+        )
+        driver.save_screenshot(str(shots / "page-results-desktop.png"))
+        assert links[0].startswith(f"/api/jobs/{job['id']}/archive/exports/")
+    finally:
+        driver.quit()
