@@ -229,6 +229,23 @@ def test_export_task_matches_the_command_line_and_its_archive_the_folder(server,
     assert got_files == want_files and any(n.endswith(".safetensors") for n in got_files)
 
 
+def test_gguf_export_task_writes_the_command_lines_file(server, jobs, tmp_path):
+    job = jobs["full"]
+    run = Path(job["run_dir"])
+    with client(server, server.submit) as c:
+        bad = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"format": "gguf", "dtype": "float16"})
+        assert bad.status_code == 422 and "always merged" in bad.json()["problems"][0], bad.text
+        r = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"format": "gguf", "checkpoint": "checkpoints/step-1"})
+        assert r.status_code == 202, r.text
+        task = wait_task(c, job["id"], r.json()["id"])
+    assert task["state"] == "succeeded", task
+    proc = run_cli(["export", str(run / "checkpoints" / "step-1"), "-o", str(tmp_path / "control"), "--format", "gguf"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (got,) = (run / task["result"]["path"]).glob("*.gguf")
+    (want,) = (tmp_path / "control").glob("*.gguf")
+    assert got.name == want.name and got.read_bytes() == want.read_bytes()
+
+
 def test_archive_does_not_follow_links_out_of_the_run(server, jobs, module_tmp_path):
     run = module_tmp_path / "linked"
     shutil.copytree(jobs["full"]["run_dir"], run, symlinks=True)

@@ -14,7 +14,8 @@ from scaletune.cli.app import app
 TargetArg = Annotated[
     str,
     typer.Argument(
-        help="A run directory (its final/), a model or LoRA adapter folder, a pretrained preset name "
+        help="A run directory (its final/), a checkpoint (RUN/checkpoints/step-N, exported first), a model or "
+        "LoRA adapter folder, a pretrained preset name "
         "(smollm2-135m-instruct) or a hub id."
     ),
 ]
