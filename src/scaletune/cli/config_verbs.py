@@ -112,7 +112,7 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
         f"# resolved for world_size {spec.world_size} ({spec.env.describe()})",
         f"# strategy: {spec.strategy_label} ({spec.reason})",
         f"# precision: compute {spec.precision.compute}, weights stored {spec.precision.storage}"
-        f"{', autocast' if spec.precision.autocast else ''}",
+        f"{', autocast' if spec.precision.autocast else ''}{', bf16 parameter copies' if spec.precision.cast_params else ''}",
         f"# batch: {spec.batch.describe()}",
     ]
     header += [

@@ -94,6 +94,15 @@ class ModelConfig(_Strict):
     """Compute dtype of matmuls. Trainable weights stay float32 (master weights) and the forward runs
     under autocast or the engine's mixed precision; a frozen LoRA base is stored in this dtype.
     `auto`: bfloat16 on a GPU that supports it, else float32."""
+    mixed_precision: Literal["autocast", "bf16_params"] = "autocast"
+    """How strategies single and ddp run a bfloat16 full fine-tune over float32 master weights.
+    autocast: the float32 weights compute under `torch.autocast`, so the residual stream (embeddings,
+    norms, the adds between layers) stays float32. bf16_params: each step computes with bfloat16 copies
+    of the weights (FSDP2's `MixedPrecisionPolicy` on a replicate mesh, as torchtitan's
+    `mixed_precision_param`), gradients are reduced and accumulated in float32 and the optimizer steps
+    the float32 masters, which checkpoints hold; the residual stream is bfloat16 (half its activation
+    memory). Needs `dtype: bfloat16` and full fine-tuning (a LoRA base is stored in bfloat16 already).
+    fsdp and deepspeed always work this way; the value changes nothing there."""
     attn_implementation: str | None = "sdpa"
     """transformers' attention kernel: sdpa, eager, flash_attention_2, flex_attention, ... (null: the
     model's default)."""

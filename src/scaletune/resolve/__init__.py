@@ -22,6 +22,7 @@ from pathlib import Path
 from scaletune.config import Config, DataConfig, LoadedConfig, TrainingConfig
 from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError
+from scaletune.resolve.precision import mixed_precision_problems, precision_for
 from scaletune.resolve.rules import (
     PACKING_SAFE_ATTENTION,
     batch_arithmetic,
@@ -58,6 +59,7 @@ __all__ = [
     "batch_problem",
     "decide",
     "liger_problem",
+    "mixed_precision_problems",
     "packing_problems",
     "positions_problem",
     "precision_for",
@@ -78,27 +80,6 @@ def wanted_world_size(cfg: Config, env: DistributedEnv) -> int:
         return env.world_size
     n = cfg.distributed.num_processes
     return max(1, env.cuda_device_count) if n == "auto" else n
-
-
-def precision_for(cfg: Config, env: DistributedEnv, strategy: str) -> Precision:
-    """THE precision rule. `model.dtype: auto` is bfloat16 on a GPU that supports it, else float32;
-    trainable weights are stored in float32, a frozen LoRA base in the compute dtype.
-
-    The loop autocasts to the compute dtype whenever a floating-point parameter is wider than it,
-    except under engines that cast every parameter themselves (FSDP2's MixedPrecisionPolicy,
-    DeepSpeed's bf16/fp16 modes). That is: full fine-tuning below float32 (fp32 master weights), and
-    LoRA below float32 even though its base is stored in the compute dtype, because peft creates the
-    adapters in float32 (`autocast_adapter_dtype=True`, its default) and, for a quantized base (QLoRA),
-    `prepare_model_for_kbit_training` upcasts every parameter that is not 4/8-bit (norms, embeddings,
-    head) to float32. Without autocast those run in float32, and so do the activations that flow out
-    of them: twice the activation memory and no flash-attention kernel.
-    """
-    compute = cfg.model.dtype
-    if compute == "auto":
-        compute = "bfloat16" if env.cuda_available and env.bf16_supported else "float32"
-    storage = compute if cfg.model.lora is not None else "float32"
-    wider = compute != "float32" and (storage != compute or cfg.model.lora is not None)
-    return Precision(compute, storage, autocast=wider and strategy in ("single", "ddp"))
 
 
 def resolve_stages(cfg: Config) -> list[Stage]:

@@ -4,6 +4,7 @@ returns the :class:`Problem` s it finds (the doctor shows the same problems as c
 from __future__ import annotations
 
 from scaletune.config import TrainingConfig
+from scaletune.resolve.precision import mixed_precision_problems
 from scaletune.resolve.spec import BatchArithmetic, Problem, RunSpec
 
 # Attention implementations that build their mask through transformers' masking_utils, which
@@ -391,7 +392,7 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
 def rule_problems(spec: RunSpec) -> list[Problem]:
     """Every cross-field rule, on the decided run."""
     out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec) + _factory_rules(spec)
-    out += _objective_rules(spec)
+    out += _objective_rules(spec) + mixed_precision_problems(spec)
     bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.world_size)
     if bad is not None:
         out.append(bad)

@@ -49,11 +49,16 @@ class Precision:
             frozen LoRA base is stored in the compute dtype.
         autocast: the loop runs the forward under `torch.autocast(compute)`; engines that cast
             themselves (FSDP2's MixedPrecisionPolicy, DeepSpeed) do not need it.
+        cast_params: single/ddp with `model.mixed_precision: bf16_params`: the strategy computes with
+            compute-dtype copies of the float32 master weights (FSDP2's MixedPrecisionPolicy on a
+            replicate mesh), so the residual stream is in the compute dtype. fsdp and deepspeed always
+            cast their parameters; it stays False there.
     """
 
     compute: str
     storage: str
     autocast: bool
+    cast_params: bool = False
 
     @property
     def mixed(self) -> bool:

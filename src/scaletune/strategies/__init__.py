@@ -13,6 +13,10 @@ if TYPE_CHECKING:  # importing this package stays torch-free (deepspeed_config i
 
 def make_strategy(spec: RunSpec) -> Strategy:
     """Instantiate the engine the run resolved to, importing only what it needs."""
+    if spec.precision.cast_params:  # single or ddp with model.mixed_precision bf16_params
+        from scaletune.strategies.param_cast import DDPCastStrategy, SingleCastStrategy
+
+        return SingleCastStrategy(spec) if spec.strategy == "single" else DDPCastStrategy(spec)
     if spec.strategy == "single":
         from scaletune.strategies.single import SingleStrategy
 
