@@ -303,16 +303,35 @@ def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
         wait_for(lambda: dom(driver, "#chat-log .msg.assistant[data-state=done]"), 120, "the answer")
         assert dom(driver, "#chat-log .msg.assistant .text") == [control_answer(Path(job["run_dir"]))]
         assert int(dom(driver, "#chat-log .msg.assistant", "data-tokens")[0]) >= 2  # arrived in pieces
+        # Earlier tests of this module ran tasks on this job: the page's own show up as one more of each.
+        done_evals = "#tasks li[data-kind=eval][data-state=succeeded]"
+        exports = "#downloads a.archive[data-path^='exports/']"
+        before = (
+            len(dom(driver, done_evals)),
+            len(dom(driver, "#evaluation tbody tr[data-metric=loss]")),
+            len(dom(driver, exports)),
+        )
         driver.find_element(By.ID, "eval-data").send_keys(str(eval_file))
         driver.find_element(By.ID, "eval-run").click()
-        wait_for(lambda: dom(driver, "#tasks li[data-kind=eval][data-state=succeeded]"), 180, "the eval task")
-        rows = wait_for(lambda: dom(driver, "#evaluation tbody tr[data-metric=loss]"), 30, "the loss row")
-        assert str(eval_file) in rows[0]
+        wait_for(lambda: len(dom(driver, done_evals)) > before[0], 180, "the eval task")
+        rows = wait_for(
+            lambda: (r := dom(driver, "#evaluation tbody tr[data-metric=loss]")) and len(r) > before[1] and r,
+            30,
+            "the loss row",
+        )
+        newest = json.loads(
+            max((Path(job["run_dir"]) / "eval").glob("data-*.json"), key=lambda p: p.stat().st_mtime_ns).read_text()
+        )
+        assert rows[0].split("\t")[1:4] == [
+            f"data {eval_file} (final, {newest['examples']} examples)",
+            "loss",
+            f"{newest['loss']:.4f}",
+        ], rows[0]
         driver.find_element(By.ID, "export-run").click()
         links = wait_for(
-            lambda: dom(driver, "#downloads a.archive[data-path^='exports/']", "href"), 240, "the export's link"
+            lambda: (a := dom(driver, exports, "href")) and len(a) > before[2] and a, 240, "the export's link"
         )
         driver.save_screenshot(str(shots / "page-results-desktop.png"))
-        assert links[0].startswith(f"/api/jobs/{job['id']}/archive/exports/")
+        assert all(a.startswith(f"/api/jobs/{job['id']}/archive/exports/") for a in links)
     finally:
         driver.quit()
