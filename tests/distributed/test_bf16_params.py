@@ -245,7 +245,9 @@ def _cli_config(model_dir, out: Path, strategy: str, nproc: int, **training) -> 
         model_dir,
         out,
         model={"dtype": "bfloat16", "mixed_precision": "bf16_params"},
-        training={"max_steps": 4, "save_every": 2, **training},
+        # Evaluation between steps: forwards without backward leave no stale bf16 copy behind.
+        data={"eval_fraction": 0.1},
+        training={"max_steps": 4, "save_every": 2, "eval_every": 2, **training},
         distributed={"strategy": strategy, "num_processes": nproc},
     )
 
@@ -262,7 +264,7 @@ def single_run(tiny_model_dir, tmp_path_factory):
 def test_ddp_two_processes_equals_single(single_run, tiny_model_dir, tmp_path):
     """`scaletune train` with ddp and num_processes 2 (re-executed under torchrun) gives the single
     process's losses within the bf16 bound; the summary names bf16_params."""
-    from tests.helpers import losses, train
+    from tests.helpers import losses, metrics, train
 
     run, proc = single_run
     ddp = tmp_path / "ddp"
@@ -270,6 +272,9 @@ def test_ddp_two_processes_equals_single(single_run, tiny_model_dir, tmp_path):
     gap = max(gaps(losses(ddp), losses(run)))
     print(f"ddp x2 vs single: max relative loss gap {gap:.2e} (bound {BOUND:.2e}); {losses(ddp)} vs {losses(run)}")
     assert len(losses(ddp)) == 4 and gap < BOUND
+    evals = [[m["eval_loss"] for m in metrics(r) if "eval_loss" in m] for r in (ddp, run)]
+    print(f"eval losses ddp {evals[0]} single {evals[1]}")
+    assert len(evals[1]) == 2 and max(gaps(*evals)) < BOUND
     for p in (proc, dproc):
         assert "parameter copies (model.mixed_precision bf16_params)" in p.stdout + p.stderr
     assert "world_size 2" in dproc.stdout + dproc.stderr
