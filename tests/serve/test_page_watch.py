@@ -272,3 +272,34 @@ def test_phone_width(server, page, jobs, tmp_path):  # noqa: F811
         assert box[0] > box[1], box  # the control: the table is wider than the phone, and contained
     finally:
         page.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+@pytest.mark.parametrize(
+    ("losses", "flagged"),
+    [
+        ([2.0, 1.6, 1.3, 1.1, 1.0, 0.9], False),  # learning
+        ([2.0, 2.1, 1.9, 2.05, 1.95, 2.08], False),  # flat and noisy: not above 1.1x the first loss
+        ([2.0, 1.5, 1.0, 0.5, 0.9, 0.95], False),  # a rebound from 0.5, still below where it began
+        ([2.0, 1.2, 1.0, 2.6, 3.0, 3.4], True),  # ended above the first loss and far above the best
+    ],
+)
+def test_finite_divergence_rule(server, tmp_path, losses, flagged):
+    """The rule of a run whose loss stays finite (records.loss_flag, docs/serve.md) on the record
+    the service keeps, through the same `add_metric` a run's lines go through; the flag reaches
+    the API's job summary."""
+    from scaletune.serve.db import Job
+    from scaletune.serve.records import add_metric
+    from tests.serve.conftest import plant_job
+
+    job_id = plant_job(server.svc, tmp_path / "run", state="running")
+    with server.svc.Session() as s:
+        job = s.get(Job, job_id)
+        for step, loss in enumerate(losses, 1):
+            assert add_metric(s, job, {"step": step, "loss": loss})
+            if step < 4:
+                assert job.flag is None  # fewer than 4 lines: no verdict yet
+        s.commit()
+    flag = client(server, server.read).get(f"/api/jobs/{job_id}").json()["flag"]
+    assert (flag is not None) == flagged, (losses, flag)
+    if flagged:
+        assert flag.startswith("diverged: the last 3 losses average 3")

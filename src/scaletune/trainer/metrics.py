@@ -60,8 +60,10 @@ def rank_resources(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world
     """What each rank holds, for a metrics line (the page's memory per rank): `memory_bytes`, one
     number per rank (the device's peak allocation on CUDA, the process's resident set on the CPU,
     named by `memory_of`), and `gpu_util`, percent per rank, where every rank's
-    `torch.cuda.utilization()` answers (it needs NVML; left out otherwise). A collective on the
+    `torch.cuda.utilization()` answers (it needs NVML; left out otherwise). Past MAX_RANKS_LISTED
+    ranks, `memory_max_bytes` (the largest rank's) instead of the lists. A collective on the
     training group (one all-reduce of a small tensor), so every rank calls it, on log steps only.
+    Raises nothing of its own: a failed collective is the training group's failure.
     """
     import torch
 
@@ -148,7 +150,12 @@ class RunLogger:
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         reporter().add("metric", record)  # to `scaletune serve` when it watches this run
-        scalars = {_sink_key(k): v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        # Not charted in TensorBoard / W&B: the step (their x axis) and the constant total_steps.
+        scalars = {
+            _sink_key(k): v
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and k not in ("step", "total_steps")
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, record["step"])
