@@ -125,6 +125,24 @@ def test_chat_streams_the_greedy_answer_of_the_inference_module(server, jobs, na
             assert control_answer(run, 8) == base["trained"] != base["base"]
 
 
+def test_one_model_is_held_reused_and_released(server, jobs):
+    import gc
+    import weakref
+
+    slot = server.server.config.app.state.model_slot
+    full, lora = jobs["full"], jobs["lora"]
+    with client(server, server.submit) as c:
+        assert chat(c, full["id"])[0] == 200
+        held = weakref.ref(slot._loaded.model)
+        assert slot.key[0] == full["run_dir"]
+        assert chat(c, full["id"], prompt="Name a number.")[0] == 200
+        assert slot._loaded.model is held()  # the same model answered again, not loaded twice
+        assert chat(c, lora["id"])[0] == 200
+    assert slot.key[0] == lora["run_dir"]
+    gc.collect()
+    assert held() is None  # the first model was let go when the other was asked for
+
+
 def test_chat_refusals(server, jobs, module_tmp_path):
     full, lora = jobs["full"], jobs["lora"]
     other_ckpt = str(Path(lora["run_dir"]) / "checkpoints" / "step-1")
