@@ -63,19 +63,17 @@ class QuantizationConfig(_Strict):
     compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     """dtype the 4-bit weights are dequantized to for each matmul."""
     storage_dtype: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
-    """dtype the packed 4-bit weights are stored as (bitsandbytes' `bnb_4bit_quant_storage`). FSDP
-    and ZeRO-3 flatten each unit's parameters into one tensor of one dtype, so under them it must
-    equal `model.dtype`."""
+    """dtype the packed 4-bit weights are stored as (bitsandbytes' `bnb_4bit_quant_storage`). FSDP and ZeRO-3 flatten
+    each unit's parameters into one tensor of one dtype, so under them it must equal `model.dtype`."""
 
 
 class ModelConfig(_Strict):
     """The model to fine-tune and how to load and adapt it."""
 
     name_or_path: str | None = None
-    """A local Hugging Face model folder, a hub id (owner/name), or, for `scaletune plan`, a preset
-    name such as `llama-3-8b`. With `factory`: optional initial weights loaded over the factory's
-    module, a `.safetensors` file or a folder holding `model.safetensors` (such as a run's `final/`);
-    null keeps the factory's own weights."""
+    """A local Hugging Face model folder, a hub id (owner/name), or, for `scaletune plan`, a preset name such as
+    `llama-3-8b`. With `factory`: optional initial weights loaded over the factory's module, a `.safetensors` file or a
+    folder holding `model.safetensors` (such as a run's `final/`); null keeps the factory's own weights."""
     factory: str | None = None
     """`package.module:callable` that builds your own `torch.nn.Module` (optionally with a tokenizer
     or processor) instead of `from_pretrained`; imported from your Python path, never read from a
@@ -95,14 +93,11 @@ class ModelConfig(_Strict):
     under autocast or the engine's mixed precision; a frozen LoRA base is stored in this dtype.
     `auto`: bfloat16 on a GPU that supports it, else float32."""
     mixed_precision: Literal["autocast", "bf16_params"] = "autocast"
-    """How strategies single and ddp run a bfloat16 full fine-tune over float32 master weights.
-    autocast: the float32 weights compute under `torch.autocast`, so the residual stream (embeddings,
-    norms, the adds between layers) stays float32. bf16_params: each step computes with bfloat16 copies
-    of the weights (FSDP2's `MixedPrecisionPolicy` on a replicate mesh, as torchtitan's
-    `mixed_precision_param`), gradients are reduced and accumulated in float32 and the optimizer steps
-    the float32 masters, which checkpoints hold; the residual stream is bfloat16 (half its activation
-    memory). Needs `dtype: bfloat16` and full fine-tuning (a LoRA base is stored in bfloat16 already).
-    fsdp and deepspeed always work this way; the value changes nothing there."""
+    """How single and ddp run a bfloat16 full fine-tune over float32 master weights. autocast: the fp32 weights compute
+    under `torch.autocast`; the residual stream (embeddings, norms, adds) stays fp32. bf16_params: bf16 copies of the
+    weights compute (FSDP2's `MixedPrecisionPolicy` on a replicate mesh, torchtitan's `mixed_precision_param`), and the
+    gradients reduce and accumulate in fp32 for the fp32 masters that AdamW steps and checkpoints hold: a bf16 residual
+    stream. Needs `dtype: bfloat16`, no LoRA. fsdp and deepspeed always cast their parameters (no change there)."""
     attn_implementation: str | None = "sdpa"
     """transformers' attention kernel: sdpa, eager, flash_attention_2, flex_attention, ... (null: the
     model's default)."""
@@ -140,8 +135,7 @@ class DataSource(_Strict):
     """One data set: a local JSON/JSONL/Parquet/CSV file or folder, or a Hugging Face `datasets` name."""
 
     path: str | list[str]
-    """The file, folder or data set name; or a list of local files of this format, read in order as
-    one source."""
+    """The file, folder or data set name; or a list of local files of this format, read in order as one source."""
     format: Literal["alpaca", "messages", "text", "preference", "kto"] = "alpaca"
     """alpaca: instruction/input/output records; messages: chat turns rendered with the chat template;
     text: plain text, all of it trained; preference: prompt/chosen/rejected pairs; kto:
@@ -193,11 +187,9 @@ class DataConfig(_Strict):
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     """Hold out this fraction of the training records for evaluation (0 < f < 1)."""
     max_seq_length: int = Field(1024, ge=8)
-    """Tokens per sequence; longer examples are truncated (examples left without a trained token are
-    dropped)."""
+    """Tokens per sequence; longer examples are truncated (examples left without a trained token are dropped)."""
     packing: bool = False
-    """Concatenate several examples per sequence, attention kept apart per example (no FLOPs spent on
-    padding)."""
+    """Concatenate several examples per sequence, attention kept apart per example (no FLOPs spent on padding)."""
     dummy: DummyData | None = None
     """Synthetic data instead of `train`, for smoke tests."""
     chat_template: str | None = None
@@ -291,8 +283,7 @@ class DistributedConfig(_Strict):
     offload_optimizer: bool = False
     """DeepSpeed: optimizer state and step on the CPU (ZeRO-Offload)."""
     offload_params: bool = False
-    """Parameters on the CPU: DeepSpeed ZeRO-3, or FSDP (which then offloads gradients and optimizer
-    state too)."""
+    """Parameters on the CPU: DeepSpeed ZeRO-3, or FSDP (which then offloads gradients and optimizer state too)."""
     reshard_after_forward: bool = True
     """FSDP2: free each layer's gathered parameters after its forward (ZeRO-3-like) or keep them until
     backward (ZeRO-2-like: more memory, one all-gather less)."""
@@ -393,8 +384,7 @@ class Config(_Strict):
     seed: int = 42
     """Seeds Python, NumPy and torch on every rank (identical initial weights and data order)."""
     overwrite: bool = False
-    """Replace a finished or started run in `output_dir` (its outputs are deleted when the new run
-    starts)."""
+    """Replace a finished or started run in `output_dir` (its outputs are deleted when the new run starts)."""
     model: ModelConfig
     """The model."""
     data: DataConfig

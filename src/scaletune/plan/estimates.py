@@ -11,9 +11,8 @@ ranks, stage 2 also the gradients, stage 3 also the parameters). scaletune's own
 from the textbook's and the planner counts scaletune's (`strategies/base.py` `Precision`):
 
 * single / ddp / fsdp keep trainable weights in float32 (master weights) and compute under
-  autocast (single, ddp), or FSDP2's `MixedPrecisionPolicy` (fsdp, and single/ddp with
-  `model.mixed_precision: bf16_params`, whose bf16 copies of the root and of a layer or two at a
-  time are in the working margin): parameters 4 bytes, gradients
+  autocast (single, ddp) or FSDP2's `MixedPrecisionPolicy` (fsdp; single/ddp with `bf16_params`,
+  whose bf16 copies of the root and two layers are in the working margin): parameters 4 bytes, gradients
   4 bytes (fp32 params get fp32 grads), AdamW `exp_avg` + `exp_avg_sq` 8 bytes, plus one 4-byte
   `step` tensor per parameter tensor. 16 bytes per trainable parameter, like the paper's 2+2+12.
   ddp replicates all of it; fsdp shards every tensor on dim 0 (`ceil(d0 / W)` rows on rank 0).
@@ -43,11 +42,9 @@ scaletune trains: no dropout (no masks), RMSNorm (its input kept: 2 norms x sbh)
 attention (K and V are `h_kv = n_kv x head_dim` wide), fused attention (SDPA / flash: the output
 and a fp32 logsumexp per head, no s^2 terms; `eager` keeps the 2-byte a s^2 b softmax), and a
 SwiGLU MLP of width i (input, gate, SiLU(gate), up, product: sbh + 4 sbi). In elements:
-`sbh (6 + 2 h_kv / h) + 4 sbi` per layer, times the activation width (2 bytes bf16/fp16, 4 fp32);
-the residual stream's part (`2 sbh` of norm inputs, a checkpointed layer's input, the edges) is 4
-bytes wide where single/ddp autocast a full fine-tune (its weights, norms and adds are fp32; the
-norm outputs are saved by the next matmul as autocast's bf16 casts; `residual_bytes`), and 2 under
-`bf16_params`, fsdp and DeepSpeed (measured on tiny OLMo-2: 4h bytes a token and layer saved).
+`sbh (6 + 2 h_kv / h) + 4 sbi` per layer, times the activation width (2 bytes bf16/fp16, 4 fp32); the residual
+stream's part (`2 sbh` norm inputs, a checkpointed layer's input, the edges) is fp32 where single/ddp autocast a full
+fine-tune (`residual_bytes`; tiny OLMo-2 measured: 4h bytes a token and layer more than under `bf16_params`).
 LoRA adds each adapter's `x A` (s b r) and, with `lora.dropout > 0`, the dropped-out input and its
 1-byte mask per target module. With gradient checkpointing (non-reentrant, per decoder layer) a
 layer keeps only its input (sbh) and one layer is recomputed at a time: `L sbh + one layer`.
@@ -209,11 +206,8 @@ def _shard(p: ParamInfo, w: int) -> int:
 
 
 def residual_bytes(spec: RunSpec, plan_entry: str) -> int:
-    """Bytes per element of the residual stream (the norms' inputs and outputs, a checkpointed layer's
-    input) under the plan entry's engine: float32 where single/ddp autocast over float32 weights (full
-    fine-tuning below float32 with `model.mixed_precision: autocast`: the embeddings, norms and adds
-    run on float32 weights), else the compute dtype (fsdp and DeepSpeed cast the weights, and so does
-    `bf16_params`; a LoRA base is stored in the compute dtype)."""
+    """Bytes per element of the residual stream under the plan entry's engine: 4 where single/ddp autocast over fp32
+    weights (embeddings, norms and adds in fp32), else the compute dtype's (the engine or `bf16_params` cast them)."""
     m, compute = spec.config.model, spec.precision.compute
     autocast_fp32 = compute != "float32" and m.lora is None and m.mixed_precision == "autocast"
     return 4 if plan_entry.removesuffix("-offload") == "ddp" and autocast_fp32 else FLOAT_DTYPES[compute][0]
@@ -221,8 +215,7 @@ def residual_bytes(spec: RunSpec, plan_entry: str) -> int:
 
 def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool, residual: int | None = None) -> int:
     """Activation bytes of one micro-batch on one rank (see the module docstring), for the first
-    stage's sequence length (a micro-batch of preference pairs is 2 sequences a pair); a factory's model: what its meta forward saved (`ModelShape.activations`).
-    `residual`: bytes per element of the residual stream (:func:`residual_bytes`; default the compute dtype's)."""
+    stage's sequence length (a micro-batch of preference pairs is 2 sequences a pair); a factory's model: what its meta forward saved (`ModelShape.activations`). `residual`: :func:`residual_bytes` (default: the compute dtype's)."""
     if shape.activations is not None:
         return shape.activations
     cfg = spec.config
@@ -232,8 +225,7 @@ def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool, r
     rw = residual or p  # the residual stream's width
     h_kv = shape.kv_heads * shape.head_dim
     q_width = shape.heads * shape.head_dim
-    # 2 norm inputs (the residual stream's width) + 2 norm outputs (saved by the next matmul in p).
-    per_layer = s * b * (2 * h * rw + p * (2 * h + 2 * q_width + 2 * h_kv + 4 * i))
+    per_layer = s * b * (2 * h * rw + p * (2 * h + 2 * q_width + 2 * h_kv + 4 * i))  # norm inputs rw, outputs p
     if (cfg.model.attn_implementation or "sdpa") == "eager":
         per_layer += 2 * shape.heads * s * s * b * p  # scores (softmax output) and the attention over V
     else:
@@ -268,12 +260,9 @@ def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> Strat
         grads = 4 * n_t
         optimizer = 8 * n_t + steps
         if spec.config.model.mixed_precision == "bf16_params" and b_c < 4 and not frozen:
-            # bf16_params (strategies/param_cast.py): compute-dtype copies of the root's parameters
-            # (embeddings, final norm, head) from forward to backward, of one layer (and the next,
-            # prefetched in backward) at a time, and one layer's low-precision gradient with its fp32 upcast.
             root = sum(p.numel for p in shape.params if not p.in_layer)
             layer = max((sum(p.numel for p in shape.params if p.in_layer) // max(shape.layers, 1)), 1)
-            margin = b_c * root + layer * (2 * b_c + b_c + 4)
+            margin = b_c * root + layer * (2 * b_c + b_c + 4)  # root + 2 layers copies, a layer's bf16 + fp32 grads
     elif base == "fsdp":
         shard_t = sum(_shard(p, w) for p in trainable)
         params = 4 * shard_t + sum(

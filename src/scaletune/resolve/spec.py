@@ -64,6 +64,18 @@ class Precision:
     def mixed(self) -> bool:
         return self.compute != self.storage
 
+    def describe(self, engine: str, mixed_precision: str) -> str:
+        """The precision as the run summary prints it (`engine`: the strategy's name, `mixed_precision`:
+        `model.mixed_precision`)."""
+        if self.cast_params:
+            return f"{self.compute} parameter copies (model.mixed_precision bf16_params), float32 master weights and gradient reduction"
+        if not self.mixed:
+            return self.compute
+        out = f"{self.compute} compute, {self.storage} master weights" + (", autocast" if self.autocast else "")
+        if mixed_precision == "bf16_params":  # fsdp, deepspeed
+            out += f" (model.mixed_precision bf16_params: {engine}'s mixed precision casts the parameters anyway)"
+        return out
+
 
 @dataclass(frozen=True)
 class BatchArithmetic:

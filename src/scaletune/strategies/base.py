@@ -393,16 +393,5 @@ class Strategy(ABC):
         self.barrier()
 
     def describe(self) -> str:
-        p, how = self.spec.precision, self.spec.config.model.mixed_precision
-        prec = p.compute
-        if p.cast_params:
-            prec += (
-                " parameter copies (model.mixed_precision bf16_params), float32 master weights and gradient reduction"
-            )
-        elif p.mixed:
-            prec += f" compute, {p.storage} master weights" + (", autocast" if p.autocast else "")
-            if how == "bf16_params":
-                prec += (
-                    f" (model.mixed_precision bf16_params: {self.name}'s mixed precision casts the parameters anyway)"
-                )
-        return f"strategy {self.name}, world_size {self.env.world_size}, {prec}"
+        precision = self.spec.precision.describe(self.name, self.spec.config.model.mixed_precision)
+        return f"strategy {self.name}, world_size {self.env.world_size}, {precision}"
