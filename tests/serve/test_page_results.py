@@ -143,6 +143,27 @@ def test_one_model_is_held_reused_and_released(server, jobs):
     assert held() is None  # the first model was let go when the other was asked for
 
 
+def test_a_long_answer_blocks_nothing_and_stops_when_the_client_leaves(server, jobs):
+    import time
+
+    slot = server.server.config.app.state.model_slot
+    job = jobs["full"]
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_new_tokens": 2048}  # minutes on this CPU
+    with client(server, server.submit) as c, client(server, server.read) as other:
+        with c.stream("POST", f"/api/jobs/{job['id']}/chat", json=body, timeout=300) as resp:
+            lines = resp.iter_lines()
+            seen = 0
+            while seen < 3:
+                seen += next(lines).startswith("event: token")
+            start = time.monotonic()
+            assert other.get(f"/api/jobs/{job['id']}").status_code == 200
+            assert time.monotonic() - start < 2  # the event loop answers while the model generates
+            assert slot._lock.locked()
+        # The client left: the generation ends at its next token, not after 2048 of them (about 9 s
+        # more in this test's process; with the stop taken out, this wait failed).
+        wait_for(lambda: not slot._lock.locked(), 3, "the generation to stop", interval=0.05)
+
+
 def test_chat_refusals(server, jobs, module_tmp_path):
     full, lora = jobs["full"], jobs["lora"]
     other_ckpt = str(Path(lora["run_dir"]) / "checkpoints" / "step-1")

@@ -80,7 +80,10 @@ async def answer(
     gone = threading.Event()
 
     def put(item: tuple) -> None:
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the service is stopping, nobody listens
+            gone.set()
 
     def work(loaded: Any) -> None:
         put(("ready", loaded.description))
