@@ -162,6 +162,9 @@ def test_dpo_parity_at_world_size_2(mode, engine, dpo_run):
             assert 0.45 * whole < rank["reference"] < 0.6 * whole, (engine, rank, whole)
 
 
+# Slow tier: every default parity case already compares a different split of the same global batch
+# (one process: 4 micro-batches of 2 pairs; two ranks: 2 each), which is the rule this checks.
+@pytest.mark.slow
 def test_micro_batch_split_does_not_change_the_step(dpo_run):
     """One micro-batch of 4 pairs per step equals 4 micro-batches of 1 (gradient accumulation)."""
     one = {"global_batch_size": 4, "micro_batch_size": 4, "eval_on_start": False}

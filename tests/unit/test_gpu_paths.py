@@ -182,7 +182,8 @@ def test_an_overflowing_fp16_step_is_skipped_and_is_not_divergence(tiny_model_di
     trainer = Trainer(strategy.spec, open_run_dir=opened)
     (tmp_path / "log").mkdir()
     trainer.logger = RunLogger(tmp_path / "log", CPU, strategy.spec.config)
-    plan = SimpleNamespace(stage=SimpleNamespace(name="main"), steps_per_epoch=4)
+    plan = SimpleNamespace(stage=SimpleNamespace(name="main"), steps_per_epoch=4, total=4)
+    trainer.prepared = SimpleNamespace(plans=[plan])  # the loop's prepared stages (total_steps)
     trainer.position.advance(0, 0)
     trainer.log_step(plan, 1e-3, result, ThroughputWindow())  # skipped: logged, not raised
     trainer.position.advance(0, 1)

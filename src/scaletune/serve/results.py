@@ -34,6 +34,7 @@ from scaletune.serve.teams import need_owner, record
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 E409_422 = problems_responses(409, 422)
+E422 = problems_responses(422)
 
 
 class Refused(Exception):
@@ -178,7 +179,7 @@ def add_result_routes(app: FastAPI, svc, need) -> None:
         folder = entry(run_dir, checkpoint, ("checkpoints",))
         return (run_dir if checkpoint == "final" else folder), run_dir
 
-    @app.get("/api/jobs/{job_id}/models", tags=["results"])
+    @app.get("/api/jobs/{job_id}/models", tags=["results"], responses=E422)
     def models(job_id: str, c: Reader):
         """The models of the job to chat with, evaluate or export (`final`, `checkpoints/step-N`), its
         exports, and why none can be used now (`refused`: running, files not here), or null."""
@@ -235,7 +236,7 @@ def add_result_routes(app: FastAPI, svc, need) -> None:
 
         return EventSourceResponse(events(), ping=15)
 
-    @app.get("/api/jobs/{job_id}/samples", tags=["results"])
+    @app.get("/api/jobs/{job_id}/samples", tags=["results"], responses=E422)
     def samples(job_id: str, c: Reader):
         """samples.jsonl of the run (training.sample_prompts answered before and after training):
         `{prompt, base, trained}` rows; [] when the run has none (or its files are not here)."""
@@ -251,7 +252,7 @@ def add_result_routes(app: FastAPI, svc, need) -> None:
                     rows.append({k: str(row[k]) for k in ("prompt", "base", "trained") if k in row})
         return rows
 
-    @app.get("/api/jobs/{job_id}/tasks", tags=["results"])
+    @app.get("/api/jobs/{job_id}/tasks", tags=["results"], responses=E422)
     def list_tasks(job_id: str, c: Reader):
         """The job's evaluate and export tasks, newest first: state running, succeeded or failed
         (with the tail of its output), and the result."""

@@ -81,6 +81,9 @@ class JobSummary(BaseModel):
     resources: dict[str, Any] = Field(default_factory=dict)
     last_metrics: dict[str, Any] | None = None
     exit_code: int | None = None
+    flag: str | None = Field(
+        None, description="why the run is flagged although it may have succeeded: a non-finite or diverged loss"
+    )
     owner: str = Field("", description="the name of the token that submitted it (local on a token-less service)")
     created: str = Field(description="ISO 8601, UTC")
     updated: str = Field(description="ISO 8601, UTC")

@@ -1,0 +1,240 @@
+"""The whole path a person takes through the page, in one real headless Chromium against one real
+service running real jobs (issue 23's "done when"): upload a file, preview it, fill the form, watch
+the plan preview change, submit, watch the chart, stop, resume, chat with the result, evaluate it,
+export it and download the export — at desktop width, then the job page at a phone's.
+
+Each step is checked against something the page did not compute: the upload against the file's
+records, the plan against the dry run the API gives for the same YAML, the chart against
+/api/jobs/ID/metrics, the chat's answer against `scaletune generate` on the same run, the
+evaluation against `scaletune eval`, the archive against the exported folder.
+
+With SCALETUNE_SCREENSHOT_DIR=docs/img the screenshots refresh the ones docs/serve.md shows
+(`page-walk-*.png`)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scaletune.serve.auth import create_token
+from tests.helpers import ALPACA_5000, make_config, wait_for
+from tests.serve.conftest import (
+    CHROMIUM,
+    DRIVER,
+    NO_BROWSER,
+    Server,
+    client,
+    dom,
+    headless_chromium,
+    need,
+    wait_state,
+)
+
+PROMPT = "Give three tips for staying healthy."
+
+
+def _records(n: int) -> list[dict]:
+    with open(ALPACA_5000) as f:
+        data = json.load(f) if str(ALPACA_5000).endswith(".json") else [json.loads(line) for line in f]
+    return data[:n]
+
+
+def _value(driver, css: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, css).get_attribute("value")
+
+
+def _type(driver, element_id: str, text: str) -> None:
+    """Replace a field's value as a person would (select all, type), so its input handlers run."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    field = driver.find_element(By.ID, element_id)
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(text)
+
+
+def _plan(driver) -> dict[str, str]:
+    return {k: "".join(dom(driver, f"#plan [data-plan={k}]")) for k in ("strategy", "world_size", "memory", "batch")}
+
+
+def _wide(driver) -> list:
+    """What sticks out past the window's right edge (for a failure's message)."""
+    return driver.execute_script(
+        "const w=window.innerWidth;return [w,document.documentElement.scrollWidth,...[...document.querySelectorAll('body *')]"
+        ".filter(e=>e.getBoundingClientRect().right>w+0.5&&!(e.parentElement&&e.parentElement.closest('.scroll'))).slice(0,12).map(e=>e.tagName+'#'+e.id+'.'+e.className+' '"
+        "+Math.round(e.getBoundingClientRect().right)),...[...document.querySelectorAll('body, body *')]"
+        ".filter(e=>e.scrollWidth>e.clientWidth+1&&getComputedStyle(e).overflowX==='visible').slice(0,8)"
+        ".map(e=>'overflows: '+e.tagName+'#'+e.id+' '+e.scrollWidth+'>'+e.clientWidth)]"
+    )
+
+
+def _cli(*args: str, cwd: Path) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "scaletune", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_model_dir, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    need(CHROMIUM and DRIVER, NO_BROWSER)
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
+    token = create_token(srv.svc.Session, "submit")
+    api = client(srv, token)
+    shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path)
+    data_file = tmp_path / "alpaca-walk.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in _records(48)))
+    driver = headless_chromium(tmp_path / "chromium-profile")
+    driver.set_window_size(1280, 1100)
+    try:
+        driver.get(srv.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(token)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: dom(driver, "#no-jobs", visible=True), 30, "the empty state of the job list")
+
+        # 1. Bring data: the upload lands in the data area with every record.
+        driver.find_element(By.ID, "data-file").send_keys(str(data_file))
+        driver.find_element(By.ID, "data-upload").click()
+        wait_for(lambda: any("alpaca-walk.jsonl" in t for t in dom(driver, "#data-files li")), 60, "the upload")
+        listed = {f["name"]: f for f in api.get("/api/data").json()}
+        assert listed["alpaca-walk.jsonl"]["records"] == 48
+
+        # 2. The config: a tiny model's YAML pasted in; the form reads its fields from it.
+        cfg = make_config(tiny_model_dir, "runs/walk")
+        cfg["training"].update(max_steps=120, save_every=0, eval_every=0, log_every=1)
+        cfg["training"]["sample_prompts"] = [PROMPT]
+        driver.execute_script(
+            "const t=document.getElementById('config');t.value=arguments[0];t.dispatchEvent(new Event('input'))",
+            yaml.safe_dump(cfg),
+        )
+        wait_for(lambda: _value(driver, "#f-model") == str(tiny_model_dir), 30, "the form filled from the YAML")
+        driver.find_element(By.ID, "data-use").click()
+        wait_for(lambda: "alpaca-walk.jsonl" in _value(driver, "#config"), 30, "the file in the YAML")
+        area_path = listed["alpaca-walk.jsonl"]["path"]
+        assert yaml.safe_load(_value(driver, "#config"))["data"]["train"]["path"] == area_path
+
+        # 3. Preview as training renders it: records with trained spans, a histogram.
+        driver.find_element(By.ID, "data-preview").click()
+        wait_for(lambda: dom(driver, "#data-records .record mark.trained"), 90, "the preview's trained spans")
+        assert dom(driver, "#data-histogram rect"), "no histogram bars"
+        driver.save_screenshot(str(shots / "page-walk-data.png"))
+
+        # 4. The form: the plan preview follows the fields (LoRA holds far less optimizer state).
+        wait_for(lambda: _plan(driver)["strategy"] or dom(driver, "#problems li"), 90, "the first plan preview")
+        assert not dom(driver, "#problems li"), dom(driver, "#problems li")
+        full = _plan(driver)
+        dry = api.post("/api/jobs", json={"config": _value(driver, "#config"), "dry_run": True}).json()["plan"]
+        assert dry["strategy"] in full["strategy"], (dry["strategy"], full)
+        Select(driver.find_element(By.ID, "f-method")).select_by_value("lora")
+        wait_for(lambda: "lora:" in _value(driver, "#config"), 30, "LoRA in the YAML")
+        wait_for(lambda: _plan(driver)["memory"] not in ("", full["memory"]), 90, "the plan preview changed")
+        _type(driver, "f-lr", "0.002")
+        wait_for(lambda: yaml.safe_load(_value(driver, "#config"))["training"]["learning_rate"] == 0.002, 30, "lr")
+        driver.save_screenshot(str(shots / "page-walk-form.png"))
+
+        # 5. Submit, watch the chart gain points, stop, resume, see it succeed.
+        driver.find_element(By.ID, "submit").click()
+        wait_for(lambda: "/jobs/" in driver.current_url, 60, "the job page")
+        job_id = driver.current_url.rstrip("/").split("/")[-1]
+
+        def points() -> int:
+            counts = dom(driver, "#chart polyline.series", "data-points")
+            return int(counts[0]) if counts else 0
+
+        wait_for(lambda: points() >= 3, 240, "three points on the chart")
+        driver.find_element(By.ID, "stop").click()
+        wait_for(lambda: dom(driver, "#state") == ["stopped"], 120, "stopped")
+        stopped_at = api.get(f"/api/jobs/{job_id}").json()["step"]
+        assert 0 < stopped_at < 120
+        driver.find_element(By.ID, "resume").click()
+        wait_for(lambda: api.get(f"/api/jobs/{job_id}").json()["state"] != "stopped", 60, "the resume taken")
+        ended = wait_state(api, job_id, {"succeeded", "failed", "cancelled", "stopped"}, timeout=400)
+        assert ended["state"] == "succeeded", (ended, api.get(f"/api/jobs/{job_id}/logs").text[-3000:])
+        wait_for(lambda: dom(driver, "#state") == ["succeeded"], 30, "succeeded on the page")
+        metrics = [m for m in api.get(f"/api/jobs/{job_id}/metrics").json() if m.get("loss") is not None]
+        assert [m["step"] for m in metrics][-1] == 120
+        driver.refresh()
+        wait_for(lambda: points() == len({m["step"] for m in metrics}), 60, "every step on the chart")
+        assert "".join(dom(driver, "#flag", visible=True)) == ""  # a finite, falling loss is not flagged
+        driver.save_screenshot(str(shots / "page-walk-job.png"))
+        run_dir = Path(api.get(f"/api/jobs/{job_id}").json()["run_dir"])
+
+        # 6. Talk to the result: the streamed answer equals `scaletune generate` (greedy) on final/.
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+        out = _cli("generate", str(run_dir), "--prompts", str(prompts), "--max-new-tokens", "24", cwd=srv.home)
+        want = json.loads(out.splitlines()[-1])
+        _type(driver, "chat-max", "24")
+        _type(driver, "chat-input", PROMPT)
+        driver.find_element(By.ID, "chat-send").click()
+        done = "#chat-log .msg.assistant[data-state=done], #chat-log .msg.assistant[data-state=failed]"
+        wait_for(lambda: dom(driver, done), 180, "the streamed answer")
+        assert not dom(driver, "#chat-problems li"), dom(driver, "#chat-problems li")
+        answer = dom(driver, "#chat-log .msg.assistant[data-state=done] .text")[-1]
+        assert answer.strip() == want["response"].strip()
+        driver.save_screenshot(str(shots / "page-walk-chat.png"))
+
+        # 7. Evaluate on the uploaded file (a small task) and compare with the CLI's loss.
+        _type(driver, "eval-data", area_path)
+        driver.find_element(By.ID, "eval-run").click()
+        wait_for(lambda: dom(driver, "#tasks [data-state=succeeded]"), 300, "the evaluation task")
+        want_loss = json.loads(_cli("eval", str(run_dir), "--data", area_path, "--json", cwd=srv.home))["loss"]
+        cells = wait_for(lambda: dom(driver, "#evaluation tbody tr td"), 60, "the evaluation row")
+        assert f"{want_loss:.4f}" in cells, (want_loss, cells)
+
+        # 8. Ship it: export (LoRA merged) as a task, then download the archive.
+        Select(driver.find_element(By.ID, "export-dtype")).select_by_visible_text("float32")
+        if not driver.find_element(By.ID, "export-merge").is_selected():
+            driver.find_element(By.ID, "export-merge").click()
+        driver.find_element(By.ID, "export-run").click()
+        wait_for(lambda: len(dom(driver, "#tasks [data-state=succeeded]")) >= 2, 300, "the export task")
+        links = wait_for(
+            lambda: dom(driver, "#downloads a.archive[data-path^=exports]", prop="href"), 60, "the export's archive"
+        )
+        # The browser downloads it with its session; its bytes (SHA-256) equal the API's answer.
+        seen = driver.execute_async_script(
+            "const done=arguments[arguments.length-1];fetch(arguments[0]).then(r=>r.arrayBuffer())"
+            ".then(b=>crypto.subtle.digest('SHA-256',b).then(h=>done([b.byteLength,"
+            "Array.from(new Uint8Array(h)).map(x=>x.toString(16).padStart(2,'0')).join('')])))"
+            ".catch(e=>done(String(e)))",
+            links[-1],
+        )
+        tar_bytes = api.get(links[-1]).content
+        assert seen == [len(tar_bytes), hashlib.sha256(tar_bytes).hexdigest()], seen
+        with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+            names = {Path(m.name).name for m in tar.getmembers() if m.isfile()}
+        assert {"config.json", "model.safetensors"} <= names, names
+        driver.save_screenshot(str(shots / "page-walk-ship.png"))
+
+        # 9. A phone's width: the job page reflows (no sideways scroll of the page).
+        driver.set_window_size(390, 844)
+        driver.refresh()
+        wait_for(lambda: points() > 0, 60, "the chart at phone width")
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth"), _wide(driver)
+        driver.save_screenshot(str(shots / "page-walk-phone-job.png"))
+        driver.get(srv.url + "/")
+        wait_for(lambda: dom(driver, "#jobs input.compare"), 30, "the job list")
+        assert driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        driver.save_screenshot(str(shots / "page-walk-phone-jobs.png"))
+    finally:
+        driver.quit()
+        srv.cancel_all()
+        srv.stop()
+
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
