@@ -122,7 +122,9 @@ SINGLE = {"strategy": "single", "num_processes": 1}
 
 # The default tier proves each engine and each reference mode once; the slow tier
 # (SCALETUNE_SLOW_TESTS=1) runs the whole matrix (measured: 43-115 s a case on 2 cores).
-DEFAULT_CASES = {("precomputed", "zero3"), ("base", "ddp"), ("model", "fsdp")}
+# The `model` reference under each engine is held against the unsharded forward and its bytes per
+# rank in tests/distributed/test_reference_model.py; its end-to-end parity is in the slow tier.
+DEFAULT_CASES = {("precomputed", "zero3"), ("base", "ddp")}
 
 
 def _cases():

@@ -1,6 +1,6 @@
 """The web page in a real headless Chromium (Debian's `chromium` + `chromedriver`, driven by
 Selenium; no browser download): log in, submit a config, watch the chart gain points, see
-`succeeded`. Screenshots go to tmp_path, or to $SCALETUNE_SCREENSHOT_DIR (docs/img for docs/serve.md)."""
+`succeeded`. Screenshots go to tmp_path, or to $SCALETUNE_SCREENSHOT_DIR (docs/serve.md shows the walk's instead)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def browser_binaries() -> tuple[str, str]:
     return CHROMIUM, DRIVER
 
 
+# Slow tier: tests/serve/test_page_walk.py walks the same path (and more) in CI; this one stays as
+# the short first check of a page change (bash scripts/test.sh --slow tests/serve/test_browser.py).
+@pytest.mark.slow
 def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path):
     from selenium.webdriver.common.by import By
 

@@ -97,6 +97,7 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
     token = create_token(srv.svc.Session, "submit")
     api = client(srv, token)
     shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
     data_file = tmp_path / "alpaca-walk.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in _records(48)))
     driver = headless_chromium(tmp_path / "chromium-profile")

@@ -627,8 +627,11 @@ def test_one_dtype_name_map():
     import re
 
     src = Path(models.__file__).parent.parent
+    # A key of a mapping (after `{`, `,` or at a line's start), not a comparison's operand (`!= "bfloat16":`).
     pattern = re.compile(
-        r'"(?:float32|bfloat16|float16)"\s*:|"\s*:\s*torch\.(?:float32|bfloat16|float16)\b|"(?:bf16|fp16|fp32)"\s*:\s*"'
+        r'(?:^|[{,])\s*"(?:float32|bfloat16|float16)"\s*:|"\s*:\s*torch\.(?:float32|bfloat16|float16)\b'
+        r'|"(?:bf16|fp16|fp32)"\s*:\s*"',
+        re.MULTILINE,
     )
     found = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if pattern.search(p.read_text()))
     assert found == ["resolve/spec.py"]
