@@ -58,7 +58,37 @@ def shard_model(
     return layers
 
 
-class FSDPStrategy(Strategy):
+def refresh_units(module: nn.Module) -> None:
+    """Re-run each FSDP2 unit's lazy init (idempotent), which fixes its gradient dtypes from the
+    parameters trainable now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.unshard()
+            unit.reshard()
+
+
+class FullyShardedState:
+    """`step` and `full_state_dict` of a model whose units FSDP2's `fully_shard` wrapped: FSDPStrategy,
+    and the bf16 parameter copies of strategies/param_cast.py (a one-rank shard mesh). A mixin before
+    the Strategy it completes."""
+
+    def step(self) -> torch.Tensor:
+        norm = super().step()  # type: ignore[misc]
+        # The norm over DTensor gradients is a replicated DTensor: every rank has the total.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # A collective: every rank gathers, only rank 0 keeps the result (on the CPU); under
+        # param_cast these are the fp32 masters, whole on every rank.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # type: ignore[attr-defined]
+        return state if self.env.is_main else None  # type: ignore[attr-defined]
+
+
+class FSDPStrategy(FullyShardedState, Strategy):
     name = "fsdp"
     # Rank 0 loads on the CPU; the shards are materialised on each rank's device in `wrap`.
     engine_places_model = True
@@ -161,23 +191,6 @@ class FSDPStrategy(Strategy):
         # unit's gradient dtypes at its lazy init from the parameters trainable then: a unit that was
         # all frozen would reduce a mixed-precision gradient in its low dtype. unshard() re-runs that
         # (idempotent) init; with float32 compute there are no other dtypes to fix.
-        from torch.distributed.fsdp import FSDPModule
-
         super().retarget(trainable)
         if self.compute_dtype != torch.float32:
-            for module in self.module.modules():
-                if isinstance(module, FSDPModule):
-                    module.unshard()
-                    module.reshard()
-
-    def step(self) -> torch.Tensor:
-        norm = super().step()
-        # The norm over DTensor gradients is a replicated DTensor: every rank has the total.
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # A collective: every rank gathers, only rank 0 keeps the result (on the CPU).
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if self.env.is_main else None
+            refresh_units(self.module)

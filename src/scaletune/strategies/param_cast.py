@@ -28,11 +28,12 @@ from torch import nn
 
 from scaletune.strategies.base import Strategy, check_devices
 from scaletune.strategies.ddp import DDPStrategy
+from scaletune.strategies.fsdp import FullyShardedState, refresh_units
 from scaletune.strategies.reference import resident_whole
 from scaletune.strategies.single import SingleStrategy
 
 
-class CastParams(Strategy):
+class CastParams(FullyShardedState, Strategy):
     """What single and ddp do differently with `cast_params` (mixed in before them)."""
 
     # A device mesh needs a process group, also for one process (a group of one).
@@ -65,25 +66,8 @@ class CastParams(Strategy):
     def retarget(self, trainable: frozenset[str]) -> None:
         # As FSDPStrategy.retarget: FSDP2 fixes each unit's gradient dtypes at its lazy init from the
         # parameters trainable then; unshard() re-runs that init for the new trainable set.
-        from torch.distributed.fsdp import FSDPModule
-
         Strategy.retarget(self, trainable)
-        for module in self.module.modules():
-            if isinstance(module, FSDPModule):
-                module.unshard()
-                module.reshard()
-
-    def step(self) -> torch.Tensor:
-        norm = super().step()
-        # The norm over DTensor gradients is a replicated DTensor: every rank has the total.
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # The fp32 masters as plain tensors (every rank holds them whole; only rank 0 keeps them).
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if self.env.is_main else None
+        refresh_units(self.module)
 
 
 def replicate_cast(module: nn.Module, device: torch.device, world_size: int, dtype: torch.dtype) -> list[nn.Module]:
