@@ -32,6 +32,7 @@ from scaletune.inference import samples
 from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
 from scaletune.strategies import make_strategy, torn_down
+from scaletune.strategies.memory import peak_device_bytes
 from scaletune.trainer.handoff import OpenRunDirectory, Prepared, Resumed, RunDirectory
 from scaletune.trainer.metrics import (
     RunLogger,
@@ -326,7 +327,12 @@ class Trainer:
                 "elapsed_s": round(now - self.start_time, 3),
                 # The page's progress bar and ETA (all stages' steps), memory per rank (a collective).
                 "total_steps": sum(p.total for p in self.prepared.plans),
-                **rank_resources(self.strategy.all_reduce_sum, self.env.world_size, self.env.rank),
+                **rank_resources(
+                    self.strategy.all_reduce_sum,
+                    self.env.world_size,
+                    self.env.rank,
+                    peak_device_bytes(self.strategy.memory_devices()),
+                ),
                 **({"skipped": True} if result.skipped else {}),
             }
         )

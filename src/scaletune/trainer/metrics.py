@@ -56,10 +56,13 @@ class ThroughputWindow:
 MAX_RANKS_LISTED = 256
 
 
-def rank_resources(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int) -> dict:
+def rank_resources(
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world_size: int, rank: int, device_peak: int | None
+) -> dict:
     """What each rank holds, for a metrics line (the page's memory per rank): `memory_bytes`, one
-    number per rank (the device's peak allocation on CUDA, the process's resident set on the CPU,
-    named by `memory_of`), and `gpu_util`, percent per rank, where every rank's
+    number per rank (`device_peak`, the strategy's `memory.peak_device_bytes` over the devices it
+    computes on, on CUDA; the process's resident set where that is None, on the CPU; named by
+    `memory_of`), and `gpu_util`, percent per rank, where every rank's
     `torch.cuda.utilization()` answers (it needs NVML; left out otherwise). Past MAX_RANKS_LISTED
     ranks, `memory_max_bytes` (the largest rank's) instead of the lists. A collective on the
     training group (one all-reduce of a small tensor), so every rank calls it, on log steps only.
@@ -67,9 +70,9 @@ def rank_resources(all_reduce_sum: Callable[[torch.Tensor], torch.Tensor], world
     """
     import torch
 
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = device_peak is not None
     if cuda:
-        mine = float(torch.cuda.max_memory_allocated())
+        mine = float(device_peak)
         try:
             util = float(torch.cuda.utilization())
         except Exception:  # noqa: BLE001 - no NVML (pynvml) or a device it cannot read: no utilisation
