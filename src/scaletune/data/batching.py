@@ -104,13 +104,13 @@ def make_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: Distri
     """A DataLoader of micro-batches for this rank.
 
     `DistributedSampler` draws one permutation of all rows (seeded by seed + epoch, the same at
-    every world size) and gives rank r rows r, r+W, r+2W, ...; so the first global batch is
+    every world size) and gives data-parallel rank r rows r, r+W, r+2W, ... (W data-parallel ranks); so the first global batch is
     permutation[0:global_batch_size] whatever W is, split across ranks and micro-batches.
     """
     from torch.utils.data import DataLoader
 
     sampler = ResumableSampler(
-        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True
+        dataset, num_replicas=batch.world_size, rank=data_rank(batch, env), shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(
         dataset,
@@ -183,4 +183,10 @@ class EvalBatches:
 def make_eval_loader(dataset: Any, collator: Any, batch: BatchArithmetic, env: DistributedEnv) -> EvalBatches:
     """This rank's eval micro-batches (:class:`EvalBatches`): every row once over all ranks, the
     same number of forwards on every rank."""
-    return EvalBatches(dataset, collator, batch.micro_batch_size, env.rank, env.world_size)
+    return EvalBatches(dataset, collator, batch.micro_batch_size, data_rank(batch, env), batch.world_size)
+
+
+def data_rank(batch: BatchArithmetic, env: DistributedEnv) -> int:
+    """Which share of the data this rank reads: its data-parallel index (`batch.world_size` shares);
+    the ranks of one tensor or context group read the same rows."""
+    return batch.mesh.data_rank(env.rank) if batch.mesh is not None else env.rank

@@ -22,11 +22,10 @@ from pathlib import Path
 from scaletune.config import Config, DataConfig, LoadedConfig, TrainingConfig
 from scaletune.env import DistributedEnv
 from scaletune.errors import ConfigError
+from scaletune.resolve.mesh import MESH_STRATEGY, mesh_for
 from scaletune.resolve.precision import mixed_precision_problems, precision_for
 from scaletune.resolve.rules import (
     PACKING_SAFE_ATTENTION,
-    batch_arithmetic,
-    batch_problem,
     liger_problem,
     packing_problems,
     positions_problem,
@@ -37,11 +36,14 @@ from scaletune.resolve.spec import (
     FLOAT_DTYPES,
     AutoChoice,
     BatchArithmetic,
+    Mesh,
     Precision,
     Problem,
     RunSpec,
     Stage,
     StrategyName,
+    batch_arithmetic,
+    batch_problem,
 )
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "RunSpec",
     "Stage",
     "StrategyName",
+    "Mesh",
     "batch_arithmetic",
     "batch_problem",
     "decide",
@@ -149,7 +152,10 @@ def decide(
         d.offload_params,
         "configured",
     )
-    if strategy == "auto":
+    mesh = mesh_for(d, w)
+    if strategy == "auto" and mesh.model_parallel:
+        strategy, reason = MESH_STRATEGY, f"{mesh.describe()}: the mesh's data dimension is FSDP2 sharding"
+    elif strategy == "auto":
         choice = auto or AutoChoice.default(w)
         strategy, reason = choice.strategy, choice.reason
         zero = choice.zero_stage or zero
@@ -163,7 +169,7 @@ def decide(
     )
     resolved = cfg.model_copy(update={"distributed": dist, "training": training})
     stages = tuple(resolve_stages(resolved))
-    batch = batch_arithmetic(training, w, stages[0].data.max_seq_length)
+    batch = batch_arithmetic(training, mesh.data_shard, stages[0].data.max_seq_length, mesh)
     return RunSpec(
         config=resolved,
         env=env,
@@ -179,6 +185,7 @@ def decide(
         stages=stages,
         resume_from=resume_from,
         max_positions=max_positions,
+        mesh=mesh,
     )
 
 

@@ -3,37 +3,13 @@ returns the :class:`Problem` s it finds (the doctor shows the same problems as c
 
 from __future__ import annotations
 
-from scaletune.config import TrainingConfig
+from scaletune.resolve.mesh import mesh_problems
 from scaletune.resolve.precision import mixed_precision_problems
-from scaletune.resolve.spec import BatchArithmetic, Problem, RunSpec
+from scaletune.resolve.spec import Problem, RunSpec, batch_problem
 
 # Attention implementations that build their mask through transformers' masking_utils, which
 # keeps packed examples apart by position_ids when no attention_mask is given (data/batching.py).
 PACKING_SAFE_ATTENTION = ("sdpa", "eager", "flex_attention")
-
-
-def batch_problem(global_batch_size: int, micro_batch_size: int, world_size: int) -> Problem | None:
-    """`global_batch_size` must split into whole micro-batches on every rank."""
-    per_step = micro_batch_size * world_size
-    if global_batch_size % per_step == 0:
-        return None
-    lower = (global_batch_size // per_step) * per_step
-    hint = f"{lower} or {lower + per_step}" if lower else f"{per_step}"
-    return Problem(
-        "batch arithmetic",
-        "training.global_batch_size",
-        f"training.global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size x world_size "
-        f"({micro_batch_size} x {world_size} = {per_step})",
-        f"use for example {hint}",
-    )
-
-
-def batch_arithmetic(training: TrainingConfig, world_size: int, max_seq_length: int) -> BatchArithmetic:
-    """THE gradient-accumulation rule: `global_batch_size` split into micro-batches over
-    `world_size` ranks (floor division; :func:`batch_problem` judges a remainder, so deciding never
-    fails on bad input)."""
-    gas = training.global_batch_size // (training.micro_batch_size * world_size)
-    return BatchArithmetic(training.global_batch_size, training.micro_batch_size, world_size, gas, max_seq_length)
 
 
 def quantization_problem(quantized: bool, lora: bool, prefix: str = "model.") -> Problem | None:
@@ -392,8 +368,8 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
 def rule_problems(spec: RunSpec) -> list[Problem]:
     """Every cross-field rule, on the decided run."""
     out = _environment_rules(spec) + _strategy_rules(spec) + _model_rules(spec) + _factory_rules(spec)
-    out += _objective_rules(spec) + mixed_precision_problems(spec)
-    bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.world_size)
+    out += _objective_rules(spec) + mixed_precision_problems(spec) + mesh_problems(spec)
+    bad = batch_problem(spec.batch.global_batch_size, spec.batch.micro_batch_size, spec.batch.world_size)
     if bad is not None:
         out.append(bad)
     return out + _stage_rules(spec)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from scaletune.config import Config, DataConfig, TrainingConfig
 from scaletune.env import DistributedEnv
-from scaletune.errors import Problem  # noqa: F401 - re-exported: resolve's rules report them
+from scaletune.errors import Problem
 
 StrategyName = Literal["single", "ddp", "fsdp", "deepspeed"]
 
@@ -77,16 +77,65 @@ class Precision:
         return out
 
 
+MESH_DIMS = ("pipeline", "data_shard", "context", "tensor")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The device mesh `(pipeline, data_shard, context, tensor)`: its degrees, tensor innermost (the
+    ranks of one tensor group are neighbours, on one node where possible), as torchtitan orders it.
+
+    `data_shard` is the rest of the world size. The ranks of one context or tensor group read the
+    same micro-batches; only `data_shard` splits the data (and the batch arithmetic counts it alone).
+    """
+
+    pipeline: int = 1
+    data_shard: int = 1
+    context: int = 1
+    tensor: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline * self.data_shard * self.context * self.tensor
+
+    @property
+    def model_parallel(self) -> bool:
+        """Some degree other than data is above 1."""
+        return self.pipeline * self.context * self.tensor > 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pipeline, self.data_shard, self.context, self.tensor)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along each dimension (row-major over :data:`MESH_DIMS`)."""
+        out, rest = {}, rank
+        for name, size in reversed(list(zip(MESH_DIMS, self.shape))):
+            out[name] = rest % size
+            rest //= size
+        return {name: out[name] for name in MESH_DIMS}
+
+    def data_rank(self, rank: int) -> int:
+        """Which share of the data `rank` reads: its `data_shard` index."""
+        return self.coordinates(rank)["data_shard"]
+
+    def describe(self) -> str:
+        parts = [f"{name} {size}" for name, size in zip(MESH_DIMS, self.shape) if size > 1 or name == "data_shard"]
+        return f"world_size {self.world_size} = " + " x ".join(parts)
+
+
 @dataclass(frozen=True)
 class BatchArithmetic:
-    """How a global batch is split: `global_batch_size = micro_batch_size x world_size x
-    gradient_accumulation_steps`."""
+    """How a global batch is split: `global_batch_size = micro_batch_size x data-parallel ranks x
+    gradient_accumulation_steps`. `world_size` here counts the data-parallel ranks (the mesh's
+    `data_shard` degree): the ranks of one tensor, context or pipeline group share their micro-batches."""
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     gradient_accumulation_steps: int
     max_seq_length: int
+    mesh: Mesh | None = None
 
     @property
     def max_tokens_per_step(self) -> int:
@@ -94,11 +143,16 @@ class BatchArithmetic:
         return self.global_batch_size * self.max_seq_length
 
     def describe(self) -> str:
+        ranks = f"world_size {self.world_size}"
+        note = ""
+        if self.mesh is not None and self.mesh.model_parallel:
+            ranks = f"data-parallel ranks {self.world_size}"
+            note = f"; {self.mesh.describe()}: batch sizes count data-parallel ranks only"
         return (
             f"global_batch_size {self.global_batch_size} = micro_batch_size {self.micro_batch_size}"
-            f" x world_size {self.world_size} x gradient_accumulation_steps "
+            f" x {ranks} x gradient_accumulation_steps "
             f"{self.gradient_accumulation_steps}; at most {self.max_tokens_per_step:,} tokens per step "
-            f"(max_seq_length {self.max_seq_length})"
+            f"(max_seq_length {self.max_seq_length}){note}"
         )
 
 
@@ -137,6 +191,7 @@ class RunSpec:
         stages: the resolved curriculum (one stage named `main` without `stages:`).
         resume_from: the checkpoint to resume from, or None.
         max_positions: the model's position limit, where known.
+        mesh: the device mesh's degrees (all 1 but data_shard without model parallelism).
     """
 
     config: Config
@@ -153,6 +208,7 @@ class RunSpec:
     stages: tuple[Stage, ...]
     resume_from: Path | None = None
     max_positions: int | None = None
+    mesh: Mesh = Mesh()
 
     @property
     def run_dir(self) -> Path:
@@ -180,3 +236,29 @@ class RunSpec:
 
     def batch_for(self, stage: Stage) -> BatchArithmetic:
         return dataclasses.replace(self.batch, max_seq_length=stage.data.max_seq_length)
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, world_size: int) -> Problem | None:
+    """`global_batch_size` must split into whole micro-batches on every data-parallel rank (`world_size`:
+    the data-parallel ranks, the whole world without a device mesh)."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step == 0:
+        return None
+    lower = (global_batch_size // per_step) * per_step
+    hint = f"{lower} or {lower + per_step}" if lower else f"{per_step}"
+    return Problem(
+        "batch arithmetic",
+        "training.global_batch_size",
+        f"training.global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size x world_size "
+        f"({micro_batch_size} x {world_size} = {per_step})",
+        f"use for example {hint}",
+    )
+
+
+def batch_arithmetic(
+    training: TrainingConfig, world_size: int, max_seq_length: int, mesh: Mesh | None = None
+) -> BatchArithmetic:
+    """THE gradient-accumulation rule: `global_batch_size` split over `world_size` data-parallel ranks
+    (floor division; :func:`batch_problem` judges a remainder, so deciding never fails)."""
+    gas = training.global_batch_size // (training.micro_batch_size * world_size)
+    return BatchArithmetic(training.global_batch_size, training.micro_batch_size, world_size, gas, max_seq_length, mesh)

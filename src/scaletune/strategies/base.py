@@ -25,11 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletune.models.loading import torch_dtype
-from scaletune.strategies import memory
 from scaletune.strategies.devices import allow_tf32, check_devices
+from scaletune.strategies.memory import MemoryProbe
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
-from scaletune.strategies.reference import reference_tensors, resident_whole
+from scaletune.strategies.reference import resident_whole
 
 __all__ = ["Strategy", "check_devices", "free_port", "init_process_group"]
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
 
-class Strategy(ABC):
+class Strategy(MemoryProbe, ABC):
     """Wraps a model and optimizer for one parallelism engine.
 
     Lifecycle: `setup()` -> (the model is loaded where `load_on_cpu` / `load_meta` say) ->
@@ -115,6 +115,14 @@ class Strategy(ABC):
         t = value.to(self.comm_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
+
+    def all_reduce_data(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold different data (all of them without a device mesh)."""
+        return self.all_reduce_sum(value)
+
+    def split_batch(self, micro_batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of a micro-batch its group shares (all of it without context parallelism)."""
+        return micro_batch
 
     @property
     def comm_device(self) -> torch.device:
@@ -257,19 +265,6 @@ class Strategy(ABC):
         assert self.model is not None
         self.model.train(on)
 
-    # -- memory ----------------------------------------------------------------------------
-    def _param_tensors(self) -> list[Any]:
-        assert self.module is not None
-        return list(self.module.parameters())
-
-    def _grad_tensors(self) -> list[Any]:
-        """The gradient tensors this rank holds now: `.grad` of the module's and the optimizer's parameters."""
-        assert self.module is not None
-        out = [p.grad for p in self.module.parameters()]
-        if self.optimizer is not None:
-            out += [p.grad for g in self.optimizer.param_groups for p in g["params"]]
-        return out
-
     def _finish_wrap(self) -> None:
         """What every engine does at the end of `wrap`: the loss scaler, the gradient-bytes probe, and
         the device's peak-memory counter reset, so `peak_device` measures training, not loading
@@ -278,41 +273,6 @@ class Strategy(ABC):
         self._track_gradients()
         for device in self.memory_devices():
             torch.cuda.reset_peak_memory_stats(device)
-
-    def memory_devices(self) -> list[torch.device]:
-        """The CUDA devices this rank computes on (several where a device_map splits the model)."""
-        cuda = self.env.cuda_available and torch.cuda.is_available() and self.device.type == "cuda"
-        return [self.device] if cuda else []
-
-    def _track_gradients(self) -> None:
-        """Record the gradient bytes held when the optimizer first steps (engines free them right after)."""
-
-        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-            if self._grad_bytes is None:
-                self._grad_bytes = memory.count_bytes(self._grad_tensors(), {})
-
-        if self.optimizer is not None:
-            self.optimizer.register_step_pre_hook(hook)
-
-    def memory_breakdown(self) -> dict:
-        """Bytes this rank holds, from its tensors (`memory.json`): `params` (its shards), `grads` (at
-        the first optimizer step), `optimizer` (state and its own parameters, e.g. fp32 masters),
-        `reference` (the frozen reference model's bytes here; 0 without one), `peak_device` (CUDA's
-        peak allocated since `wrap`, summed over :meth:`memory_devices`; None on the CPU)."""
-        seen: dict = {}
-        p_bytes = memory.count_bytes(self._param_tensors(), seen)
-        o_bytes = memory.count_bytes(memory.optimizer_tensors(self.optimizer), seen)
-        grads = (
-            self._grad_bytes if self._grad_bytes is not None else memory.count_bytes(self._grad_tensors(), dict(seen))
-        )
-        return {
-            "rank": self.env.rank,
-            "params": int(p_bytes),
-            "grads": int(grads),
-            "optimizer": int(o_bytes),
-            "reference": int(memory.count_bytes(reference_tensors(self.reference), seen)),
-            "peak_device": memory.peak_device_bytes(self.memory_devices()),
-        }
 
     # -- checkpoint state ------------------------------------------------------------------
     def _state_options(self, **kw: Any) -> Any:

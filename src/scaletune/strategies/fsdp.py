@@ -102,6 +102,59 @@ class FSDPStrategy(FullyShardedState, Strategy):
     def load_meta(self) -> bool:
         return not self.env.is_main
 
+    def setup(self) -> None:
+        super().setup()
+        #: The device mesh where tensor or context parallelism is on (`strategies/mesh.py`), else None.
+        self.device_mesh = None
+        if self.spec.mesh.model_parallel:
+            from scaletune.strategies.mesh import build_device_mesh
+
+            self.device_mesh = build_device_mesh(self.spec.mesh, self.env.device_type, self.env.world_size)
+
+    def _data_group(self) -> Any:
+        from scaletune.strategies.mesh import DATA_CONTEXT
+
+        return self.device_mesh[DATA_CONTEXT].get_group() if self.device_mesh is not None else None
+
+    def all_reduce_data(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data_shard x context ranks: a tensor group's ranks hold the same rows and loss."""
+        if self.device_mesh is None:
+            return self.all_reduce_sum(value)
+        t = value.to(self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._data_group())
+        return t
+
+    def split_batch(self, micro_batch: dict[str, Any]) -> dict[str, Any]:
+        """With context parallelism: this rank's slice of every row (`context_parallel.split_batch`)."""
+        mesh = self.spec.mesh
+        if mesh.context == 1:
+            return micro_batch
+        from scaletune.strategies.context_parallel import split_batch
+
+        return split_batch(micro_batch, mesh.coordinates(self.env.rank)["context"], mesh.context)
+
+    def step(self) -> torch.Tensor:
+        if self.device_mesh is not None and self.spec.mesh.tensor > 1:
+            return self._mesh_step()
+        return super().step()
+
+    def _mesh_step(self) -> torch.Tensor:
+        """Clip and step where parameters are DTensors on two meshes (tensor-parallel weights on
+        data_context x tensor, the rest on data_context), which torch's clip_grad_norm_ cannot stack."""
+        from scaletune.strategies.tensor_parallel import grad_norm_and_clip
+
+        assert self.optimizer is not None and self.model is not None and self.scaler is None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.training.max_grad_norm
+        norm = grad_norm_and_clip(params, max_norm if max_norm is not None else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def describe(self) -> str:
+        text = super().describe()
+        return text + (f"; device mesh {self.spec.mesh.describe()}" if self.device_mesh is not None else "")
+
     def make_scaler(self) -> Any:
         """fp16: FSDP's `ShardedGradScaler`, which all-reduces the overflow flag over the ranks' shards."""
         if self.compute_dtype != torch.float16:
@@ -138,6 +191,7 @@ class FSDPStrategy(FullyShardedState, Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         from scaletune.models import decoder_layer_classes
+        from scaletune.strategies.mesh import DATA_CONTEXT
 
         if not dist.is_initialized():
             raise RuntimeError("strategy fsdp needs a process group: start it with torchrun or num_processes")
@@ -155,6 +209,9 @@ class FSDPStrategy(FullyShardedState, Strategy):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.env.cuda_available)
+        if self.device_mesh is not None:
+            self._parallelize(model)
+            kwargs["mesh"] = self.device_mesh[DATA_CONTEXT]
         layer_classes = tuple(decoder_layer_classes(model))
         layers = shard_model(model, layer_classes, **kwargs)
         self.log.info(
@@ -182,9 +239,22 @@ class FSDPStrategy(FullyShardedState, Strategy):
                 if self.env.is_main:
                     buf.copy_(src)
 
+    def _parallelize(self, model: nn.Module) -> None:
+        """Tensor and context parallelism on the (meta-device) loss module, before FSDP2 shards it."""
+        mesh, causal_lm = self.spec.mesh, model.causal_lm  # type: ignore[union-attr]
+        if mesh.tensor > 1:
+            from scaletune.strategies.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(causal_lm, self.device_mesh["tensor"])
+        if mesh.context > 1:
+            from scaletune.strategies.context_parallel import install
+
+            install(causal_lm, self.device_mesh["context"].get_group())
+
     @property
     def grad_divisor(self) -> float:
-        return float(self.env.world_size)  # reduce-scatter averages over ranks
+        # The reduce-scatter averages over the ranks FSDP2 shards over: data_shard x context.
+        return float(self.env.world_size // (self.spec.mesh.tensor * self.spec.mesh.pipeline))
 
     def retarget(self, trainable: frozenset[str]) -> None:
         # FSDP2 re-reads requires_grad from each sharded parameter at every all-gather, but fixes a

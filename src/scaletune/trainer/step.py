@@ -64,6 +64,7 @@ def train_step(
     factory module's own count of its first micro-batch with the loop's.
     """
     device = strategy.device
+    micro_batches = [strategy.split_batch(mb) for mb in micro_batches]  # a context slice each
     per_batch = [_units(kind, mb) for mb in micro_batches]
     k = len(per_batch[0])
     counts = torch.tensor(
@@ -75,7 +76,7 @@ def train_step(
         # queued before it (the previous step's optimizer), at the start of every step. The counts
         # then stay on the device (StepResult.tokens); the loop reads them when it logs.
         counts = counts.pin_memory().to(device, non_blocking=True)
-    counts = strategy.all_reduce_sum(counts)
+    counts = strategy.all_reduce_data(counts)
     denominator = counts[:k].clamp(min=1).to(device, torch.float32)
     if kind.before_step is not None:
         kind.before_step(strategy, [(mb, True) for mb in micro_batches])
@@ -96,8 +97,8 @@ def train_step(
             stats = mb_stats if stats is None else stats + mb_stats
     grad_norm = strategy.step()
     if stats is None:
-        return StepResult(strategy.all_reduce_sum(loss_total), grad_norm, counts[k], strategy.skipped_step)
-    both = strategy.all_reduce_sum(torch.cat([loss_total.double().reshape(1), stats]))
+        return StepResult(strategy.all_reduce_data(loss_total), grad_norm, counts[k], strategy.skipped_step)
+    both = strategy.all_reduce_data(torch.cat([loss_total.double().reshape(1), stats]))
     return StepResult(both[0].float(), grad_norm, counts[k], strategy.skipped_step, both[1:])
 
 
@@ -123,6 +124,7 @@ def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> tup
     stats = None
     k = 1
     for mb, counted in batches:
+        mb = strategy.split_batch(mb)
         inputs = strategy.move_batch(kind.inputs(mb))
         with strategy.forward_context():
             loss = strategy.model(**inputs)
@@ -143,6 +145,6 @@ def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> tup
             stats = torch.zeros_like(strategy.module.last_stats, device=device)
     k = sums.numel()
     parts = [sums, torch.tensor(units, dtype=torch.float64, device=device)] + ([stats] if stats is not None else [])
-    total = strategy.all_reduce_sum(torch.cat(parts)).cpu()
+    total = strategy.all_reduce_data(torch.cat(parts)).cpu()
     loss = float((total[:k] / total[k : 2 * k].clamp(min=1)).sum())
     return loss, (total[2 * k :] if stats is not None else None)

@@ -1,0 +1,164 @@
+"""The device mesh of a run: its degrees decided once from `distributed.tensor_parallel`,
+`context_parallel` and `pipeline_parallel` (data parallelism is the rest of the world size), and
+every rule about them: the config's here (:func:`mesh_problems`), the model's shape where the model
+is known (:func:`model_mesh_problems`: the doctor, the planner and the run's start)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scaletune.errors import Problem
+from scaletune.resolve.spec import Mesh, RunSpec
+
+# What the model-parallel layouts are built for (strategies/tensor_parallel.py, context_parallel.py).
+MESH_STRATEGY = "fsdp"
+DEGREE_KEYS = ("tensor_parallel", "context_parallel", "pipeline_parallel")
+
+
+def mesh_for(distributed: Any, world_size: int) -> Mesh:
+    """The mesh of `world_size` ranks with the configured degrees; `data_shard` is the quotient
+    (floor: :func:`mesh_problems` judges a remainder, so deciding never fails on bad input)."""
+    rest = distributed.tensor_parallel * distributed.context_parallel * distributed.pipeline_parallel
+    return Mesh(
+        pipeline=distributed.pipeline_parallel,
+        data_shard=max(1, world_size // rest),
+        context=distributed.context_parallel,
+        tensor=distributed.tensor_parallel,
+    )
+
+
+def _p(key: str, message: str, fix: str = "") -> Problem:
+    return Problem("device mesh", f"distributed.{key}", message, fix)
+
+
+def mesh_problems(spec: RunSpec) -> list[Problem]:
+    """The config's rules for tensor/context/pipeline degrees above 1 (none when all are 1)."""
+    d, m = spec.config.distributed, spec.mesh
+    given = [k for k in DEGREE_KEYS if getattr(d, k) > 1]
+    if not given:
+        return []
+    degrees = ", ".join(f"{k} {getattr(d, k)}" for k in given)
+    out = []
+    if spec.strategy != MESH_STRATEGY:
+        out.append(
+            _p(
+                given[0],
+                f"{degrees} needs distributed.strategy fsdp (or auto), not {spec.strategy_label}",
+                "the mesh's data dimension is FSDP2 sharding; set strategy: fsdp",
+            )
+        )
+    rest = d.tensor_parallel * d.context_parallel * d.pipeline_parallel
+    if spec.world_size % rest:
+        out.append(
+            _p(
+                given[0],
+                f"{degrees} ({rest} ranks per model replica) does not divide world_size {spec.world_size}",
+                f"use a world size that is a multiple of {rest}",
+            )
+        )
+    if d.pipeline_parallel > 1:
+        out.append(
+            _p(
+                "pipeline_parallel",
+                "distributed.pipeline_parallel above 1 is not built yet in this version",
+                "use tensor_parallel or context_parallel, or pipeline_parallel: 1",
+            )
+        )
+    model, training = spec.config.model, spec.config.training
+    unsupported = {
+        "model.quantization": model.quantization is not None,
+        "model.device_map": model.device_map is not None,
+        "model.liger": model.liger,
+        "model.factory": model.factory is not None,
+        "data.factory": spec.config.data.factory is not None,
+        "distributed.offload_params": d.offload_params,
+    }
+    for key, on in unsupported.items():
+        if on:
+            out.append(
+                Problem("device mesh", key, f"{key} cannot be combined with {degrees}", f"drop {key} or the degrees")
+            )
+    objectives = {st.training.objective for st in spec.stages} | {training.objective}
+    if objectives - {"sft"}:
+        out.append(
+            Problem(
+                "device mesh",
+                "training.objective",
+                f"training.objective {', '.join(sorted(objectives - {'sft'}))} cannot be combined with {degrees}: "
+                "a preference objective's per-sequence log-probabilities are not split over ranks yet",
+                "train preference objectives with data parallelism (fsdp, deepspeed, ddp)",
+            )
+        )
+    if m.context > 1:
+        for st in spec.stages:
+            if st.data.max_seq_length % m.context:
+                key = "data.max_seq_length" if st.index == 0 else f"stages.{st.index}.data.max_seq_length"
+                out.append(
+                    Problem(
+                        "device mesh",
+                        key,
+                        f"{key} {st.data.max_seq_length} is not divisible by distributed.context_parallel {m.context}",
+                        f"use a multiple of {m.context}",
+                    )
+                )
+    return out
+
+
+def model_mesh_problems(mesh: Mesh, hf_config: Any) -> list[Problem]:
+    """The model's rules: tensor parallelism splits heads, key-value heads and the MLP width;
+    context parallelism (all-to-all over heads) splits the heads left after it; windowed or
+    chunked attention is refused under context parallelism (a slice would attend across a window
+    it cannot see); pipeline parallelism splits the layers.
+
+    Args:
+        mesh: the decided degrees.
+        hf_config: the model's `transformers` config (its text config for multimodal models).
+    """
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv = int(getattr(text, "num_key_value_heads", None) or heads)
+    width = int(getattr(text, "intermediate_size", 0) or 0)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    out = []
+    if mesh.tensor > 1:
+        for what, n in (("attention heads", heads), ("key-value heads", kv), ("MLP width (intermediate_size)", width)):
+            if n % mesh.tensor:
+                out.append(
+                    _p(
+                        "tensor_parallel",
+                        f"distributed.tensor_parallel {mesh.tensor} does not divide the model's {what} ({n})",
+                        "choose a degree that divides heads, key-value heads and intermediate_size",
+                    )
+                )
+    if mesh.context > 1:
+        local_heads, local_kv = heads // mesh.tensor, kv // mesh.tensor
+        if local_heads % mesh.context or local_kv % mesh.context:
+            out.append(
+                _p(
+                    "context_parallel",
+                    f"distributed.context_parallel {mesh.context} does not divide the attention heads ({local_heads}) "
+                    f"and key-value heads ({local_kv}) each rank holds after tensor_parallel {mesh.tensor}: the "
+                    "all-to-all exchange gives each rank whole heads",
+                    "choose a context degree that divides both",
+                )
+            )
+        windowed = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+        kinds = set(getattr(text, "layer_types", None) or ())
+        if windowed or kinds - {"full_attention"}:
+            out.append(
+                _p(
+                    "context_parallel",
+                    f"distributed.context_parallel cannot train {type(text).__name__}: its sliding-window or "
+                    "chunked attention layers would attend across slices held by other ranks",
+                    "use context_parallel: 1 for this model",
+                )
+            )
+    if mesh.pipeline > 1 and layers % mesh.pipeline:
+        out.append(
+            _p(
+                "pipeline_parallel",
+                f"distributed.pipeline_parallel {mesh.pipeline} does not divide the model's {layers} layers",
+                "choose a degree that divides num_hidden_layers",
+            )
+        )
+    return out

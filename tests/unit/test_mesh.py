@@ -1,0 +1,103 @@
+"""The device mesh decided from `distributed.tensor_parallel` / `context_parallel` /
+`pipeline_parallel`: its coordinates against torch's own row-major rank layout, the batch arithmetic
+counting data-parallel ranks only, which rank reads which rows, and every config and model rule
+reported at once (exit 2 at the CLI: tests/e2e)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Olmo2Config
+
+from scaletune.data.batching import data_rank
+from scaletune.errors import ConfigError
+from scaletune.resolve import Mesh, decide, resolve
+from scaletune.resolve.mesh import model_mesh_problems
+from tests.helpers import make_config, make_env
+
+
+def cfg(tmp_path, **distributed):
+    return make_config(
+        "olmo2-tiny",
+        tmp_path / "run",
+        as_config=True,
+        distributed={"strategy": "auto", "num_processes": None, **distributed},
+    )
+
+
+def test_coordinates_follow_torch_row_major_layout():
+    """Control: torch's own layout of ranks over a (pipeline, data_shard, context, tensor) mesh is
+    `arange(world).view(shape)`; every rank's coordinates index its own number there."""
+    mesh = Mesh(pipeline=2, data_shard=3, context=2, tensor=2)
+    grid = torch.arange(mesh.world_size).view(mesh.shape)
+    for rank in range(mesh.world_size):
+        c = mesh.coordinates(rank)
+        assert int(grid[c["pipeline"], c["data_shard"], c["context"], c["tensor"]]) == rank
+    assert mesh.describe() == "world_size 24 = pipeline 2 x data_shard 3 x context 2 x tensor 2"
+
+
+def test_auto_becomes_fsdp_and_batch_counts_data_parallel_ranks(tmp_path):
+    """World 4 with tensor 2: data_shard 2; global 8 = micro 2 x 2 data ranks x 2 accumulation
+    (a world-size count would say 1), and the printed arithmetic says which ranks it counts."""
+    spec = decide(cfg(tmp_path, tensor_parallel=2), make_env(4))
+    assert spec.strategy == "fsdp" and "data_shard" in spec.reason
+    assert spec.mesh == Mesh(data_shard=2, tensor=2)
+    assert (spec.batch.world_size, spec.batch.gradient_accumulation_steps) == (2, 2)
+    text = spec.batch.describe()
+    assert "data-parallel ranks 2" in text and "world_size 4 = data_shard 2 x tensor 2" in text
+    # Without a mesh the arithmetic reads as before.
+    plain = decide(cfg(tmp_path), make_env(4))
+    assert plain.batch.world_size == 4 and "x world_size 4 x" in plain.batch.describe()
+
+
+def test_ranks_of_a_tensor_or_context_group_read_the_same_rows(tmp_path):
+    """World 8, context 2 x tensor 2: ranks 0-3 read share 0 and 4-7 share 1 of 2."""
+    spec = decide(cfg(tmp_path, tensor_parallel=2, context_parallel=2), make_env(8))
+    shares = [data_rank(spec.batch, make_env(8, rank=r)) for r in range(8)]
+    assert shares == [0, 0, 0, 0, 1, 1, 1, 1] and spec.batch.world_size == 2
+    plain = decide(cfg(tmp_path), make_env(8))
+    assert [data_rank(plain.batch, make_env(8, rank=r)) for r in range(8)] == list(range(8))
+
+
+def test_every_config_problem_at_once(tmp_path):
+    """ddp with tensor 3 on 4 ranks, LoRA-free pipeline 2, liger, max_seq_length 63 with context 2:
+    one error naming each key."""
+    bad = make_config(
+        "olmo2-tiny",
+        tmp_path / "run",
+        as_config=True,
+        model={"liger": True},
+        data={"max_seq_length": 63},
+        distributed={"strategy": "ddp", "num_processes": None, "tensor_parallel": 3, "context_parallel": 2},
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve(bad, make_env(4))
+    text = "\n".join(err.value.problems)
+    for needle in (
+        "needs distributed.strategy fsdp",
+        "does not divide world_size 4",
+        "model.liger cannot be combined",
+        "data.max_seq_length 63 is not divisible by distributed.context_parallel 2",
+    ):
+        assert needle in text, text
+
+
+def test_pipeline_is_refused_until_built(tmp_path):
+    with pytest.raises(ConfigError, match="pipeline_parallel above 1 is not built yet"):
+        resolve(cfg(tmp_path, pipeline_parallel=2), make_env(2))
+
+
+def test_model_rules():
+    """Heads 4 / kv 2 / MLP 128 / 2 layers: tensor 4 fails on kv heads; context 2 after tensor 2
+    leaves 1 kv head per rank (fails); sliding-window Mistral is refused under context; a valid
+    layout has no problem."""
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    assert model_mesh_problems(Mesh(data_shard=1, tensor=2), llama) == []
+    assert model_mesh_problems(Mesh(context=2), llama) == []
+    tp4 = [p.message for p in model_mesh_problems(Mesh(tensor=4), llama)]
+    assert len(tp4) == 1 and "key-value heads (2)" in tp4[0]
+    both = [p.message for p in model_mesh_problems(Mesh(context=2, tensor=2), llama)]
+    assert len(both) == 1 and "key-value heads (1)" in both[0]
+    mistral = MistralConfig(sliding_window=4096, num_attention_heads=4, num_key_value_heads=2)
+    assert any("sliding-window" in p.message for p in model_mesh_problems(Mesh(context=2), mistral))
+    assert model_mesh_problems(Mesh(context=2), Olmo2Config(num_attention_heads=4, num_key_value_heads=2)) == []
