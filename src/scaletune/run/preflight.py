@@ -29,6 +29,20 @@ def _model_positions(cfg: Config, problems: list[str]) -> int | None:
     return positions
 
 
+def _mesh_model_problems(spec: RunSpec) -> list:
+    """The model's shape against the device mesh (heads, key-value heads, MLP width, windowed attention)."""
+    from scaletune.models.loading import load_config
+    from scaletune.resolve.mesh import model_mesh_problems
+
+    if not spec.mesh.model_parallel or spec.custom_model:
+        return []
+    try:
+        hf_config = load_config(spec.config.model)
+    except Exception:  # noqa: BLE001 - model_facts has reported why the config cannot be read
+        return []
+    return model_mesh_problems(spec.mesh, hf_config)
+
+
 def prepare(
     cfg: Config | LoadedConfig,
     env: DistributedEnv,
@@ -93,6 +107,7 @@ def prepare(
         except UserError as exc:
             problems += exc.problems
     problems += texts(factory_problems(spec))
+    problems += [p.text(where(p.key)) for p in _mesh_model_problems(spec)]
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:
