@@ -355,18 +355,28 @@ class CausalLMLoss(nn.Module):
         target_index: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        full_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if attention_mask is None and position_ids is not None:
+        """A context slice (`strategies.context_parallel.split_batch`): labels [B, L + 1] for input_ids
+        [B, L], every position scored against ``labels[:, 1:]``; attention over whole rows, causal or
+        by ``full_position_ids`` (packed); ``attention_mask`` (the slice's padding) unused."""
+        context = labels.size(1) == input_ids.size(1) + 1
+        if context:
+            from scaletune.strategies.context_parallel import context_mask
+
+            attention_mask = context_mask(self.causal_lm.config, full_position_ids)
+        elif attention_mask is None and position_ids is not None:
             # Packed rows (the collator gives them no 2D mask): their mask once per micro-batch,
             # handed to transformers as 4D so it skips its own per-forward mask work and host sync.
             attention_mask = packed_mask(self.causal_lm.config, position_ids)
+        scored = slice(None) if context else slice(None, -1)
         if self.plain:
             with self._saved_tensors_context():
                 logits = self.causal_lm(
                     input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
                 ).logits
             index = target_index.to(logits.device)
-            flat = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index).float()
+            flat = logits[:, scored, :].reshape(-1, logits.size(-1)).index_select(0, index).float()
             targets = labels[:, 1:].reshape(-1).to(logits.device).index_select(0, index)
             return F.cross_entropy(flat, targets, reduction="sum").to(input_ids.device)
         decoder, head = _decoder_and_head(self.causal_lm)
@@ -376,7 +386,7 @@ class CausalLMLoss(nn.Module):
             out = decoder(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             )
-        hidden = out.last_hidden_state[:, :-1, :]
+        hidden = out.last_hidden_state[:, scored, :]
         # With a device_map over several GPUs the last hidden state is on the last one, the batch on
         # the first: the indices follow the hidden state, and the loss returns to the batch's device.
         index = target_index.to(hidden.device)
