@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.attention import packed_mask
+from scaletune.strategies.tensor_parallel import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 CUDA_CHUNK = 1024  # target rows per head+loss chunk on a GPU: [1024, vocab] logits at a time
@@ -67,8 +68,9 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _head_ce_sum(hidden: torch.Tensor, weight_holder: nn.Module, targets: torch.Tensor) -> torch.Tensor:
-    logits = weight_holder(hidden).float()
-    # The head may compute elsewhere (a device_map hook moves its input to its execution device).
+    logits = weight_holder(hidden).float()  # a device_map hook may move the input to the head's own device
+    if hasattr(logits, "full_tensor"):  # a DTensor: a tensor-parallel head's vocab-sharded logits
+        return vocab_parallel_cross_entropy(logits, targets.to(logits.device))
     return F.cross_entropy(logits, targets.to(logits.device), reduction="sum")
 
 
@@ -145,17 +147,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _fusable(head: nn.Module, partitioned: bool) -> bool:
-    """A plain Linear head without bias whose weight is whole here. Not: a head whose weight the
-    engine partitions outside its forward (DeepSpeed ZeRO-3), peft-wrapped or quantized heads
-    (subclasses or wrappers of Linear, whose forward is not `x @ weight.T`), a head offloaded by a
-    device_map (accelerate's hook brings its weight in from the CPU or disk only inside its forward;
-    outside it the weight is on the meta device)."""
+    """A plain Linear head without bias whose weight is whole here. Not: a head whose weight the engine partitions
+    outside its forward (DeepSpeed ZeRO-3) or shards (tensor parallelism: a DTensor), peft-wrapped or quantized heads
+    (whose forward is not `x @ weight.T`), a head offloaded by a device_map (accelerate's hook brings its weight in
+    from the CPU or disk only inside its forward; outside it the weight is on the meta device)."""
     return (
         type(head) is nn.Linear
         and head.bias is None
         and not partitioned
         and getattr(head, "_hf_hook", None) is None
-        and head.weight.device.type != "meta"
+        and not (head.weight.device.type == "meta" or hasattr(head.weight, "full_tensor"))
     )
 
 
