@@ -96,7 +96,8 @@ def split_batch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict
         ``attention_mask`` ``[B, L]`` int64, 1 at real tokens (for counting tokens only:
         `loss.CausalLMLoss` does not give it to attention, see the module docstring); and for
         packed rows (no ``attention_mask`` in `mb`) ``full_position_ids`` ``[B, T']``, the whole
-        padded rows' positions, from which attention builds the document mask.
+        padded rows' positions, from which attention builds the document mask (it must reach
+        `CausalLMLoss.forward`: without it packed examples would attend to each other).
 
     Raises:
         ValueError: a key other than :data:`SPLIT_KEYS`, a rank outside the group, or an
