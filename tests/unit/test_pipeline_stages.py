@@ -70,6 +70,15 @@ def test_tied_head_refused():
     split_stage(build(tied=True, meta=True), 0, 1)  # one stage: nothing to split
 
 
+def test_sliding_window_refused():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(MistralConfig(**SIZES, sliding_window=8))
+    with pytest.raises(ValueError, match="plain causal attention"):
+        split_stage(model, 0, 2)
+
+
 def test_peft_names_kept():
     from peft import LoraConfig, get_peft_model
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.models.attention import packed_mask
+from scaletune.models.attention import _full_causal_only, packed_mask
 from scaletune.models.loss import IGNORE_INDEX, chunked_head_cross_entropy
 
 __all__ = [
@@ -155,8 +155,8 @@ def split_stage(
         chunk: target rows per head+loss chunk (`models.loss.chunked_head_cross_entropy`).
 
     Raises:
-        ValueError: a bad stage index, fewer layers than stages, a model without that layout, or
-            a head tied to the input embeddings with more than one stage (they would sit on two
+        ValueError: a bad stage index, fewer layers than stages, a model without that layout or
+            with other than plain causal attention layers (sliding window, chunked), or a head tied to the input embeddings with more than one stage (they would sit on two
             ranks; torchtitan does not split tied models either).
     """
     base = _base(causal_lm)
@@ -164,6 +164,9 @@ def split_stage(
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(decoder, name):
             raise ValueError(f"{type(base).__name__}: pipeline stages need a decoder with `{name}`")
+    if not _full_causal_only(base.config):
+        # The stages build one mask for all their layers; sliding-window or chunked layers need their own.
+        raise ValueError(f"{type(base).__name__}: pipeline stages support plain causal attention in every layer only")
     head = base.get_output_embeddings()
     if num_stages > 1 and head is not None and head.weight is decoder.embed_tokens.weight:
         raise ValueError(
