@@ -104,7 +104,7 @@ def config_fsdp(
 @config_app.command("show", context_settings={"allow_interspersed_args": True})
 def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
     """The config resolved for this machine: every default filled in, `auto` decided, the stages
-    merged, and the derived numbers (strategy, precision, batch arithmetic) in a header."""
+    merged, and the derived numbers (strategy, precision, device mesh, batch arithmetic) in a header."""
     from scaletune.config import dump_config
 
     spec = resolved(config, overrides)
@@ -113,6 +113,7 @@ def config_show(config: ConfigArg, overrides: OverridesArg = None) -> None:
         f"# strategy: {spec.strategy_label} ({spec.reason})",
         f"# precision: compute {spec.precision.compute}, weights stored {spec.precision.storage}"
         f"{', autocast' if spec.precision.autocast else ''}{', bf16 parameter copies' if spec.precision.cast_params else ''}",
+        f"# mesh: {spec.mesh.describe()}",
         f"# batch: {spec.batch.describe()}",
     ]
     header += [

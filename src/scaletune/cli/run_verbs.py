@@ -190,14 +190,33 @@ def plan(
             help="Also shard the meta model with FSDP2 over a fake process group of W ranks and report rank 0's shard."
         ),
     ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            help="Tokens per sequence to plan for (overrides data.max_seq_length) and recommend the "
+            "context and tensor degrees that fit.",
+        ),
+    ] = None,
 ) -> None:
     """Memory per rank of every strategy (parameters, gradients, optimizer state, activations) and
-    the chosen strategy, from the model's config alone (meta device, no weights)."""
+    the chosen strategy, from the model's config alone (meta device, no weights). With `--seq-len`,
+    a configured device mesh or nothing that fits: the device mesh (context and tensor degrees)
+    recommended, with its arithmetic."""
     import json
 
     from rich.console import Console
 
-    from scaletune.plan import describe_shape, render_table, simulate_fsdp, target_env
+    from scaletune.plan import (
+        describe_shape,
+        mesh_arithmetic,
+        mesh_notes,
+        recommend_for_run,
+        render_mesh,
+        render_table,
+        simulate_fsdp,
+        target_env,
+    )
     from scaletune.plan import plan as make_plan
 
     bad = []
@@ -209,26 +228,42 @@ def plan(
         bad.append(f"--gpu-memory must be a positive number of GiB, got {gpu_memory}")
     if simulate_world_size is not None and simulate_world_size < 1:
         bad.append(f"--simulate-world-size must be 1 or more, got {simulate_world_size}")
+    if seq_len is not None and seq_len < 1:
+        bad.append(f"--seq-len must be 1 or more, got {seq_len}")
     if bad:
         raise UserError(bad, title="invalid arguments")
 
     env, world, note = target_env(gpus, gpu_memory, nodes)
-    spec = resolved(config, overrides, world_size=world, env=env, check=False)
+    length = [f"data.max_seq_length={seq_len}"] if seq_len is not None else []
+    spec = resolved(config, (overrides or []) + length, world_size=world, env=env, check=False)
     result = make_plan(spec, gpu_memory_bytes=env.device_memory_bytes, nodes=nodes)
+    assert result.shape is not None
+    choice = None
+    if seq_len is not None or spec.mesh.model_parallel or result.get(result.chosen).fits is False:
+        kw = dict(world_size=world, gpus_per_node=env.local_world_size, gpu_memory_bytes=env.device_memory_bytes)
+        choice = recommend_for_run(spec, result.shape, **kw)
     sim = simulate_fsdp(spec, simulate_world_size) if simulate_world_size else None
     planned = make_plan(spec, world_size=simulate_world_size, shape=result.shape).get("fsdp").params if sim else None
     if json_out:
         data = result.to_json()
         if sim is not None:
             data["simulation"] = {**sim, "planned_fsdp_params_bytes": planned}
+        if choice is not None:
+            data["mesh_recommendation"] = choice.to_json()
         typer.echo(json.dumps(data, indent=2))
         return
     console = Console(width=None if sys.stdout.isatty() else 160)
-    assert result.shape is not None
     console.print(describe_shape(result.shape))
-    console.print(f"{note}; precision {spec.precision.compute} (storage {spec.precision.storage})")
+    precision = f"precision {spec.precision.compute} (storage {spec.precision.storage})"
+    console.print("; ".join(x for x in (note, precision) if x))
     console.print(render_table(result))
     console.print(f"chosen: [bold]{result.chosen}[/] - {result.reason}")
+    for line in mesh_notes(spec, result):
+        console.print(line, markup=False)
+    if choice is not None:
+        console.print(render_mesh(choice))
+        for line in mesh_arithmetic(spec, result.shape, choice):
+            console.print(line, markup=False, highlight=False)
     if sim is not None:
         console.print(
             f"simulated fsdp over a fake process group of {sim['world_size']} ranks in {sim['seconds']} s: rank 0 holds "

@@ -15,6 +15,7 @@ from scaletune.doctor.checks import (
     check_device_map,
     check_launcher_vars,
     check_liger,
+    check_mesh,
     check_processes_vs_gpus,
     check_quantization,
     check_wandb,
@@ -42,6 +43,7 @@ __all__ = [
     "check_disk",
     "check_launcher_vars",
     "check_liger",
+    "check_mesh",
     "check_nccl_env",
     "check_port",
     "check_processes_vs_gpus",
@@ -57,7 +59,13 @@ __all__ = [
     "report",
 ]
 
-_SHOWN = {"processes per GPU", "quantization strategy", "quantization storage dtype", "batch arithmetic"}
+_SHOWN = {
+    "processes per GPU",
+    "quantization strategy",
+    "quantization storage dtype",
+    "batch arithmetic",
+    "device mesh",
+}
 
 
 def _environment_checks(spec: RunSpec | None, env: DistributedEnv, e: Mapping[str, str]) -> list[Check]:
@@ -93,6 +101,7 @@ def checks(
         check_liger(env, spec),
         check_checkpointing(env, spec),
         check_batch(spec),
+        *check_mesh(spec),
         check_deepspeed_ops(spec),
         check_wandb(spec),
         *check_nccl_env(env, e),

@@ -313,3 +313,36 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
             fatal=True,
         )
     return _ok(name, f"{', '.join(builders)} compatible ({acc.device_name()})")
+
+
+def check_mesh(spec: RunSpec | None) -> list[Check]:
+    """The device mesh: the config's rules on the degrees (`resolve.mesh.mesh_problems`, through
+    the resolve rules) and the model's (`resolve.mesh.model_mesh_problems`: heads, key-value heads
+    and MLP width against the degrees, windowed attention), read from the model's config."""
+    name = "device mesh"
+    if spec is None or not spec.mesh.model_parallel:
+        return [_ok(name, "no tensor, context or pipeline parallelism")]
+    from scaletune.resolve import rule_problems
+
+    out = [_fail(p) for p in rule_problems(spec) if p.check == name]
+    if spec.custom_model:
+        out.append(Check(name, "WARN", "a factory's module has no tensor or context layout", "use degrees of 1"))
+        return out
+    from scaletune.models import load_config
+    from scaletune.resolve.mesh import model_mesh_problems
+
+    try:
+        hf_config = load_config(spec.config.model)
+    except Exception as exc:  # noqa: BLE001 - an unreachable config is reported, the run's start checks again
+        out.append(
+            Check(
+                name,
+                "WARN",
+                f"the model's config cannot be read here ({type(exc).__name__}): its heads and MLP width are not checked "
+                "against the degrees",
+                "run the doctor where the model is reachable",
+            )
+        )
+        return out
+    out += [_fail(p) for p in model_mesh_problems(spec.mesh, hf_config)]
+    return out or [_ok(name, f"{spec.mesh.describe()}; the model's heads and MLP width split evenly")]

@@ -36,20 +36,9 @@ from the textbook's and the planner counts scaletune's (`strategies/base.py` `Pr
   `peft.prepare_model_for_kbit_training` upcasts the other parameters (embeddings, head, norms) to
   float32.
 
-Activations per decoder layer follow Korthikanti et al. 2022 (arXiv:2205.05198, section 4.1:
-`sbh(34 + 5as/h)` bytes for a GPT layer with 16-bit activations), adapted to the architectures
-scaletune trains: no dropout (no masks), RMSNorm (its input kept: 2 norms x sbh), grouped-query
-attention (K and V are `h_kv = n_kv x head_dim` wide), fused attention (SDPA / flash: the output
-and a fp32 logsumexp per head, no s^2 terms; `eager` keeps the 2-byte a s^2 b softmax), and a
-SwiGLU MLP of width i (input, gate, SiLU(gate), up, product: sbh + 4 sbi). In elements:
-`sbh (6 + 2 h_kv / h) + 4 sbi` per layer, times the activation width (2 bytes bf16/fp16, 4 fp32); the residual
-stream's part (`2 sbh` norm inputs, a checkpointed layer's input, the edges) is fp32 where single/ddp autocast a full
-fine-tune (`residual_bytes`; tiny OLMo-2 measured: 4h bytes a token and layer more than under `bf16_params`).
-LoRA adds each adapter's `x A` (s b r) and, with `lora.dropout > 0`, the dropped-out input and its
-1-byte mask per target module. With gradient checkpointing (non-reentrant, per decoder layer) a
-layer keeps only its input (sbh) and one layer is recomputed at a time: `L sbh + one layer`.
-The loss (`loss.py`) never builds `[tokens, vocab]` logits: one chunk of 1024 target rows is
-alive, in the compute dtype, as fp32, its log-softmax and its gradient (`1024 V (b_c + 12)`).
+Activations: `activations.py` (per decoder layer after Korthikanti et al. 2022, with the device mesh's
+splits). The device mesh's per-rank bytes (tensor and context parallelism) and the degree
+recommendation: `mesh.py`.
 See also `simulate.py` (the meta model sharded by FSDP2 over a fake process group), and
 `reference.py` for the reference model of preference training (`reference` per rank, in the total).
 """
@@ -57,73 +46,26 @@ See also `simulate.py` (the meta model sharded by FSDP2 over a fake process grou
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan, sequences_per_example
+from scaletune.plan.activations import activation_bytes, residual_bytes
+from scaletune.plan.entry import GiB, StrategyPlan
+from scaletune.plan.mesh import mesh_entry
+from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
 from scaletune.resolve import FLOAT_DTYPES
+from scaletune.resolve.mesh import mesh_for
 from scaletune.strategies.deepspeed_config import PERSISTENCE_THRESHOLD as DS_PERSISTENCE_THRESHOLD
 from scaletune.strategies.deepspeed_config import REDUCE_BUCKET as DS_REDUCE_BUCKET
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
-GiB = 1024**3
-
 #: Fastest first: ddp moves 2Ψ per step (all-reduce), ZeRO-1/2 the same volume (reduce-scatter +
 #: all-gather), fsdp / ZeRO-3 1.5x (an extra all-gather of the parameters in backward), offload
 #: adds PCIe traffic and a CPU optimizer step. fsdp before zero3: native, no extra dependency.
 ORDER = ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero2-offload", "fsdp-offload", "zero3-offload")
-
-#: Target rows of one head+loss chunk on a GPU (`loss.CUDA_CHUNK`).
-LOSS_CHUNK = 1024
-
-
-@dataclass
-class StrategyPlan:
-    """One strategy's bytes per rank (rank 0, which holds the largest shard).
-
-    `per_rank_bytes` = device memory: params, grads, optimizer (with DeepSpeed's fp32 master
-    partition), activations (as configured: with or without checkpointing), reference (the frozen
-    reference model of preference training, `plan/reference.py`), total (the five plus `margin`).
-    Offloaded state is in `host_bytes` instead.
-    """
-
-    name: str
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    margin: int
-    fits: bool | None
-    activations_no_ckpt: int = 0
-    activations_ckpt: int = 0
-    host_bytes: int = 0
-    scaletune: dict = field(default_factory=dict)  # {"strategy": ..., zero_stage / offload overrides}
-    reference: int = 0
-
-    @property
-    def model_states(self) -> int:
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.reference + self.margin
-
-    @property
-    def per_rank_bytes(self) -> dict[str, int]:
-        return {
-            "params": self.params,
-            "grads": self.grads,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "reference": self.reference,
-            "total": self.total,
-        }
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "per_rank_bytes": self.per_rank_bytes, "fits": self.fits}
 
 
 @dataclass
@@ -136,9 +78,11 @@ class Plan:
     nodes: int = 1
     shape: ModelShape | None = None
     reference: ReferencePlan | None = None
+    mesh: StrategyPlan | None = None  # the configured device mesh's entry (`mesh.py`), with degrees > 1
 
     def to_json(self) -> dict:
         out = {"strategies": [s.to_json() for s in self.strategies], "chosen": self.chosen, "reason": self.reason}
+        out |= {"mesh": self.mesh.to_json()} if self.mesh is not None else {}
         return out | ({"reference": self.reference.to_json()} if self.reference is not None else {})
 
     def get(self, name: str) -> StrategyPlan:
@@ -148,7 +92,10 @@ class Plan:
         raise KeyError(name)
 
     def for_run(self, spec: RunSpec) -> StrategyPlan:
-        """The entry of the run's strategy (`single` is planned as ddp's replica)."""
+        """The entry of the run's strategy (`single` is planned as ddp's replica; a run with tensor or
+        context degrees above 1: the mesh's entry)."""
+        if spec.mesh.model_parallel and self.mesh is not None:
+            return self.mesh
         return self.get(plan_name(spec.strategy, spec.zero_stage, spec.offload_optimizer, spec.offload_params))
 
 
@@ -203,44 +150,6 @@ def _shard(p: ParamInfo, w: int) -> int:
         return 1
     rows = -(-p.shape[0] // w)
     return rows * math.prod(p.shape[1:])
-
-
-def residual_bytes(spec: RunSpec, plan_entry: str) -> int:
-    """Bytes per element of the residual stream under the plan entry's engine: 4 where single/ddp autocast over fp32
-    weights (embeddings, norms and adds in fp32), else the compute dtype's (the engine or `bf16_params` cast them)."""
-    m, compute = spec.config.model, spec.precision.compute
-    autocast_fp32 = compute != "float32" and m.lora is None and m.mixed_precision == "autocast"
-    return 4 if plan_entry.removesuffix("-offload") == "ddp" and autocast_fp32 else FLOAT_DTYPES[compute][0]
-
-
-def activation_bytes(shape: ModelShape, spec: RunSpec, *, checkpointing: bool, residual: int | None = None) -> int:
-    """Activation bytes of one micro-batch on one rank (see the module docstring), for the first
-    stage's sequence length (a micro-batch of preference pairs is 2 sequences a pair); a factory's model: what its meta forward saved (`ModelShape.activations`). `residual`: :func:`residual_bytes` (default: the compute dtype's)."""
-    if shape.activations is not None:
-        return shape.activations
-    cfg = spec.config
-    s, b = spec.batch.max_seq_length, spec.batch.micro_batch_size * sequences_per_example(spec)  # pairs: 2 rows
-    h, i, L = shape.hidden, shape.intermediate, shape.layers
-    p = FLOAT_DTYPES[spec.precision.compute][0]
-    rw = residual or p  # the residual stream's width
-    h_kv = shape.kv_heads * shape.head_dim
-    q_width = shape.heads * shape.head_dim
-    per_layer = s * b * (2 * h * rw + p * (2 * h + 2 * q_width + 2 * h_kv + 4 * i))  # norm inputs rw, outputs p
-    if (cfg.model.attn_implementation or "sdpa") == "eager":
-        per_layer += 2 * shape.heads * s * s * b * p  # scores (softmax output) and the attention over V
-    else:
-        per_layer += 4 * shape.heads * s * b  # logsumexp per head, fp32
-    lora = cfg.model.lora
-    if lora is not None:
-        for d_in, r in shape.lora_modules:
-            per_layer += s * b * r * p
-            if lora.dropout > 0:
-                per_layer += s * b * d_in * (p + 1)
-    loss = min(LOSS_CHUNK, s * b) * shape.vocab * (p + 12)
-    edges = s * b * h * rw * 2  # embedding output, final norm input/output at the targets
-    if checkpointing:
-        return L * s * b * h * rw + per_layer + loss + edges
-    return L * per_layer + loss + edges
 
 
 def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> StrategyPlan:
@@ -357,7 +266,9 @@ def plan(
 
     Returns:
         The :class:`Plan`: the fastest strategy that fits (:data:`ORDER`); at world size 1 `ddp`
-        means `single`, and only it and the offload variants are candidates.
+        means `single`, and only it and the offload variants are candidates. With tensor or context
+        degrees above 1 in the config, `mesh` is that mesh's fsdp entry (`mesh.py`; None with a
+        pipeline degree above 1).
     """
     w = world_size or spec.world_size
     shape = shape or model_shape(spec)
@@ -370,7 +281,10 @@ def plan(
     # A quantized base cannot be sharded by FSDP (resolve/rules.py), so it is never chosen for one.
     quantized = spec.config.model.quantization is not None
     chosen, reason = _choose([s for s in out if not (quantized and s.name.startswith("fsdp"))], w, gpu_memory_bytes)
-    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref)
+    mesh = mesh_for(spec.config.distributed, w)
+    planned = mesh.model_parallel and mesh.pipeline == 1  # pipeline parallelism is not built, nor planned
+    on_mesh = mesh_entry(spec, shape, mesh, gpu_memory_bytes=gpu_memory_bytes) if planned else None
+    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref, on_mesh)
 
 
 def _choose(out: list[StrategyPlan], w: int, mem: int | None) -> tuple[str, str]:

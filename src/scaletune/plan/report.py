@@ -1,14 +1,21 @@
-"""Presenting a plan: the rich table, the model's shape in one line, and the target machine that
-`scaletune plan` plans for (options, or this machine)."""
+"""Presenting a plan: the rich tables (strategies; device meshes), the recommended mesh's
+arithmetic, the model's shape in one line, and the target machine that `scaletune plan` plans for
+(options, or this machine)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletune.env import DistributedEnv
+from scaletune.plan.activations import LOSS_CHUNK
 from scaletune.plan.estimates import GiB, Plan
+from scaletune.plan.mesh import MeshChoice, mesh_name, mesh_shard_elements, run_layout
 from scaletune.plan.shapes import ModelShape
+from scaletune.resolve import FLOAT_DTYPES
+
+if TYPE_CHECKING:
+    from scaletune.resolve import RunSpec
 
 
 def _gib(n: int) -> str:
@@ -120,3 +127,107 @@ def target_env(gpus: int | None, gpu_memory_gib: float | None, nodes: int = 1) -
         bf16_supported=bf16,
     )
     return env, world, "; ".join(notes)
+
+
+def render_mesh(choice: MeshChoice) -> Any:
+    """A rich Table of the meshes the recommendation looked at (GiB per rank), the chosen one marked."""
+    from rich.table import Table
+
+    mem = f"{choice.gpu_memory_bytes / GiB:.1f} GiB" if choice.gpu_memory_bytes else "unknown memory"
+    t = Table(title=f"device mesh per rank, {choice.seq_len:,} tokens a sequence, {mem} per device; GiB")
+    for col in ("mesh", "params", "grads", "optimizer", "activations", "margin", "total", "fits"):
+        t.add_column(col, justify="left" if col in ("mesh", "fits") else "right")
+    for c in choice.candidates:
+        mark = " *" if c is choice.chosen else ""
+        if c.entry is None:
+            t.add_row(mesh_name(c.mesh) + mark, *["-"] * 6, f"ruled out: {c.ruled_out}")
+            continue
+        e = c.entry
+        fits = "-" if e.fits is None else ("yes" if e.fits else "no")
+        row = (e.params, e.grads, e.optimizer, e.activations, e.margin, e.total)
+        t.add_row(e.name + mark, *(_gib(n) for n in row), fits)
+    return t
+
+
+def mesh_arithmetic(spec: RunSpec, shape: ModelShape, choice: MeshChoice) -> list[str]:
+    """The chosen mesh's bytes per rank term by term (`plan/mesh.py`, `plan/activations.py`), and
+    what each smaller mesh needs."""
+    if choice.chosen is None or choice.chosen.entry is None:
+        return [f"no mesh recommended: {choice.reason}"]
+    m, e = choice.chosen.mesh, choice.chosen.entry
+    b_c = FLOAT_DTYPES[spec.precision.compute][0]
+    trainable = [p for p in shape.params if p.trainable]
+    layout = run_layout(spec)
+    n_t = sum(mesh_shard_elements(p, m, layout) for p in trainable)
+    n_f = sum(mesh_shard_elements(p, m, layout) for p in shape.params if not p.trainable)
+    s, b = choice.seq_len, spec.batch.micro_batch_size
+    tokens = -(-s // m.context) * b
+    layer_inputs = shape.layers * tokens * shape.hidden * b_c
+    loss = min(LOSS_CHUNK, tokens) * (-(-shape.vocab // m.tensor)) * (b_c + 12)
+    edges = 2 * tokens * shape.hidden * b_c
+    if spec.config.model.gradient_checkpointing:
+        act = (
+            f"{shape.layers} checkpointed layer inputs x {tokens:,} tokens ({s:,} / context {m.context} x micro_batch "
+            f"{b}) x {shape.hidden} x {b_c} B = {_gib(layer_inputs)} + one recomputed layer "
+            f"{_gib(e.activations - layer_inputs - loss - edges)} + loss chunk {_gib(loss)} + edges {_gib(edges)}"
+        )
+    else:
+        act = f"{shape.layers} layers x {tokens:,} tokens ({s:,} / context {m.context} x micro_batch {b}), no checkpointing"
+    dc = m.data_shard * m.context
+    gpu = choice.gpu_memory_bytes or 0
+    lines = [
+        f"recommended mesh: {e.name} = strategy fsdp, context_parallel {m.context}, tensor_parallel {m.tensor} "
+        f"({m.describe()}) - {choice.reason}",
+        f"  per rank: FSDP2 shards over data_shard x context = {dc} ranks, projections split over tensor {m.tensor}",
+        f"  params      {_gib(e.params):>8} GiB = 4 B x {n_t:,} trainable elements (fp32) + {b_c} B x {n_f:,} frozen",
+        f"  grads       {_gib(e.grads):>8} GiB = 4 B x {n_t:,}",
+        f"  optimizer   {_gib(e.optimizer):>8} GiB = 8 B x {n_t:,} (AdamW exp_avg, exp_avg_sq) + 4 B x {len(trainable)} steps",
+        f"  activations {_gib(e.activations):>8} GiB = {act}",
+        f"  margin      {_gib(e.margin):>8} GiB = one unsharded layer and its neighbour and gradient + 10% of the rest",
+        f"  total       {_gib(e.total):>8} GiB <= {gpu / GiB:.2f} GiB",
+    ]
+    for c in choice.candidates:
+        if c is choice.chosen:
+            break
+        if c.entry is None:
+            lines.append(f"  {mesh_name(c.mesh)}: ruled out: {c.ruled_out}")
+        else:
+            lines.append(
+                f"  {c.entry.name}: needs {_gib(c.entry.total)} GiB (activations {_gib(c.entry.activations)}) "
+                f"> {gpu / GiB:.2f} GiB"
+            )
+    return lines
+
+
+def mesh_notes(spec: RunSpec, p: Plan) -> list[str]:
+    """Lines on the configured mesh (its entry, the model's rules on it) and on a sequence longer
+    than the model's positions."""
+    out: list[str] = []
+    hf_config = None
+    if not spec.custom_model:
+        from scaletune.models import load_config
+
+        hf_config = load_config(spec.config.model)
+    if p.mesh is not None:
+        e = p.mesh
+        out.append(
+            f"configured mesh {e.name} ({spec.mesh.describe()}): {_gib(e.total)} GiB per rank (params {_gib(e.params)}, "
+            f"grads {_gib(e.grads)}, optimizer {_gib(e.optimizer)}, activations {_gib(e.activations)}, margin {_gib(e.margin)})"
+        )
+        if hf_config is not None:
+            from scaletune.resolve.mesh import model_mesh_problems
+
+            for problem in model_mesh_problems(spec.mesh, hf_config):
+                out.append(f"warning: {problem.message} ({problem.fix})")
+    if spec.mesh.pipeline > 1:
+        out.append("note: distributed.pipeline_parallel is not built in this version, so not planned")
+    s, limit = spec.batch.max_seq_length, spec.max_positions
+    if limit is None and hf_config is not None:
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and s > limit:
+        out.append(
+            f"note: {s:,} tokens is more than the model's max_position_embeddings ({limit:,}); the memory is planned "
+            "all the same, but training needs a model built for that length"
+        )
+    return out
