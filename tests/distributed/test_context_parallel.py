@@ -78,8 +78,6 @@ def run(mb: dict, *, checkpointing: bool, group=None) -> tuple[float, dict, obje
         install(model, group)
         mb = split_batch(mb, dist.get_rank(group), dist.get_world_size(group))
     inputs = model_inputs(mb)
-    if "full_position_ids" in mb:  # until trainer.batches.model_inputs passes it on
-        inputs["full_position_ids"] = mb["full_position_ids"]
     embedded = []
     model.get_input_embeddings().register_forward_hook(lambda m, a, out: embedded.append(out) or out.retain_grad())
     loss = CausalLMLoss(model)(**inputs)

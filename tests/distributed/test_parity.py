@@ -25,7 +25,9 @@ from tests.helpers import (
     assert_same_logits,
     assert_same_steps,
     logits,
+    make_config,
     steps,
+    train,
 )
 
 pytestmark = pytest.mark.distributed
@@ -204,3 +206,19 @@ def test_device_map_auto_under_two_processes(run_once):
     )
     assert "device_map" in proc.stderr and "set aside" in proc.stderr
     assert_same_steps(run, reference(run_once, "full"), REL, "ddp with device_map auto")
+
+
+def test_fsdp_with_tied_embeddings(tmp_path):
+    """Qwen2.5-style tied head and embeddings under fsdp at world size 2: rank 0, which loads the
+    weights and moves them to the meta device, used to untie them while the other ranks kept them
+    tied, and the ranks aborted at the first collective (SIGABRT); the 3 steps now equal the
+    single-process run's."""
+    from scaletune.models import init_model
+
+    qwen = init_model("qwen2-tiny", tmp_path / "qwen2-tiny", seed=0)
+    runs = {}
+    for name, dist in (("single", SINGLE), ("fsdp", {"strategy": "fsdp", "num_processes": 2})):
+        cfg = make_config(qwen, tmp_path / name, distributed=dist, training={"max_steps": 3, "save_every": 0})
+        train(cfg, tmp_path, name=f"{name}.yaml")
+        runs[name] = tmp_path / name
+    assert_same_steps(runs["fsdp"], runs["single"], REL, "fsdp, tied embeddings", grad_rel=GRAD_REL)

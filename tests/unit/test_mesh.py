@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Olmo2Config
+from transformers import Gemma2Config, LlamaConfig, MistralConfig, Olmo2Config
 
 from scaletune.data.batching import data_rank
 from scaletune.errors import ConfigError
@@ -89,8 +89,8 @@ def test_pipeline_is_refused_until_built(tmp_path):
 
 def test_model_rules():
     """Heads 4 / kv 2 / MLP 128 / 2 layers: tensor 4 fails on kv heads; context 2 after tensor 2
-    leaves 1 kv head per rank (fails); sliding-window Mistral is refused under context; a valid
-    layout has no problem."""
+    leaves 1 kv head per rank (fails); sliding-window Mistral is refused under context, Gemma-2's
+    soft-capped logits under tensor; a valid layout has no problem."""
     llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
     assert model_mesh_problems(Mesh(data_shard=1, tensor=2), llama) == []
     assert model_mesh_problems(Mesh(context=2), llama) == []
@@ -101,3 +101,5 @@ def test_model_rules():
     mistral = MistralConfig(sliding_window=4096, num_attention_heads=4, num_key_value_heads=2)
     assert any("sliding-window" in p.message for p in model_mesh_problems(Mesh(context=2), mistral))
     assert model_mesh_problems(Mesh(context=2), Olmo2Config(num_attention_heads=4, num_key_value_heads=2)) == []
+    capped = Gemma2Config(num_attention_heads=4, num_key_value_heads=2, final_logit_softcapping=30.0)
+    assert any("soft-capping" in p.message for p in model_mesh_problems(Mesh(tensor=2), capped))

@@ -120,6 +120,15 @@ def model_mesh_problems(mesh: Mesh, hf_config: Any) -> list[Problem]:
     width = int(getattr(text, "intermediate_size", 0) or 0)
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     out = []
+    if mesh.tensor > 1 and (getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None)):
+        out.append(
+            _p(
+                "tensor_parallel",
+                f"distributed.tensor_parallel cannot train {type(text).__name__}: its head transforms the logits "
+                "(soft-capping or a logit scale), which the vocabulary-parallel loss does not apply",
+                "use tensor_parallel: 1 for this model",
+            )
+        )
     if mesh.tensor > 1:
         for what, n in (("attention heads", heads), ("key-value heads", kv), ("MLP width (intermediate_size)", width)):
             if n % mesh.tensor:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from scaletune.config import Config, LoadedConfig
 from scaletune.env import DistributedEnv, print0
-from scaletune.errors import UserError, texts
+from scaletune.errors import Problem, UserError, texts
 from scaletune.resolve import RunSpec, decide, resolve
 
 
@@ -29,7 +29,7 @@ def _model_positions(cfg: Config, problems: list[str]) -> int | None:
     return positions
 
 
-def _mesh_model_problems(spec: RunSpec) -> list:
+def _mesh_model_problems(spec: RunSpec) -> list[Problem]:
     """The model's shape against the device mesh (heads, key-value heads, MLP width, windowed attention)."""
     from scaletune.models.loading import load_config
     from scaletune.resolve.mesh import model_mesh_problems

@@ -58,6 +58,17 @@ def shard_model(
     return layers
 
 
+def _retie(model: nn.Module) -> None:
+    """`to("meta")` gives each module a new Parameter, so a tied head and its embeddings come apart
+    on rank 0 while the ranks built on the meta device keep them tied (and FSDP2 would shard two
+    tensors there, one elsewhere): tie them again, on the outermost Hugging Face model."""
+    from transformers import PreTrainedModel
+
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is not None:
+        hf.tie_weights()
+
+
 def refresh_units(module: nn.Module) -> None:
     """Re-run each FSDP2 unit's lazy init (idempotent), which fixes its gradient dtypes from the
     parameters trainable now."""
@@ -202,6 +213,7 @@ class FSDPStrategy(FullyShardedState, Strategy):
         if self.env.is_main:
             full_state = {k: v.detach() for k, v in full_state.items()}
             model.to("meta")
+            _retie(model)
 
         kwargs: dict = {"reshard_after_forward": reshard, "no_backward": no_backward}
         if self.compute_dtype != torch.float32:

@@ -17,7 +17,11 @@ from scaletune.objectives.module import kl_inputs, preference_inputs
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors `loss.CausalLMLoss.forward` takes, with the target positions added on the host."""
-    out = {k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch}
+    out = {
+        k: batch[k]
+        for k in ("input_ids", "labels", "attention_mask", "position_ids", "full_position_ids")
+        if k in batch
+    }
     out["target_index"] = target_index(batch["labels"])
     return out
 
