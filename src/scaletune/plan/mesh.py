@@ -72,12 +72,12 @@ class TensorLayout:
     def style(self, module_path: str) -> str | None:
         """The style of a module (its dotted name in the CausalLM or peft model), matched as the
         strategy matches the plan's keys, on the name's last parts."""
-        from scaletune.strategies.tensor_parallel import _matches
+        from scaletune.strategies.tensor_parallel import matches_plan_key
 
         parts = module_path.split(".")
         for pattern, style in self.plan.items():
             n = len(pattern.split("."))
-            if len(parts) >= n and _matches(".".join(parts[-n:]), pattern):
+            if len(parts) >= n and matches_plan_key(".".join(parts[-n:]), pattern):
                 return style
         return None
 

@@ -86,7 +86,7 @@ def base_model(causal_lm: nn.Module) -> nn.Module:
     return getattr(hf, getattr(hf, "base_model_prefix", ""), hf)
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches_plan_key(name: str, pattern: str) -> bool:
     """A dotted module name against a plan key, `*` standing for one whole name part."""
     parts, pats = name.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(parts, pats, strict=True))
@@ -117,7 +117,7 @@ def tensor_parallel_plan(causal_lm: nn.Module) -> dict[str, str]:
     base = base_model(causal_lm)
     expanded: dict[str, str] = {}
     for pattern, style in plan.items():
-        names = [n for n, _ in base.named_modules() if n and _matches(n, pattern)]
+        names = [n for n, _ in base.named_modules() if n and matches_plan_key(n, pattern)]
         if not names:
             raise ValueError(f"tensor parallelism: plan key {pattern!r} matches no module of {type(base).__name__}")
         for name in names:
