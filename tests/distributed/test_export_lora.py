@@ -33,7 +33,11 @@ def adapter(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+# ZeRO-1 and -2 keep every parameter whole on each rank, as DDP does (the gathering that fails is
+# ZeRO-3's and FSDP's, both in the default tier): their cases run in the slow tier (CI time).
+@pytest.mark.parametrize(
+    "engine", [pytest.param(e, marks=pytest.mark.slow) if e in ("zero1", "zero2") else e for e in ENGINES]
+)
 def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
     run, proc = run_once(SHARED.get(engine, f"{engine}-lora"), model=LORA, distributed=ENGINES[engine])
     assert proc.returncode == 0, proc.stderr[-3000:]
