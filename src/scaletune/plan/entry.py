@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 GiB = 1024**3
 
@@ -51,3 +52,36 @@ class StrategyPlan:
 
     def to_json(self) -> dict:
         return {"name": self.name, "per_rank_bytes": self.per_rank_bytes, "fits": self.fits}
+
+
+def assemble(
+    name: str,
+    spec: Any,
+    *,
+    params: int,
+    grads: int,
+    optimizer: int,
+    act_ckpt: int,
+    act_full: int,
+    margin: int,
+    scaletune: dict,
+    host_bytes: int = 0,
+) -> StrategyPlan:
+    """THE assembly of one entry (a strategy's or a mesh's): the activations as the run is configured
+    (`model.gradient_checkpointing`), and the working margin plus 10% of the rest for allocator
+    fragmentation and temporaries. `fits` is left to the caller, which knows the device memory."""
+    act = act_ckpt if spec.config.model.gradient_checkpointing else act_full
+    margin += (params + grads + optimizer + act) // 10
+    return StrategyPlan(
+        name=name,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=act,
+        margin=margin,
+        fits=None,
+        activations_no_ckpt=act_full,
+        activations_ckpt=act_ckpt,
+        host_bytes=host_bytes,
+        scaletune=scaletune,
+    )

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scaletune.plan.activations import activation_bytes, residual_bytes
-from scaletune.plan.entry import GiB, StrategyPlan
+from scaletune.plan.entry import GiB, StrategyPlan, assemble
 from scaletune.plan.mesh import mesh_entry
 from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
@@ -223,21 +223,17 @@ def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> Strat
     r = residual_bytes(spec, name)
     act_ckpt = activation_bytes(shape, spec, checkpointing=True, residual=r)
     act_full = activation_bytes(shape, spec, checkpointing=False, residual=r)
-    act = act_ckpt if spec.config.model.gradient_checkpointing else act_full
-    # Allocator fragmentation and temporaries: 10% of the rest.
-    margin += (params + grads + optimizer + act) // 10
-    return StrategyPlan(
-        name=name,
+    return assemble(
+        name,
+        spec,
         params=params,
         grads=grads,
         optimizer=optimizer,
-        activations=act,
+        act_ckpt=act_ckpt,
+        act_full=act_full,
         margin=margin,
-        fits=None,
-        activations_no_ckpt=act_full,
-        activations_ckpt=act_ckpt,
-        host_bytes=host,
         scaletune=_scaletune_settings(name),
+        host_bytes=host,
     )
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scaletune.plan.activations import activation_bytes
-from scaletune.plan.entry import GiB, StrategyPlan
+from scaletune.plan.entry import GiB, StrategyPlan, assemble
 from scaletune.plan.shapes import ModelShape, ParamInfo
 from scaletune.resolve import FLOAT_DTYPES, Mesh
 
@@ -207,18 +207,15 @@ def mesh_entry(
     kw["lora_modules"] = adapters
     act_ckpt = activation_bytes(shape, spec, checkpointing=True, **kw)
     act_full = activation_bytes(shape, spec, checkpointing=False, **kw)
-    act = act_ckpt if spec.config.model.gradient_checkpointing else act_full
-    margin += (params + grads + optimizer + act) // 10
-    entry = StrategyPlan(
-        name=mesh_name(mesh),
+    entry = assemble(
+        mesh_name(mesh),
+        spec,
         params=params,
         grads=grads,
         optimizer=optimizer,
-        activations=act,
+        act_ckpt=act_ckpt,
+        act_full=act_full,
         margin=margin,
-        fits=None,
-        activations_no_ckpt=act_full,
-        activations_ckpt=act_ckpt,
         scaletune={"strategy": "fsdp", "tensor_parallel": mesh.tensor, "context_parallel": mesh.context},
     )
     entry.fits = None if gpu_memory_bytes is None else entry.total <= gpu_memory_bytes
