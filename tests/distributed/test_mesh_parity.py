@@ -1,0 +1,142 @@
+"""Tensor, context and pipeline parallelism through the user's command: `scaletune train` with
+`num_processes` (re-executed under torchrun) and under `torchrun` itself, at world sizes 2 and 4, each
+layout against the single-process run of the same config (fp32, the same global batches): the loss
+and gradient norm of every one of the 8 steps, the token count, the exported final/ model's logits,
+and a checkpoint written with tensor 2 (and one with pipeline 2) resumed with tensor (pipeline) 1.
+
+The single-process references are the parity runs of tests/distributed/test_parity.py (the same
+`run_once` names and sections, trained once per session) and their packed twins here.
+
+Every layout appears in the default tier at least once; together the cases cover packed and unpacked
+rows, LoRA (with gradient checkpointing) and full fine-tuning. The rest of the 5 x 2 x 2 matrix is in
+the slow tier (SCALETUNE_SLOW_TESTS=1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_parity import SINGLE
+from tests.distributed.test_resume import resume_run
+from tests.helpers import (
+    GRAD_REL,
+    LORA,
+    assert_same_logits,
+    assert_same_steps,
+    logits,
+    make_config,
+    run_torchrun,
+    steps,
+)
+
+pytestmark = pytest.mark.distributed
+
+REL = 1e-4
+# Rows of 256 tokens hold several Alpaca examples (at the base 64 each row would hold one, truncated).
+PACKED = {"packing": True, "max_seq_length": 256}
+LAYOUTS = {
+    "tensor2": {"tensor_parallel": 2, "num_processes": 2},
+    "context2": {"context_parallel": 2, "num_processes": 2},
+    "data2-tensor2": {"tensor_parallel": 2, "num_processes": 4},
+    "data2-context2": {"context_parallel": 2, "num_processes": 4},
+    # 2 stages of the tiny model's 2 layers; 4 micro-batches a step (global 8, micro 2, data 1) >= 2 stages.
+    "pipeline2": {"pipeline_parallel": 2, "num_processes": 2},
+}
+# (layout, method, packed) in the default tier: each layout once or twice, both methods, both row kinds.
+DEFAULT = {
+    ("tensor2", "full", False),
+    ("tensor2", "lora", True),
+    ("context2", "full", True),
+    ("context2", "lora", False),
+    ("data2-tensor2", "lora", False),
+    ("data2-context2", "full", True),
+    ("pipeline2", "full", False),
+    ("pipeline2", "lora", True),
+}
+CASES = [
+    pytest.param(layout, method, packed, marks=() if (layout, method, packed) in DEFAULT else pytest.mark.slow)
+    for layout in LAYOUTS
+    for method in ("full", "lora")
+    for packed in (False, True)
+]
+
+
+def reference(run_once, method: str, packed: bool):
+    """The single-process run (test_parity's for unpacked rows) of the same config."""
+    name = {"full": "single", "lora": "single-lora"}[method] + ("-packed" if packed else "")
+    return run_once(
+        name,
+        model=LORA if method == "lora" else {},
+        distributed=SINGLE,
+        **({"data": PACKED} if packed else {}),
+    )[0]
+
+
+def layout_run(run_once, layout: str, method: str, packed: bool):
+    name = f"{layout}-{method}{'-packed' if packed else ''}"
+    return run_once(
+        name,
+        model=LORA if method == "lora" else {},
+        distributed={"strategy": "fsdp", **LAYOUTS[layout]},
+        **({"data": PACKED} if packed else {}),
+    )
+
+
+@pytest.mark.parametrize("layout, method, packed", CASES)
+def test_layout_reproduces_the_single_process_run(layout, method, packed, run_once):
+    run, proc = layout_run(run_once, layout, method, packed)
+    ref = reference(run_once, method, packed)
+    # FSDP sums the gradient norm in another order than one process (test_parity.py): GRAD_REL.
+    assert_same_steps(run, ref, REL, f"{layout} {method} packed={packed} vs single process", grad_rel=GRAD_REL)
+    assert [m["tokens"] for m in steps(run)] == [m["tokens"] for m in steps(ref)], "every token counted once"
+    if packed:  # control: the rows really hold several examples (more tokens a step than unpacked rows)
+        unpacked = reference(run_once, method, False)
+        assert sum(m["tokens"] for m in steps(ref)) > 2 * sum(m["tokens"] for m in steps(unpacked))
+    degrees = LAYOUTS[layout]
+    world = degrees["num_processes"]
+    assert f"world_size {world} = " in proc.stderr + proc.stdout
+    assert f"data_shard {world // 2}" in proc.stderr + proc.stdout
+    assert "batch sizes count data-parallel ranks only" in proc.stderr + proc.stdout
+    adapter = method == "lora"
+    assert_same_logits(
+        logits(run / "final", adapter=adapter), logits(ref / "final", adapter=adapter), f"{layout} final/"
+    )
+
+
+def test_under_torchrun(run_once, tiny_model_dir, tmp_path):
+    """`torchrun --nproc-per-node 2 -m scaletune train` with tensor 2 (as a cluster job starts it)
+    gives the run `num_processes: 2` gives."""
+    import yaml
+
+    cfg = make_config(tiny_model_dir, tmp_path / "run", distributed={"strategy": "fsdp", "tensor_parallel": 2})
+    cfg["distributed"].pop("num_processes")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_torchrun("scaletune", "train", path, nproc=2, module=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = reference(run_once, "full", False)
+    assert_same_steps(tmp_path / "run", ref, REL, "tensor 2 under torchrun", grad_rel=GRAD_REL)
+
+
+def test_tensor_two_checkpoint_resumes_with_tensor_one(run_once, tiny_model_dir, tmp_path):
+    """The DCP checkpoint of step 4 written with tensor 2 resumes under fsdp at world size 1 (tensor
+    1): steps 5-8 follow the single-process run within 1e-4 (norm within GRAD_REL)."""
+    two, _ = layout_run(run_once, "tensor2", "full", False)
+    ref = reference(run_once, "full", False)
+    one, proc = resume_run(
+        tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", {"strategy": "fsdp", "num_processes": 1}, "one"
+    )
+    assert "resharded step-4: written by 2 rank(s)" in proc.stderr
+    assert_same_steps(one, ref, REL, "tensor 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
+
+
+def test_pipeline_two_checkpoint_resumes_with_pipeline_one(run_once, tiny_model_dir, tmp_path):
+    """The DCP checkpoint of step 4 written by 2 pipeline stages (each rank saved its own layers)
+    resumes under fsdp at world size 1 (pipeline 1): steps 5-8 follow the single-process run within
+    1e-4 (norm within GRAD_REL)."""
+    two, _ = layout_run(run_once, "pipeline2", "full", False)
+    ref = reference(run_once, "full", False)
+    one, proc = resume_run(
+        tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", {"strategy": "fsdp", "num_processes": 1}, "one"
+    )
+    assert "resharded step-4: written by 2 rank(s)" in proc.stderr
+    assert_same_steps(one, ref, REL, "pipeline 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
