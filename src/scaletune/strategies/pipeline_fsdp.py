@@ -118,15 +118,39 @@ class PipelineEngine:
         dist.all_reduce(loss, group=self.group)
         return loss.to(self.device)
 
+    def _same_shape(self, inputs: list[dict], comm_device: torch.device) -> list[dict]:
+        """Pad the first micro-batch to the largest rows and length of any micro-batch on any rank of
+        the data group (padding: token 0, label -100, mask 0, position 0, as `PipelineRunner` pads).
+        The runner rebuilds its stage (running a forward, FSDP2 all-gathers included) when the shape
+        changes: every rank of a data group must change at the same steps, or their FSDP2
+        collectives go out of step."""
+        local = [max(x["input_ids"].size(0) for x in inputs), max(x["input_ids"].size(1) for x in inputs)]
+        shape = torch.tensor(local, dtype=torch.int64, device=comm_device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=self.data_group)
+        rows, length = (int(v) for v in shape.tolist())
+        if [rows, length] == local:
+            return inputs
+        fill = {"input_ids": 0, "labels": -100, "attention_mask": 0, "position_ids": 0}
+        first = dict(inputs[0])
+        for key, value in fill.items():
+            t = first.get(key)
+            if t is not None:
+                out = t.new_full((rows, length), value)
+                out[: t.size(0), : t.size(1)] = t
+                first[key] = out
+        return [first, *inputs[1:]]
+
     def forward_backward(
         self, module: nn.Module, inputs: list[dict], denominator: torch.Tensor, grad_divisor: float, comm: torch.device
     ) -> torch.Tensor:
         """1F1B over this rank's micro-batches; returns their summed divided loss on every stage."""
+        inputs = self._same_shape(inputs, comm)
         loss = self._runner(module, len(inputs), grad_divisor).step(inputs, denominator)
         return self._everywhere(loss, comm)
 
     def forward_only(self, module: nn.Module, inputs: list[dict], comm: torch.device) -> torch.Tensor:
         """The summed token loss of `inputs` (at least `num_stages`), the same on every stage."""
+        inputs = self._same_shape(inputs, comm)
         loss = self._runner(module, len(inputs), 1.0).forward_only(inputs)
         return self._everywhere(loss, comm)
 
