@@ -135,17 +135,19 @@ def test_tensor_two_checkpoint_resumes_with_tensor_one(run_once, tiny_model_dir,
     assert_same_steps(one, ref, REL, "tensor 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
 
 
-def test_pipeline_two_checkpoint_resumes_with_pipeline_one(run_once, tiny_model_dir, tmp_path):
-    """The DCP checkpoint of step 4 written by 2 pipeline stages (each rank saved its own layers)
-    resumes under fsdp at world size 1 (pipeline 1): steps 5-8 follow the single-process run within
-    1e-4 (norm within GRAD_REL)."""
+@pytest.mark.parametrize("target", ["one", "pipeline2"])
+def test_pipeline_two_checkpoint_resumes(target, run_once, tiny_model_dir, tmp_path):
+    """The DCP checkpoint of step 4 written by 2 pipeline stages (each rank saved its own layers and
+    optimizer state) resumes under fsdp at world size 1 (pipeline 1) and under pipeline 2 again:
+    steps 5-8 follow the single-process run within 1e-4 (norm within GRAD_REL)."""
     two, _ = layout_run(run_once, "pipeline2", "full", False)
     ref = reference(run_once, "full", False)
-    one, proc = resume_run(
-        tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", {"strategy": "fsdp", "num_processes": 1}, "one"
-    )
-    assert "resharded step-4: written by 2 rank(s)" in proc.stderr
-    assert_same_steps(one, ref, REL, "pipeline 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
+    dist = {"strategy": "fsdp", **({"num_processes": 1} if target == "one" else LAYOUTS[target])}
+    resumed, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", dist, target)
+    # Another world size says it resharded; the same one that it resumed.
+    said = "resharded step-4: written by 2 rank(s)" if target == "one" else "resumed from"
+    assert said in proc.stderr
+    assert_same_steps(resumed, ref, REL, f"pipeline 2 -> {target}, steps 5-8", first=4, grad_rel=GRAD_REL)
 
 
 def test_pipeline_evaluation_matches_one_process(tiny_model_dir, tmp_path):

@@ -185,6 +185,16 @@ class FSDPStrategy(FullyShardedState, Strategy):
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def save_state(self, path: Path) -> None:
+        if self.pipeline is None:
+            return super().save_state(path)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
+        self.pipeline.merge_param_groups(optim_sd)  # each stage names its own parameters only
+        dcp.save({"model": self._checkpointed(model_sd), "optim": optim_sd}, checkpoint_id=str(path / "state"))
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = super().state_shapes()
         return self.pipeline.state_shapes(shapes) if self.pipeline is not None else shapes

@@ -174,6 +174,20 @@ class PipelineEngine:
             return None
         return {k: v for part in parts for k, v in part.items()}
 
+    def merge_param_groups(self, optim_sd: dict[str, Any]) -> None:
+        """Make each param group's ``params`` (parameter names) the union over the stages, in place.
+
+        DCP writes a non-tensor value under one key once, from whichever rank its deduplication
+        picks, so every rank must hold the same list; the loader then finds each of its parameters'
+        group by name (`set_optimizer_state_dict`), with any pipeline degree."""
+        groups = optim_sd["param_groups"]
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, [list(g["params"]) for g in groups], group=self.group)
+        if any(len(part) != len(groups) for part in parts):
+            raise RuntimeError("pipeline stages have different numbers of optimizer param groups")
+        for i, group in enumerate(groups):
+            group["params"] = [name for part in parts for name in part[i]]
+
     def state_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """Every stage's tensor shapes merged (a checkpoint holds them all)."""
         parts: list[Any] = [None] * self.num_stages
