@@ -1,14 +1,15 @@
-"""Tensor and context parallelism through the user's command: `scaletune train` with
+"""Tensor, context and pipeline parallelism through the user's command: `scaletune train` with
 `num_processes` (re-executed under torchrun) and under `torchrun` itself, at world sizes 2 and 4, each
 layout against the single-process run of the same config (fp32, the same global batches): the loss
 and gradient norm of every one of the 8 steps, the token count, the exported final/ model's logits,
-and a checkpoint written with tensor 2 resumed with tensor 1.
+the planner's bytes per rank, a checkpoint written with tensor 2 resumed with tensor 1 and one
+written with pipeline 2 resumed with pipeline 1 and 2, and evaluation through the pipeline.
 
 The single-process references are the parity runs of tests/distributed/test_parity.py (the same
 `run_once` names and sections, trained once per session) and their packed twins here.
 
 Every layout appears in the default tier at least once; together the cases cover packed and unpacked
-rows, LoRA (with gradient checkpointing) and full fine-tuning. The rest of the 5 x 2 x 2 matrix is in
+rows, LoRA (with gradient checkpointing) and full fine-tuning. The rest of the 6 x 2 x 2 matrix is in
 the slow tier (SCALETUNE_SLOW_TESTS=1)."""
 
 from __future__ import annotations
@@ -22,14 +23,17 @@ import pytest
 from tests.distributed.test_parity import SINGLE
 from tests.distributed.test_resume import resume_run
 from tests.helpers import (
+    BUNDLED_ALPACA,
     GRAD_REL,
     LORA,
     assert_same_logits,
     assert_same_steps,
     logits,
     make_config,
+    metrics,
     run_torchrun,
     steps,
+    train,
 )
 
 pytestmark = pytest.mark.distributed
@@ -43,14 +47,21 @@ LAYOUTS = {
     "context2": {"context_parallel": 2, "num_processes": 2},
     "data2-tensor2": {"tensor_parallel": 2, "num_processes": 4},
     "data2-context2": {"context_parallel": 2, "num_processes": 4},
+    # 2 stages of the tiny model's 2 layers; 4 micro-batches a step (global 8, micro 2, data 1) >= 2 stages.
+    "pipeline2": {"pipeline_parallel": 2, "num_processes": 2},
+    # 2 micro-batches a step per data rank; the two data ranks' rows differ in length (one padded shape).
+    "data2-pipeline2": {"pipeline_parallel": 2, "num_processes": 4},
 }
-# (layout, method, packed) in the default tier: each layout once, each of tensor and context with
-# both methods and both row kinds. Tensor 2 with full fine-tuning on unpacked rows is the torchrun
+# (layout, method, packed) in the default tier: each layout once (pipeline 2 twice), each of tensor,
+# context and pipeline with both methods and both row kinds. Tensor 2 with full fine-tuning on unpacked rows is the torchrun
 # test below (whose checkpoint the resume test reads).
 DEFAULT = {
     ("context2", "full", True),
     ("data2-tensor2", "lora", True),
     ("data2-context2", "lora", False),
+    ("pipeline2", "full", False),
+    ("pipeline2", "lora", True),
+    ("data2-pipeline2", "full", False),
 }
 CASES = [
     pytest.param(layout, method, packed, marks=() if (layout, method, packed) in DEFAULT else pytest.mark.slow)
@@ -97,7 +108,8 @@ def test_layout_reproduces_the_single_process_run(layout, method, packed, run_on
     assert {k: held[k] for k in STATES} == {k: planned[k] for k in STATES}, (held, planned)
     degrees = LAYOUTS[layout]
     world = degrees["num_processes"]
-    assert f"world_size {world} = data_shard {world // 2}" in proc.stderr + proc.stdout
+    assert f"world_size {world} = " in proc.stderr + proc.stdout  # pipeline first where there is one
+    assert f"data_shard {world // 2}" in proc.stderr + proc.stdout
     assert "batch sizes count data-parallel ranks only" in proc.stderr + proc.stdout
     adapter = method == "lora"
     assert_same_logits(
@@ -140,3 +152,38 @@ def test_tensor_two_checkpoint_resumes_with_tensor_one(torchrun_tensor2, run_onc
     )
     assert "resharded step-4: written by 2 rank(s)" in proc.stderr
     assert_same_steps(one, ref, REL, "tensor 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
+
+
+@pytest.mark.parametrize("target", ["one", "pipeline2"])
+def test_pipeline_two_checkpoint_resumes(target, run_once, tiny_model_dir, tmp_path):
+    """The DCP checkpoint of step 4 written by 2 pipeline stages (each rank saved its own layers and
+    optimizer state) resumes under fsdp at world size 1 (pipeline 1) and under pipeline 2 again:
+    steps 5-8 follow the single-process run within 1e-4 (norm within GRAD_REL)."""
+    two, _ = layout_run(run_once, "pipeline2", "full", False)
+    ref = reference(run_once, "full", False)
+    dist = {"strategy": "fsdp", **({"num_processes": 1} if target == "one" else LAYOUTS[target])}
+    resumed, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", dist, target)
+    # Another world size says it resharded; the same one that it resumed.
+    said = "resharded step-4: written by 2 rank(s)" if target == "one" else "resumed from"
+    assert said in proc.stderr
+    assert_same_steps(resumed, ref, REL, f"pipeline 2 -> {target}, steps 5-8", first=4, grad_rel=GRAD_REL)
+
+
+def test_pipeline_evaluation_matches_one_process(tiny_model_dir, tmp_path):
+    """Evaluation under pipeline 2 (forwards of 2 micro-batches through both stages): 5 eval rows in
+    micro-batches of 2 make 3 micro-batches, so the last group holds a filler that must score
+    nothing. The eval loss after steps 1 and 2 equals the single-process run's within 1e-4."""
+    evals = []
+    for name, dist in (("one", {}), ("pipeline", {"strategy": "fsdp", **LAYOUTS["pipeline2"]})):
+        cfg = make_config(
+            tiny_model_dir,
+            tmp_path / name,
+            data={"eval": {"path": str(BUNDLED_ALPACA), "format": "alpaca", "max_samples": 5}},
+            training={"max_steps": 2, "eval_every": 1, "save_every": 0},
+            distributed=dist,
+        )
+        train(cfg, tmp_path, name=f"{name}.yaml")
+        evals.append([m["eval_loss"] for m in metrics(tmp_path / name) if "eval_loss" in m])
+    one, pipeline = evals
+    assert len(one) == 2 and len(pipeline) == 2, evals
+    assert all(abs(a - b) <= REL * abs(b) for a, b in zip(pipeline, one)), evals

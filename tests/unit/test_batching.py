@@ -42,6 +42,7 @@ class RankStrategy:
     the rank's own totals and keeps them, so the test sums the ranks itself."""
 
     device = torch.device("cpu")
+    eval_group = 1  # one micro-batch per forward (no pipeline)
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -82,9 +82,40 @@ def test_every_config_problem_at_once(tmp_path):
         assert needle in text, text
 
 
-def test_pipeline_is_refused_until_built(tmp_path):
-    with pytest.raises(ConfigError, match="pipeline_parallel above 1 is not built yet"):
-        resolve(cfg(tmp_path, pipeline_parallel=2), make_env(2))
+def test_pipeline_rules(tmp_path):
+    """Pipeline 2 on 2 ranks (global 8, micro 2: 4 micro-batches a step) resolves; with 1 micro-batch
+    a step (1F1B needs one per stage), with tensor 2, with activation offload: one error naming each."""
+    spec = resolve(cfg(tmp_path, pipeline_parallel=2), make_env(2))
+    assert spec.mesh == Mesh(pipeline=2) and spec.batch.gradient_accumulation_steps == 4
+    bad = make_config(
+        "olmo2-tiny",
+        tmp_path / "run",
+        as_config=True,
+        model={"activation_offload": True},
+        training={"global_batch_size": 4, "micro_batch_size": 2},
+        distributed={"strategy": "fsdp", "num_processes": None, "pipeline_parallel": 2, "tensor_parallel": 2},
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve(bad, make_env(8))
+    text = "\n".join(err.value.problems)
+    for needle in (
+        "needs at least 2 micro-batches per step on each rank (1F1B), but gradient_accumulation_steps is 1",
+        "cannot be combined with tensor_parallel or context_parallel",
+        "model.activation_offload cannot be combined with distributed.pipeline_parallel",
+    ):
+        assert needle in text, text
+
+
+def test_pipeline_model_rules():
+    """Pipeline 2: a 2-layer untied Llama passes; 3 layers, a tied head, a sliding window each fail."""
+    untied = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    assert model_mesh_problems(Mesh(pipeline=2), LlamaConfig(num_hidden_layers=2, **untied)) == []
+    odd = [p.message for p in model_mesh_problems(Mesh(pipeline=2), LlamaConfig(num_hidden_layers=3, **untied))]
+    assert len(odd) == 1 and "does not divide the model's 3 layers" in odd[0]
+    tied = LlamaConfig(num_hidden_layers=2, **{**untied, "tie_word_embeddings": True})
+    assert any("tied to the input embeddings" in p.message for p in model_mesh_problems(Mesh(pipeline=2), tied))
+    mistral = MistralConfig(num_hidden_layers=2, sliding_window=4096, **untied)
+    assert any("sliding-window" in p.message for p in model_mesh_problems(Mesh(pipeline=2), mistral))
 
 
 def test_model_rules():

@@ -57,13 +57,7 @@ def mesh_problems(spec: RunSpec) -> list[Problem]:
             )
         )
     if d.pipeline_parallel > 1:
-        out.append(
-            _p(
-                "pipeline_parallel",
-                "distributed.pipeline_parallel above 1 is not built yet in this version",
-                "use tensor_parallel or context_parallel, or pipeline_parallel: 1",
-            )
-        )
+        out.extend(_pipeline_problems(spec))
     model, training = spec.config.model, spec.config.training
     unsupported = {
         "model.quantization": model.quantization is not None,
@@ -101,6 +95,47 @@ def mesh_problems(spec: RunSpec) -> list[Problem]:
                         f"use a multiple of {m.context}",
                     )
                 )
+    return out
+
+
+def _pipeline_problems(spec: RunSpec) -> list[Problem]:
+    """Pipeline parallelism's config rules: 1F1B needs at least as many micro-batches per step as
+    stages; the stages run the layers directly (no Liger head, no activation offload, no fp16 loss
+    scaling across stages), and it is tested with data parallelism only."""
+    d, m, model = spec.config.distributed, spec.mesh, spec.config.model
+    out = []
+    steps = spec.batch.gradient_accumulation_steps
+    if steps < d.pipeline_parallel:
+        out.append(
+            _p(
+                "pipeline_parallel",
+                f"distributed.pipeline_parallel {d.pipeline_parallel} needs at least {d.pipeline_parallel} micro-batches "
+                f"per step on each rank (1F1B), but gradient_accumulation_steps is {steps}",
+                "raise training.global_batch_size or lower training.micro_batch_size",
+            )
+        )
+    if m.tensor > 1 or m.context > 1:
+        out.append(
+            _p(
+                "pipeline_parallel",
+                "distributed.pipeline_parallel cannot be combined with tensor_parallel or context_parallel yet",
+                "use pipeline_parallel with data parallelism only",
+            )
+        )
+    refused = {
+        "model.activation_offload": model.activation_offload,
+        "model.dtype float16": spec.precision.compute == "float16",
+    }
+    for key, on in refused.items():
+        if on:
+            out.append(
+                Problem(
+                    "device mesh",
+                    key.split()[0],
+                    f"{key} cannot be combined with distributed.pipeline_parallel",
+                    f"drop {key.split()[0]} or use pipeline_parallel: 1",
+                )
+            )
     return out
 
 
@@ -162,7 +197,44 @@ def model_mesh_problems(mesh: Mesh, hf_config: Any) -> list[Problem]:
                     "use context_parallel: 1 for this model",
                 )
             )
-    if mesh.pipeline > 1 and layers % mesh.pipeline:
+    if mesh.pipeline > 1:
+        out.extend(_pipeline_model_problems(mesh, text, layers))
+    return out
+
+
+def _pipeline_model_problems(mesh: Mesh, text: Any, layers: int) -> list[Problem]:
+    """A stage builds one causal mask for all its layers and computes the head itself; a tied head
+    would live on two stages (torchtitan does not split tied models either)."""
+    out = []
+    windowed = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+    if windowed or set(getattr(text, "layer_types", None) or ()) - {"full_attention"}:
+        out.append(
+            _p(
+                "pipeline_parallel",
+                f"distributed.pipeline_parallel cannot train {type(text).__name__}: its stages build one causal "
+                "mask for all layers, not sliding-window or chunked ones",
+                "use pipeline_parallel: 1 for this model",
+            )
+        )
+    if getattr(text, "tie_word_embeddings", False):
+        out.append(
+            _p(
+                "pipeline_parallel",
+                f"distributed.pipeline_parallel cannot train {type(text).__name__} with its head tied to the input "
+                "embeddings: they would sit on the first and last stage",
+                "use pipeline_parallel: 1 for this model",
+            )
+        )
+    if getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None):
+        out.append(
+            _p(
+                "pipeline_parallel",
+                f"distributed.pipeline_parallel cannot train {type(text).__name__}: the last stage computes the "
+                "head without the model's logit transform",
+                "use pipeline_parallel: 1 for this model",
+            )
+        )
+    if layers % mesh.pipeline:
         out.append(
             _p(
                 "pipeline_parallel",

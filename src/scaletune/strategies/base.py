@@ -222,6 +222,31 @@ class Strategy(MemoryProbe, ABC):
         loss = loss * self.grad_divisor
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def forward_backward(self, inputs: list[dict], denominator: torch.Tensor, each: Any = None) -> torch.Tensor:
+        """Forward and backward of a step's micro-batches (`inputs`: the loss module's keyword
+        arguments, on the host), each loss divided by `denominator` (the global target counts);
+        `each(i)` after micro-batch i. Returns the sum of the divided losses (0-dim float32)."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, x in enumerate(inputs):
+            with self.micro_step(is_last=i == len(inputs) - 1):
+                with self.forward_context():
+                    loss = (self.model(**self.move_batch(x)) / denominator).sum()  # type: ignore[misc]
+                self.backward(loss)
+            total += loss.detach()
+            if each is not None:
+                each(i)
+        return total
+
+    @property
+    def eval_group(self) -> int:
+        """Micro-batches per `forward_only` call in evaluation (a pipeline's stage count; else 1)."""
+        return 1
+
+    def forward_only(self, inputs: list[dict]) -> torch.Tensor:
+        """The summed loss of `inputs` (no gradients)."""
+        with torch.no_grad(), self.forward_context():
+            return sum(self.model(**self.move_batch(x)) for x in inputs)  # type: ignore[misc,return-value]
+
     def make_scaler(self) -> Any:
         """`torch.amp.GradScaler` where the run computes in float16 (DeepSpeed scales its own loss), else
         None: fp16's 5 exponent bits flush small gradients to zero, so the loss is scaled before backward
@@ -341,7 +366,9 @@ class Strategy(MemoryProbe, ABC):
 
     def export(self, out_dir: Path) -> None:
         """Write a Hugging Face folder (safetensors; the adapter only for LoRA) on rank 0."""
-        state = self.full_state_dict()
+        self._write_export(out_dir, self.full_state_dict())
+
+    def _write_export(self, out_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
         if self.env.is_main:
             assert state is not None
             if hasattr(self.module, "save_export"):  # a factory's module: safetensors + its reference

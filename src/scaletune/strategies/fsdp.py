@@ -12,6 +12,8 @@ torchtune does. No rank other than 0 ever holds a full copy.
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +95,9 @@ class FullyShardedState:
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if getattr(self, "pipeline", None) is not None:  # the stages' weights gathered to rank 0
+            return self.pipeline.full_state_dict(self.model, self.env.is_main)  # type: ignore[attr-defined]
+
         # A collective: every rank gathers, only rank 0 keeps the result (on the CPU); under
         # param_cast these are the fp32 masters, whole on every rank.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # type: ignore[attr-defined]
@@ -111,16 +116,26 @@ class FSDPStrategy(FullyShardedState, Strategy):
         return self.spec.offload_params
 
     def load_meta(self) -> bool:
+        if self.spec.mesh.pipeline > 1:  # each stage's leader loads (strategies/pipeline_fsdp.py)
+            from scaletune.strategies.pipeline_fsdp import is_stage_leader
+
+            return not is_stage_leader(self.spec.mesh, self.env.rank)
         return not self.env.is_main
 
     def setup(self) -> None:
         super().setup()
         #: The device mesh where tensor or context parallelism is on (`strategies/mesh.py`), else None.
         self.device_mesh = None
+        #: This rank's pipeline stage and schedule where pipeline_parallel > 1 (`strategies/pipeline_fsdp.py`).
+        self.pipeline: Any = None
         if self.spec.mesh.model_parallel:
             from scaletune.strategies.mesh import build_device_mesh
 
             self.device_mesh = build_device_mesh(self.spec.mesh, self.env.device_type, self.env.world_size)
+        if self.spec.mesh.pipeline > 1:
+            from scaletune.strategies.pipeline_fsdp import PipelineEngine
+
+            self.pipeline = PipelineEngine(self.device_mesh, self.device)
 
     def _data_group(self) -> Any:
         from scaletune.strategies.mesh import DATA_CONTEXT
@@ -145,9 +160,25 @@ class FSDPStrategy(FullyShardedState, Strategy):
         return split_batch(micro_batch, mesh.coordinates(self.env.rank)["context"], mesh.context)
 
     def step(self) -> torch.Tensor:
-        if self.device_mesh is not None and self.spec.mesh.tensor > 1:
+        if self.device_mesh is not None and (self.spec.mesh.tensor > 1 or self.pipeline is not None):
             return self._mesh_step()
         return super().step()
+
+    def forward_backward(self, inputs: list[dict], denominator: torch.Tensor, each: Any = None) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().forward_backward(inputs, denominator, each)
+        with self.forward_context():
+            return self.pipeline.forward_backward(self.model, inputs, denominator, self.grad_divisor, self.comm_device)
+
+    @property
+    def eval_group(self) -> int:
+        return self.pipeline.num_stages if self.pipeline is not None else 1
+
+    def forward_only(self, inputs: list[dict]) -> torch.Tensor:
+        if self.pipeline is None:
+            return super().forward_only(inputs)
+        with self.forward_context():
+            return self.pipeline.forward_only(self.model, inputs, self.comm_device)
 
     def _mesh_step(self) -> torch.Tensor:
         """Clip and step where parameters are DTensors on two meshes (tensor-parallel weights on
@@ -157,10 +188,34 @@ class FSDPStrategy(FullyShardedState, Strategy):
         assert self.optimizer is not None and self.model is not None and self.scaler is None
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.training.max_grad_norm
-        norm = grad_norm_and_clip(params, max_norm if max_norm is not None else float("inf"))
+        if self.pipeline is not None:  # the norm over every stage
+            norm = self.pipeline.clip(params, max_norm)
+        else:
+            norm = grad_norm_and_clip(params, max_norm if max_norm is not None else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def save_state(self, path: Path) -> None:
+        if self.pipeline is None:
+            return super().save_state(path)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer, options=self._state_options())
+        self.pipeline.merge_param_groups(optim_sd)  # each stage names its own parameters only
+        dcp.save({"model": self._checkpointed(model_sd), "optim": optim_sd}, checkpoint_id=str(path / "state"))
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().state_shapes()
+        return self.pipeline.state_shapes(shapes) if self.pipeline is not None else shapes
+
+    def export(self, out_dir: Path) -> None:
+        if self.pipeline is None:
+            return super().export(out_dir)
+        state = self.full_state_dict()
+        with self.pipeline.whole(self.model) if self.env.is_main else contextlib.nullcontext():
+            self._write_export(out_dir, state)
 
     def describe(self) -> str:
         text = super().describe()
@@ -176,6 +231,8 @@ class FSDPStrategy(FullyShardedState, Strategy):
 
     def wrap(self, model: nn.Module) -> None:  # model: the CausalLMLoss; it becomes the FSDP root
         reshard = self.spec.config.distributed.reshard_after_forward
+        if self.pipeline is not None:  # this rank's stage, the loss module's names kept
+            model = self.pipeline.split(model)
         self._shard_and_fill(model, reshard_after_forward=reshard)
         self.module = self.model = model
         self.optimizer = self.build_optimizer(model)
@@ -207,10 +264,11 @@ class FSDPStrategy(FullyShardedState, Strategy):
         if not dist.is_initialized():
             raise RuntimeError("strategy fsdp needs a process group: start it with torchrun or num_processes")
         offload, reshard = self.spec.offload_params, reshard_after_forward
-        full_state = model.state_dict() if self.env.is_main else {}
+        loads = not self.load_meta()  # rank 0, or each pipeline stage's leader
+        full_state = model.state_dict() if loads else {}
         # Non-persistent buffers (rotary inv_freq) are not in the state dict: keep rank 0's to broadcast.
-        buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if self.env.is_main else {}
-        if self.env.is_main:
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()} if loads else {}
+        if loads:
             full_state = {k: v.detach() for k, v in full_state.items()}
             model.to("meta")
             _retie(model)
@@ -224,7 +282,7 @@ class FSDPStrategy(FullyShardedState, Strategy):
         if self.device_mesh is not None:
             self._parallelize(model)
             kwargs["mesh"] = self.device_mesh[DATA_CONTEXT]
-        layer_classes = tuple(decoder_layer_classes(model))
+        layer_classes = tuple(decoder_layer_classes(model.causal_lm if self.pipeline is not None else model))
         layers = shard_model(model, layer_classes, **kwargs)
         self.log.info(
             f"fsdp: sharded {len(layers)} x {', '.join(c.__name__ for c in layer_classes)} and the root "
@@ -238,6 +296,9 @@ class FSDPStrategy(FullyShardedState, Strategy):
             for module in model.modules():
                 for name, buf in module.named_buffers(recurse=False):
                     module._buffers[name] = buf.to(self.device)
+        if self.pipeline is not None:
+            self.pipeline.fill(model, full_state, buffers)
+            return
         set_model_state_dict(
             model,
             full_state,

@@ -80,21 +80,17 @@ def train_step(
     denominator = counts[:k].clamp(min=1).to(device, torch.float32)
     if kind.before_step is not None:
         kind.before_step(strategy, [(mb, True) for mb in micro_batches])
-    loss_total = torch.zeros((), dtype=torch.float32, device=device)
     stats = None
-    n = len(micro_batches)
-    for i, mb in enumerate(micro_batches):
-        inputs = strategy.move_batch(kind.inputs(mb))
-        with strategy.micro_step(is_last=i == n - 1):
-            with strategy.forward_context():
-                loss = (strategy.model(**inputs) / denominator).sum()
-            if check_units and i == 0 and kind.checks_units:
-                strategy.module.check_units(kind.targets(mb))
-            strategy.backward(loss)
-        loss_total += loss.detach()
+
+    def each(i: int) -> None:  # after micro-batch i's backward
+        nonlocal stats
+        if check_units and i == 0 and kind.checks_units:
+            strategy.module.check_units(kind.targets(micro_batches[0]))
         if kind.collects_stats:
             mb_stats = strategy.module.last_stats.to(device)
             stats = mb_stats if stats is None else stats + mb_stats
+
+    loss_total = strategy.forward_backward([kind.inputs(mb) for mb in micro_batches], denominator, each)
     grad_norm = strategy.step()
     if stats is None:
         return StepResult(strategy.all_reduce_data(loss_total), grad_norm, counts[k], strategy.skipped_step)
@@ -114,6 +110,8 @@ def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> tup
     loss and targets are not counted.
     """
     strategy.train_mode(False)
+    if strategy.eval_group > 1:
+        return _evaluate_grouped(strategy, loader, kind)
     device = strategy.device
     batches = loader
     if kind.before_step is not None:
@@ -148,3 +146,30 @@ def evaluate(strategy: LoopStrategy, loader: Any, kind: BatchKind = TEXT) -> tup
     total = strategy.all_reduce_data(torch.cat(parts)).cpu()
     loss = float((total[:k] / total[k : 2 * k].clamp(min=1)).sum())
     return loss, (total[2 * k :] if stats is not None else None)
+
+
+def _evaluate_grouped(strategy: LoopStrategy, loader: Any, kind: BatchKind) -> tuple[float, torch.Tensor | None]:
+    """`evaluate` for a pipeline: forwards of `strategy.eval_group` micro-batches at once (text rows
+    only). A filler's labels are all ignored (it scores nothing), and a short last group is filled
+    with such fillers; every rank of a pipeline reads the same micro-batches."""
+    device, size = strategy.device, strategy.eval_group
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    units = 0.0
+    group: list[dict] = []
+    pending = list(loader)
+    for j, (mb, counted) in enumerate(pending):
+        inputs = kind.inputs(mb)
+        if counted:
+            units += sum(_units(kind, mb))
+        else:
+            inputs = {**inputs, "labels": torch.full_like(inputs["labels"], -100)}
+        group.append(inputs)
+        if len(group) == size or j == len(pending) - 1:
+            while group and len(group) < size:
+                group.append({**group[0], "labels": torch.full_like(group[0]["labels"], -100)})
+            loss_sum += strategy.forward_only(group).to(device, torch.float64)
+            group = []
+    strategy.train_mode(True)
+    total = strategy.all_reduce_data(torch.stack([loss_sum, torch.tensor(units, dtype=torch.float64, device=device)]))
+    total = total.cpu()
+    return float(total[0] / total[1].clamp(min=1)), None
