@@ -25,6 +25,8 @@ BY_HAND = {
     "scaletune.checkpoint.gguf": ["tests/e2e/test_export_gguf.py"],
     "scaletune.resolve.precision": ["tests/unit/test_mixed_precision.py", "tests/unit/test_strategies.py"],
     "scaletune.strategies.param_cast": ["tests/distributed/test_bf16_params.py"],
+    "scaletune.strategies.pipeline_fsdp": ["tests/distributed/test_mesh_parity.py"],
+    "scaletune.strategies.mesh": ["tests/distributed/test_mesh_parity.py", "tests/unit/test_mesh.py"],
     "scaletune.checkpoint.hub": ["tests/e2e/test_push_to_hub.py"],
     "scaletune.cli.config_verbs": ["tests/unit/test_reference.py", "tests/e2e/test_launch_configs.py"],
     "scaletune.cli.launch_verbs": ["tests/e2e/test_launch_cli.py"],

@@ -214,6 +214,9 @@ def test_models_and_samples_are_listed(server, jobs):
     assert samples == written and samples[0]["prompt"] == PROMPT and "trained" in samples[0]
 
 
+# The page walk (tests/serve/test_page_walk.py) holds the same evaluation against `scaletune eval
+# --json` through the page: this API-level case is in the slow tier (CI time).
+@pytest.mark.slow
 def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs, eval_file):
     job = jobs["full"]
     run = Path(job["run_dir"])

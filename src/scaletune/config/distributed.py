@@ -62,7 +62,12 @@ class DistributedConfig(_Strict):
     it must divide the attention and key-value heads left after tensor parallelism, and
     `data.max_seq_length`; models with sliding-window or chunked attention are refused. 1: off."""
     pipeline_parallel: int = Field(1, ge=1)
-    """Pipeline parallelism degree: the decoder layers split into this many consecutive stages. 1: off."""
+    """Pipeline parallelism degree: the decoder layers split into this many consecutive stages, one
+    per rank of a pipeline group (torch.distributed.pipelining, the 1F1B schedule of Narayanan et al.
+    2021, arXiv:2104.04473), the micro-batches of each step streamed through them; the data ranks of
+    each stage shard it with FSDP2. Needs `strategy: fsdp` (or auto), at least this many micro-batches
+    per step and rank, a layer count it divides, an untied head; not combined with tensor or context
+    parallelism, activation offload or fp16 in this version. 1: off."""
 
     @field_validator("num_processes")
     @classmethod
