@@ -33,10 +33,11 @@ def adapter(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-# ZeRO-1 and -2 keep every parameter whole on each rank, as DDP does (the gathering that fails is
-# ZeRO-3's and FSDP's, both in the default tier): their cases run in the slow tier (CI time).
+# DDP and ZeRO-1/-2 keep every parameter whole on each rank (the gathering that fails is ZeRO-3's
+# and FSDP's, both in the default tier; DDP's adapter logits are test_parity.py's): their cases run
+# in the slow tier (CI time).
 @pytest.mark.parametrize(
-    "engine", [pytest.param(e, marks=pytest.mark.slow) if e in ("zero1", "zero2") else e for e in ENGINES]
+    "engine", [pytest.param(e, marks=pytest.mark.slow) if e in ("ddp", "zero1", "zero2") else e for e in ENGINES]
 )
 def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
     run, proc = run_once(SHARED.get(engine, f"{engine}-lora"), model=LORA, distributed=ENGINES[engine])

@@ -104,11 +104,10 @@ def test_layout_reproduces_the_single_process_run(layout, method, packed, run_on
         unpacked = reference(run_once, method, False)
         assert sum(m["tokens"] for m in steps(ref)) > 1.5 * sum(m["tokens"] for m in steps(unpacked))
     # The planner's bytes for this mesh (plan.json, from the model's shapes) equal what rank 0 holds
-    # (it has no entry for pipeline stages yet: docs/parallelism.md).
-    if "pipeline_parallel" not in LAYOUTS[layout]:
-        planned = json.loads((run / "plan.json").read_text())["per_rank_bytes"]
-        held = json.loads((run / "memory.json").read_text())["ranks"][0]
-        assert {k: held[k] for k in STATES} == {k: planned[k] for k in STATES}, (held, planned)
+    # (with pipeline stages: the first stage's).
+    planned = json.loads((run / "plan.json").read_text())["per_rank_bytes"]
+    held = json.loads((run / "memory.json").read_text())["ranks"][0]
+    assert {k: held[k] for k in STATES} == {k: planned[k] for k in STATES}, (held, planned)
     degrees = LAYOUTS[layout]
     world = degrees["num_processes"]
     assert f"world_size {world} = " in proc.stderr + proc.stdout  # pipeline first where there is one

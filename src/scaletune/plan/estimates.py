@@ -263,8 +263,8 @@ def plan(
     Returns:
         The :class:`Plan`: the fastest strategy that fits (:data:`ORDER`); at world size 1 `ddp`
         means `single`, and only it and the offload variants are candidates. With tensor or context
-        degrees above 1 in the config, `mesh` is that mesh's fsdp entry (`mesh.py`; None with a
-        pipeline degree above 1).
+        degrees above 1 in the config, `mesh` is that mesh's fsdp entry (`mesh.py`; with pipeline
+        stages, the first stage's rank 0).
     """
     w = world_size or spec.world_size
     shape = shape or model_shape(spec)
@@ -278,8 +278,7 @@ def plan(
     quantized = spec.config.model.quantization is not None
     chosen, reason = _choose([s for s in out if not (quantized and s.name.startswith("fsdp"))], w, gpu_memory_bytes)
     mesh = mesh_for(spec.config.distributed, w)
-    planned = mesh.model_parallel and mesh.pipeline == 1  # pipeline parallelism is not built, nor planned
-    on_mesh = mesh_entry(spec, shape, mesh, gpu_memory_bytes=gpu_memory_bytes) if planned else None
+    on_mesh = mesh_entry(spec, shape, mesh, gpu_memory_bytes=gpu_memory_bytes) if mesh.model_parallel else None
     return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref, on_mesh)
 
 

@@ -38,6 +38,7 @@ section 4.2) and leaves the residual stream's activations whole on every rank.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +145,28 @@ def mesh_shard_elements(p: ParamInfo, mesh: Mesh, layout: TensorLayout) -> int:
 
 
 def mesh_name(mesh: Mesh) -> str:
-    return f"fsdp dp{mesh.data_shard} cp{mesh.context} tp{mesh.tensor}"
+    pipeline = f"pp{mesh.pipeline} " if mesh.pipeline > 1 else ""
+    return f"fsdp {pipeline}dp{mesh.data_shard} cp{mesh.context} tp{mesh.tensor}"
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def first_stage(shape: ModelShape, pipeline: int) -> list[ParamInfo]:
+    """The parameter tensors rank 0 holds with `pipeline` stages: the first stage's layers
+    (`strategies.pipeline_parallel.stage_layers`) and the input embeddings; the final norm and the
+    head are the last stage's. All of them without a pipeline."""
+    if pipeline == 1:
+        return list(shape.params)
+    from scaletune.strategies.pipeline_parallel import stage_layers
+
+    layers = stage_layers(shape.layers, 0, pipeline)
+    out = []
+    for p in shape.params:
+        m = _LAYER.search(p.name)
+        if (m is not None and int(m.group(1)) in layers) or (m is None and "embed_tokens" in p.name):
+            out.append(p)
+    return out
 
 
 def run_layout(spec: RunSpec) -> TensorLayout:
@@ -170,23 +192,20 @@ def mesh_entry(
     Args:
         spec: the run (precision, micro-batch, LoRA, attention, checkpointing).
         shape: its model (`model_shape(spec)`).
-        mesh: the degrees (pipeline must be 1: not built).
+        mesh: the degrees; with a pipeline degree above 1, rank 0 holds the first stage's tensors
+            (:func:`first_stage`).
         seq_len: tokens per sequence (default: the first stage's `max_seq_length`).
         gpu_memory_bytes: one device's memory; sets `fits` (None: unknown).
         layout: the model's tensor-parallel layout (default: :func:`run_layout`, read only for
             a tensor degree above 1).
-
-    Raises:
-        ValueError: a pipeline degree above 1.
     """
-    if mesh.pipeline != 1:
-        raise ValueError("the planner has no pipeline-parallel layout (distributed.pipeline_parallel is not built)")
     if layout is None:
         layout = run_layout(spec) if mesh.tensor > 1 else TensorLayout({})
     b_c = FLOAT_DTYPES[spec.precision.compute][0]
-    trainable = [p for p in shape.params if p.trainable]
+    held = first_stage(shape, mesh.pipeline)
+    trainable = [p for p in held if p.trainable]
     shard_t = sum(mesh_shard_elements(p, mesh, layout) for p in trainable)
-    frozen = sum(b_c * mesh_shard_elements(p, mesh, layout) for p in shape.params if not p.trainable)
+    frozen = sum(b_c * mesh_shard_elements(p, mesh, layout) for p in held if not p.trainable)
     params = 4 * shard_t + frozen
     grads = 4 * shard_t
     optimizer = 8 * shard_t + 4 * len(trainable)
@@ -216,7 +235,12 @@ def mesh_entry(
         act_ckpt=act_ckpt,
         act_full=act_full,
         margin=margin,
-        scaletune={"strategy": "fsdp", "tensor_parallel": mesh.tensor, "context_parallel": mesh.context},
+        scaletune={
+            "strategy": "fsdp",
+            "tensor_parallel": mesh.tensor,
+            "context_parallel": mesh.context,
+            "pipeline_parallel": mesh.pipeline,
+        },
     )
     entry.fits = None if gpu_memory_bytes is None else entry.total <= gpu_memory_bytes
     return entry

@@ -220,7 +220,11 @@ def mesh_notes(spec: RunSpec, p: Plan) -> list[str]:
             for problem in model_mesh_problems(spec.mesh, hf_config):
                 out.append(f"warning: {problem.message} ({problem.fix})")
     if spec.mesh.pipeline > 1:
-        out.append("note: distributed.pipeline_parallel is not built in this version, so not planned")
+        out.append(
+            "note: with pipeline stages the parameters, gradients and optimizer state are rank 0's (the first "
+            "stage's layers and the embeddings); its activations are planned as one micro-batch through every layer "
+            "(1F1B keeps up to pipeline_parallel micro-batches in flight on the first stage, each through its layers)"
+        )
     s, limit = spec.batch.max_seq_length, spec.max_positions
     if limit is None and hf_config is not None:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -214,10 +214,14 @@ def test_configured_mesh_is_the_runs_entry(llama8b):
     assert p.to_json()["mesh"]["name"] == "fsdp dp2 cp4 tp1"
     plain = spec_for("llama-3-8b", 8, memory_gib=80)
     assert plan(plain, gpu_memory_bytes=80 * GiB).mesh is None
-    piped = spec_for("llama-3-8b", 8, memory_gib=80, dist={"pipeline_parallel": 2})  # not built: not planned
-    assert plan(piped, gpu_memory_bytes=80 * GiB).mesh is None
-    with pytest.raises(ValueError, match="pipeline"):
-        mesh_entry(piped, model_shape(piped), piped.mesh)
+    # Pipeline 2 x data 4: rank 0 holds the first stage (16 of 32 layers and the embeddings) in 4
+    # shards: its fp32 parameters, from the published shapes (every dim 0 divides by 4).
+    piped = spec_for("llama-3-8b", 8, memory_gib=80, dist={"pipeline_parallel": 2})
+    entry = plan(piped, gpu_memory_bytes=80 * GiB).mesh
+    assert entry is not None and entry.name == "fsdp pp2 dp4 cp1 tp1"
+    h, i, kv, v = LLAMA8B["h"], LLAMA8B["i"], LLAMA8B["kv"] * LLAMA8B["head_dim"], LLAMA8B["vocab"]
+    layer = 2 * h * h + 2 * kv * h + 3 * h * i + 2 * h
+    assert entry.params == 4 * (v * h + 16 * layer) // 4
 
 
 def test_doctor_shows_the_models_mesh_rules():
@@ -254,3 +258,23 @@ def test_config_show_prints_mesh_and_batch(tmp_path, monkeypatch):
     assert (
         "global_batch_size 8 = micro_batch_size 1 x data-parallel ranks 2 x gradient_accumulation_steps 4" in res.stdout
     )
+
+
+def test_first_stage_holds_its_layers_and_the_embeddings():
+    """Llama-3-8B's 32 layers over 3 stages: rank 0 holds layers 0-10 (the first 32 % 3 = 2 stages
+    get 11) and the input embeddings, neither the final norm nor the head; its parameter elements
+    are the embeddings' plus 11 layers', written out from the published shapes."""
+    from scaletune.plan.mesh import first_stage
+
+    spec = spec_for("llama-3-8b", 3)
+    shape = model_shape(spec)
+    held = first_stage(shape, 3)
+    names = {p.name for p in held}
+    assert any("embed_tokens" in n for n in names) and not any(
+        "lm_head" in n or n.endswith("model.norm.weight") for n in names
+    )
+    assert {int(n.split(".layers.")[1].split(".")[0]) for n in names if ".layers." in n} == set(range(11))
+    h, i, kv, v = LLAMA8B["h"], LLAMA8B["i"], LLAMA8B["kv"] * LLAMA8B["head_dim"], LLAMA8B["vocab"]
+    layer = 2 * h * h + 2 * kv * h + 3 * h * i + 2 * h
+    assert sum(p.numel for p in held) == v * h + 11 * layer
+    assert first_stage(shape, 1) == shape.params
