@@ -1,25 +1,18 @@
 """The device mesh under NCCL: tensor 2, context 2 and pipeline 2 at world size 2, data 2 x tensor
 2, data 2 x context 2 and data 2 x pipeline 2 at world size 4, each through `scaletune train` with
 `num_processes` against the one-GPU run of the same config (fp32, so TF32 stays off:
-tests/distributed/test_mesh_parity.py's bounds). A machine with fewer GPUs than a layout needs skips it and says how many it has."""
+tests/distributed/test_mesh_parity.py's layouts and bounds). A machine with fewer GPUs than a layout
+needs skips it and says how many it has."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.distributed.test_mesh_parity import LAYOUTS, PACKED  # the CPU test's layouts, under NCCL here
 from tests.helpers import GRAD_REL, LORA, assert_same_steps, make_config, steps, train
 
 REL = 1e-4
-LAYOUTS = {
-    "tensor2": {"tensor_parallel": 2, "num_processes": 2},
-    "context2": {"context_parallel": 2, "num_processes": 2},
-    "data2-tensor2": {"tensor_parallel": 2, "num_processes": 4},
-    "data2-context2": {"context_parallel": 2, "num_processes": 4},
-    "pipeline2": {"pipeline_parallel": 2, "num_processes": 2},
-    "data2-pipeline2": {"pipeline_parallel": 2, "num_processes": 4},
-}
-PACKED = {"packing": True, "max_seq_length": 128}
 
 
 @pytest.fixture(scope="module")
