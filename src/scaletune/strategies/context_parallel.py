@@ -85,14 +85,14 @@ def split_batch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict
         mb: ``input_ids`` and ``labels`` (unshifted, -100 not trained) ``[B, T]`` int64, and
             optionally ``position_ids`` ``[B, T]`` (restarting at 0 per example in packed rows),
             ``attention_mask`` ``[B, T]`` (1 real, 0 padding; present only for unpacked rows, as
-            the collator does), ``target_index`` (recomputed here).
+            the collator does), ``target_index`` (dropped: it indexes the whole rows;
+            `trainer.batches.model_inputs` computes the slice's from its labels).
         cp_rank: this rank's index in its context group, ``0 <= cp_rank < cp_size``.
         cp_size: ranks in the context group.
 
     Returns:
-        ``input_ids`` ``[B, L]``; ``labels`` ``[B, L + 1]`` (this slice's and the next token's);
-        ``target_index`` over the ``[B * L]`` local positions (`loss.target_index` of these
-        labels); ``position_ids`` ``[B, L]`` (``0..T'-1`` for rows that had none);
+        ``input_ids`` ``[B, L]``; ``labels`` ``[B, L + 1]`` (this slice's and the next token's:
+        `loss.target_index` of them indexes the ``[B * L]`` local positions); ``position_ids`` ``[B, L]`` (``0..T'-1`` for rows that had none);
         ``attention_mask`` ``[B, L]`` int64, 1 at real tokens (for counting tokens only:
         `loss.CausalLMLoss` does not give it to attention, see the module docstring); and for
         packed rows (no ``attention_mask`` in `mb`) ``full_position_ids`` ``[B, T']``, the whole
@@ -130,8 +130,6 @@ def split_batch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict
         "position_ids": positions[:, start:stop],
         "attention_mask": F.pad(real.long(), (0, pad), value=0)[:, start:stop],
     }
-    # loss.target_index's rule, written out: models.loss imports this module (context_mask).
-    out["target_index"] = (out["labels"][:, 1:].reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
     if "attention_mask" not in mb and "position_ids" in mb:
         out["full_position_ids"] = positions
     return out
