@@ -1,9 +1,11 @@
 """A device mesh that cannot run is refused by `scaletune train` before any rank starts: exit 2,
-one message naming every problem with its file:line, nothing written."""
+one message naming every problem with its file:line, nothing written. One run per phase: the
+config's rules, then (with a valid config) the model's shape; each rule is held in-process by
+tests/unit/test_mesh.py."""
 
 from __future__ import annotations
 
-from tests.e2e.test_train_cli import _bad
+from tests.e2e.test_train_cli import _bad, _located
 from tests.helpers import make_config
 
 
@@ -17,24 +19,39 @@ def test_every_mesh_problem_in_one_message(tiny_model_dir, tmp_path):
         distributed={"strategy": "deepspeed", "num_processes": 4, "tensor_parallel": 3, "context_parallel": 2},
     )
     err = _bad(cfg, tmp_path)
-    assert "needs distributed.strategy fsdp (or auto), not deepspeed zero_stage 2" in err
-    assert "(6 ranks per model replica) does not divide world_size 4" in err
-    assert "data.max_seq_length 63 is not divisible by distributed.context_parallel 2" in err
-    assert "config.yaml:" in err  # located in the file
+    config = tmp_path / "config.yaml"
+    degrees = "tensor_parallel 3, context_parallel 2"
+    assert "cannot start training (3 problems)" in err, err
+    strategy = f"{degrees} needs distributed.strategy fsdp (or auto), not deepspeed zero_stage 2"
+    _located(err, config, "  tensor_parallel: 3", strategy)
+    _located(err, config, "  tensor_parallel: 3", f"{degrees} (6 ranks per model replica) does not divide world_size 4")
+    _located(
+        err, config, "  max_seq_length: 63", "data.max_seq_length 63 is not divisible by distributed.context_parallel 2"
+    )
 
 
 def test_model_shape_refused(tiny_model_dir, tmp_path):
-    """olmo2-tiny has 4 attention heads and 2 key-value heads: tensor 4 cannot split the latter,
-    and context 2 on top of tensor 2 leaves one key-value head a rank to exchange."""
-    cfg = make_config(
-        tiny_model_dir, tmp_path / "run", distributed={"strategy": "fsdp", "num_processes": 4, "tensor_parallel": 4}
-    )
-    err = _bad(cfg, tmp_path)
-    assert "tensor_parallel 4 does not divide the model's key-value heads (2)" in err
+    """A valid config whose mesh the model's shape cannot take: olmo2-tiny has 4 attention heads and
+    2 key-value heads; tensor 4 cannot split the latter, and context 2 on top of it leaves each rank
+    one head and no key-value head to exchange (tensor 2 x context 2's one key-value head a rank:
+    tests/unit/test_mesh.py)."""
     cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
-        distributed={"strategy": "fsdp", "num_processes": 4, "tensor_parallel": 2, "context_parallel": 2},
+        distributed={"strategy": "fsdp", "num_processes": 8, "tensor_parallel": 4, "context_parallel": 2},
     )
     err = _bad(cfg, tmp_path)
-    assert "context_parallel 2 does not divide the attention heads (2) and key-value heads (1)" in err
+    config = tmp_path / "config.yaml"
+    assert "cannot start training (2 problems)" in err, err
+    _located(
+        err,
+        config,
+        "  tensor_parallel: 4",
+        "distributed.tensor_parallel 4 does not divide the model's key-value heads (2)",
+    )
+    _located(
+        err,
+        config,
+        "  context_parallel: 2",
+        "distributed.context_parallel 2 does not divide the attention heads (1) and key-value heads (0)",
+    )

@@ -83,50 +83,56 @@ def _bad(cfg, tmp_path):
     return proc.stderr
 
 
-def test_bad_config_keys(tiny_model_dir, tmp_path):
-    cfg = make_config(tiny_model_dir, tmp_path / "run")
-    cfg["training"]["learnig_rate"] = 0.1
-    cfg["model"]["lora"] = {"rank": 4}
-    err = _bad(cfg, tmp_path)
-    assert "training.learnig_rate" in err and "did you mean 'learning_rate'" in err
-    assert "model.lora.rank" in err and "allowed here: r, alpha" in err
+def _located(err, config, line_text, message):
+    """`message` is in `err` prefixed by `config`'s file:line of the YAML line `line_text`."""
+    line = config.read_text().splitlines().index(line_text) + 1
+    assert f"{config}:{line}: {message}" in err, err
 
 
-def test_batch_not_divisible_by_world_size(tiny_model_dir, tmp_path):
-    """Checked in the parent before torchrun starts the ranks, so the user gets exit 2, not a crash."""
+def test_every_config_data_and_model_problem_in_one_message(tiny_model_dir, tmp_path):
+    """One run, every problem the preflight finds before a rank starts (each rule in-process:
+    tests/unit/test_config.py, test_resolve.py, test_data.py): two unknown keys, a global batch
+    that 2 ranks of 2 cannot split (checked in the parent before torchrun starts the ranks, so exit
+    2, not a crash), a sequence longer than the model's positions, a malformed JSONL file and a
+    missing one."""
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n{"instruction": "x"}\n')
     cfg = make_config(
         tiny_model_dir,
         tmp_path / "run",
-        training={"global_batch_size": 6, "micro_batch_size": 2},
+        data={
+            "max_seq_length": 100_000,
+            "train": {"path": str(bad_jsonl), "format": "alpaca"},
+            "eval": {"path": str(tmp_path / "missing.json"), "format": "alpaca"},
+        },
+        training={"global_batch_size": 6, "micro_batch_size": 2, "learnig_rate": 0.1},
+        model={"lora": {"rank": 4}},
         distributed={"strategy": "ddp", "num_processes": 2},
     )
     err = _bad(cfg, tmp_path)
-    assert "global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)" in err
-
-
-def test_missing_and_malformed_data(tiny_model_dir, tmp_path):
-    bad_jsonl = tmp_path / "bad.jsonl"
-    bad_jsonl.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": \n{"instruction": "x"}\n')
-    cfg = make_config(tiny_model_dir, tmp_path / "run")
-    cfg["data"]["train"] = {"path": str(bad_jsonl), "format": "alpaca"}
-    cfg["data"]["eval"] = {"path": str(tmp_path / "missing.json"), "format": "alpaca"}
-    err = _bad(cfg, tmp_path)
-    assert f"{bad_jsonl}:2" in err  # the malformed line
-    assert "output" in err and "3" in err  # the record missing its field
-    assert "missing.json" in err
+    config = tmp_path / "config.yaml"
+    assert "cannot start training (7 problems)" in err, err
+    _located(err, config, "  learnig_rate: 0.1", "training.learnig_rate: unknown key (did you mean 'learning_rate'?)")
+    _located(err, config, "    rank: 4", "model.lora.rank: unknown key; allowed here: r, alpha")
+    _located(
+        err,
+        config,
+        "  global_batch_size: 6",
+        "training.global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)",
+    )
+    _located(err, config, "  max_seq_length: 100000", "data.max_seq_length (100000) is larger than the model's")
+    assert "max_position_embeddings (2048), the positions" in err
+    assert f"{bad_jsonl}:2: not valid JSON" in err  # the malformed line
+    assert f"{bad_jsonl}:3: record 3: missing field 'output'" in err  # the record missing its field
+    assert f"{tmp_path / 'missing.json'}: data file not found" in err
 
 
 def test_empty_after_filtering(tiny_model_dir, tmp_path):
+    """The data phase (a valid config whose data tokenise to nothing): its own run."""
     cfg = make_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 8})
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "max_seq_length" in proc.stderr
-
-
-def test_sequence_longer_than_model_positions(tiny_model_dir, tmp_path):
-    cfg = make_config(tiny_model_dir, tmp_path / "run", data={"max_seq_length": 100_000})
-    err = _bad(cfg, tmp_path)
-    assert "data.max_seq_length (100000)" in err and "positions" in err
 
 
 def test_finished_run_is_not_overwritten(tiny_model_dir, tmp_path):

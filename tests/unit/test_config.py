@@ -81,6 +81,10 @@ def test_unknown_key_names_line_key_and_allowed(tmp_path):
     assert "training.learnig_rate" in p
     assert "did you mean 'learning_rate'" in p
     assert "global_batch_size" in p  # the allowed keys are listed
+    # A nested section's unknown key is named by its dotted path, with that section's allowed keys.
+    nested = BASE.replace("  name_or_path: some/model\n", "  name_or_path: some/model\n  lora: {rank: 4}\n")
+    [p] = problems_of(tmp_path, nested)
+    assert p.startswith(f"{tmp_path / 'c.yaml'}:4: model.lora.rank: unknown key; allowed here: r, alpha"), p
 
 
 def test_every_problem_reported_at_once(tmp_path):
@@ -164,6 +168,11 @@ def test_indivisible_global_batch_is_a_located_error(tmp_path):
     line = text.splitlines().index("  global_batch_size: 32") + 1
     assert msg.startswith(f"{tmp_path / 'c.yaml'}:{line}: training.global_batch_size (32)"), msg
     assert "4 x 3 = 12" in msg and "24 or 36" in msg
+    # The parent that starts the ranks (one process, no launcher) checks for distributed.num_processes.
+    text = BASE + "training: {global_batch_size: 6, micro_batch_size: 2}\n"
+    text += "distributed: {strategy: ddp, num_processes: 2}\n"
+    [msg] = problems_of(tmp_path, text)
+    assert "training.global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)" in msg
 
 
 def test_resolved_config_round_trips_and_redacts_secrets(tmp_path):

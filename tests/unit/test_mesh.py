@@ -134,3 +134,31 @@ def test_model_rules():
     assert model_mesh_problems(Mesh(context=2), Olmo2Config(num_attention_heads=4, num_key_value_heads=2)) == []
     capped = Gemma2Config(num_attention_heads=4, num_key_value_heads=2, final_logit_softcapping=30.0)
     assert any("soft-capping" in p.message for p in model_mesh_problems(Mesh(tensor=2), capped))
+
+
+def test_olmo2_tiny_shape_refusals_name_key_and_counts():
+    """The preflight's model-shape messages for the CLI's model, olmo2-tiny (4 heads, 2 key-value
+    heads, MLP 256), each keyed to the degree that the config file locates: tensor 4 fails on the
+    key-value heads alone; context 2 after tensor 2 leaves 2 heads and 1 key-value head a rank, and
+    after tensor 4 one head and none (the CLI's one run: tests/e2e/test_mesh_cli.py)."""
+    from scaletune.models import PRESETS
+
+    olmo = PRESETS["olmo2-tiny"].config()
+
+    def problems(mesh):
+        return [(p.key, p.message) for p in model_mesh_problems(mesh, olmo)]
+
+    assert problems(Mesh(data_shard=2, tensor=2)) == [] and problems(Mesh(context=2)) == []
+    [(key, message)] = problems(Mesh(tensor=4))
+    assert key == "distributed.tensor_parallel"
+    assert message.startswith("distributed.tensor_parallel 4 does not divide the model's key-value heads (2)")
+    [(key, message)] = problems(Mesh(context=2, tensor=2))
+    assert key == "distributed.context_parallel"
+    assert message.startswith(
+        "distributed.context_parallel 2 does not divide the attention heads (2) and key-value heads (1)"
+    )
+    assert [m for _, m in problems(Mesh(context=2, tensor=4))] == [
+        "distributed.tensor_parallel 4 does not divide the model's key-value heads (2)",
+        "distributed.context_parallel 2 does not divide the attention heads (1) and key-value heads (0) each rank "
+        "holds after tensor_parallel 4: the all-to-all exchange gives each rank whole heads",
+    ]
