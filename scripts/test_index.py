@@ -49,6 +49,8 @@ BY_HAND = {
     "scaletune.data.render_worker": ["tests/security/test_strangers_files.py"],
     "scaletune.data.factory": ["tests/e2e/test_custom_models.py", "tests/distributed/test_custom_model.py"],
     "scaletune.data.packing": ["tests/unit/test_data.py", "tests/e2e/test_packing.py"],
+    "scaletune.data.build": ["tests/distributed/test_data_cache_nodes.py"],
+    "scaletune.models.adapters": ["tests/e2e/test_compile.py"],
     "scaletune.doctor.comm": ["tests/distributed/test_doctor_comm.py"],
     "scaletune.doctor.report": ["tests/unit/test_doctor.py"],
     "scaletune.inference.chat": ["tests/unit/test_inference.py", "tests/e2e/test_model_verbs.py"],

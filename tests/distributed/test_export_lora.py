@@ -18,8 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.test_parity import SINGLE
-from tests.distributed.test_resume import STRATEGIES
+from tests.distributed.parity_cases import SINGLE, STRATEGIES
 from tests.helpers import LORA, assert_same_logits, logits, run_cli
 
 pytestmark = pytest.mark.distributed

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_parity import SINGLE
-from tests.distributed.test_resume import resume_run
+from tests.distributed.parity_cases import LAYOUTS, PACKED, SINGLE, resume_run
 from tests.helpers import (
     BUNDLED_ALPACA,
     GRAD_REL,
@@ -40,18 +39,6 @@ pytestmark = pytest.mark.distributed
 
 REL = 1e-4
 STATES = ("params", "grads", "optimizer")
-# Rows of 128 tokens hold several Alpaca examples (at the base 64 most rows would hold one, truncated).
-PACKED = {"packing": True, "max_seq_length": 128}
-LAYOUTS = {
-    "tensor2": {"tensor_parallel": 2, "num_processes": 2},
-    "context2": {"context_parallel": 2, "num_processes": 2},
-    "data2-tensor2": {"tensor_parallel": 2, "num_processes": 4},
-    "data2-context2": {"context_parallel": 2, "num_processes": 4},
-    # 2 stages of the tiny model's 2 layers; 4 micro-batches a step (global 8, micro 2, data 1) >= 2 stages.
-    "pipeline2": {"pipeline_parallel": 2, "num_processes": 2},
-    # 2 micro-batches a step per data rank; the two data ranks' rows differ in length (one padded shape).
-    "data2-pipeline2": {"pipeline_parallel": 2, "num_processes": 4},
-}
 # (layout, method, packed) in the default tier: each of tensor, context and pipeline with both
 # methods and both row kinds, at world sizes 2 and 4 (pipeline: 2). Tensor 2 with full fine-tuning on
 # unpacked rows is the torchrun test below (whose checkpoint the resume test reads).

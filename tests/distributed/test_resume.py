@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed.test_parity import SINGLE
+from tests.distributed.parity_cases import SINGLE, STRATEGIES, resume_run
 from tests.helpers import (
     GRAD_REL,
     LORA,
@@ -24,26 +24,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.distributed
-
-STRATEGIES = {
-    "single": SINGLE,
-    "ddp": {"strategy": "ddp", "num_processes": 2},
-    "fsdp": {"strategy": "fsdp", "num_processes": 2},
-    "zero2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
-    "zero3": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
-}
-
-
-def resume_run(tiny_model_dir, tmp_path, checkpoint, dist: dict, name: str = "resumed", model=None, **training):
-    cfg = make_config(
-        tiny_model_dir,
-        tmp_path / name,
-        model=model or {},
-        distributed=dist,
-        training={"resume": str(checkpoint), **training},
-    )
-    proc = train(cfg, tmp_path, name=f"{name}.yaml")
-    return tmp_path / name, proc
 
 
 # fsdp and ZeRO resume exactly inside the reshard test (which resumes at both world sizes): their

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_mesh_parity import LAYOUTS, PACKED  # the CPU test's layouts, under NCCL here
+from tests.distributed.parity_cases import LAYOUTS, PACKED  # the CPU test's layouts, under NCCL here
 from tests.helpers import GRAD_REL, LORA, assert_same_steps, make_config, steps, train
 
 REL = 1e-4

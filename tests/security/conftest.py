@@ -1,10 +1,8 @@
-"""Fixtures of the security tier: real runs whose checkpoints the tests tamper with, and payloads
-that would leave a trace if anything executed them."""
+"""Fixtures of the security tier: real runs whose checkpoints the tests tamper with (the payloads
+that would leave a trace if anything executed them are in tests/security/payloads.py)."""
 
 from __future__ import annotations
 
-import os
-import pickle
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,20 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import make_config, train
-
-
-class Payload:
-    """Unpickling this runs `touch MARKER`: the file's existence is the proof that code ran."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-def pickle_payload(marker: Path) -> bytes:
-    return pickle.dumps(Payload(marker), protocol=4)
 
 
 @pytest.fixture(scope="package")

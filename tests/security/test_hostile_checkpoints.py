@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from tests.helpers import make_config, run_cli, train
-from tests.security.conftest import Payload, pickle_payload
+from tests.security.payloads import Payload, pickle_payload
 
 
 def resume(run, tmp_path, marker, **extra):

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from scaletune.serve.auth import create_token
-from tests.serve.conftest import Server, client, plant_job
+from tests.serve.serve_helpers import Server, client, plant_job
 
 
 @pytest.fixture(scope="module")

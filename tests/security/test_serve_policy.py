@@ -19,7 +19,7 @@ import yaml
 from scaletune.serve.auth import create_token
 from scaletune.serve.policy import Policy
 from tests.helpers import make_config
-from tests.serve.conftest import REPO_ROOT, TEST_POLICY, Server, client, free_port, plant_job
+from tests.serve.serve_helpers import REPO_ROOT, TEST_POLICY, Server, client, free_port, plant_job
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import psutil
 import yaml
 
 from tests.helpers import make_config
-from tests.serve.conftest import REPO_ROOT, TEST_POLICY, Server, free_port, wait_state
+from tests.serve.serve_helpers import REPO_ROOT, TEST_POLICY, Server, free_port, wait_state
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}
 
@@ -29,7 +29,7 @@ _DIES_AFTER_START = textwrap.dedent(
     from scaletune.serve.app import create_app
     from scaletune.serve.dispatch import local
     from scaletune.serve.jobs import JobService
-    from tests.serve.conftest import TEST_POLICY
+    from tests.serve.serve_helpers import TEST_POLICY
 
     start = local.LocalDispatcher.submit
 

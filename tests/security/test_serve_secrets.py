@@ -16,7 +16,7 @@ import yaml
 from scaletune.serve.auth import create_token
 from scaletune.serve.dispatch.base import SERVICE_SECRETS
 from tests.helpers import make_config
-from tests.serve.conftest import Server, client, read_events
+from tests.serve.serve_helpers import Server, client, read_events
 
 IN_CONFIG, IN_OVERRIDE = "hf_in_config_5ec4e7", "wandb_in_override_77a1c0"
 

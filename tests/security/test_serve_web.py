@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from scaletune.serve.auth import create_token
-from tests.serve.conftest import Server, client, free_port, headless_chromium, plant_job
+from tests.serve.serve_helpers import Server, client, free_port, headless_chromium, plant_job
 
 
 def test_dns_rebinding_and_foreign_origin_refused_without_tokens(tmp_path):

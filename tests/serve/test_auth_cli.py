@@ -17,7 +17,7 @@ from scaletune.serve.auth import COOKIE, bind_problems, create_token
 from scaletune.serve.db import Token
 from scaletune.serve.jobs import JobService
 from tests.helpers import REPO_ROOT, make_config
-from tests.serve.conftest import TEST_POLICY, plant_job
+from tests.serve.serve_helpers import TEST_POLICY, plant_job
 
 LOOPBACK = "http://127.0.0.1"  # a tokenless service answers loopback names only (DNS rebinding)
 

@@ -12,7 +12,7 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import CHROMIUM, DRIVER, NO_BROWSER, Server, dom, headless_chromium, need
+from tests.serve.serve_helpers import CHROMIUM, DRIVER, NO_BROWSER, Server, dom, headless_chromium, need
 
 
 @pytest.fixture

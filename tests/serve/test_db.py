@@ -1,18 +1,13 @@
 """The job database as deployed: the `postgres://` URLs platforms give, passwords never printed,
-and a real Postgres (Debian's server, started here in a temporary folder) migrated and watched
+and a real Postgres (Debian's server in a temporary folder: conftest's `postgres`) migrated and watched
 through the real `scaletune serve`."""
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,9 +15,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from scaletune.serve.db import MIGRATIONS, database_url, redacted, scrubbed
 from tests.helpers import REPO_ROOT, run_cli, subprocess_env
-from tests.serve.conftest import free_port
-
-PASSWORD = "s3cret-Pg"
+from tests.serve.serve_helpers import PASSWORD, free_port
 
 
 def test_postgres_urls_name_the_shipped_driver():
@@ -56,61 +49,6 @@ def test_unreachable_database_fails_the_start_without_the_password(tmp_path, sch
     assert "s3cret" not in out and "Traceback" not in out
     r = run_cli(["serve", "token", "create", "--db", url], timeout=120)
     assert r.returncode == 1 and "s3cret" not in r.stdout + r.stderr and "user:***@" in r.stderr
-
-
-def _pg_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if found:
-        return Path(found[-1]).parent
-    initdb = shutil.which("initdb")
-    return Path(initdb).resolve().parent if initdb else None
-
-
-def _skip_outside_ci(reason: str) -> None:
-    """Skip, saying why; under CI=true fail instead (.ci/run installs Postgres: CI must run these)."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and no Postgres to test on: {reason}")
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    """A Postgres server on 127.0.0.1 (password auth) in a temporary folder; its URL."""
-    pg_bin = _pg_bin()
-    if pg_bin is None:
-        _skip_outside_ci(
-            "NO POSTGRES SERVER HERE: Debian's postgresql package (initdb, pg_ctl) is not installed, "
-            "so the job database is not tested on Postgres (apt-get install postgresql)"
-        )
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        _skip_outside_ci("NO POSTGRES DRIVER: psycopg is not installed (pip install -e '.[serve]')")
-    root = Path(tempfile.mkdtemp(prefix="scaletune-pg-"))
-    # initdb refuses to run as root: the server then runs as Debian's postgres user.
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    if as_user:
-        shutil.chown(root, "postgres")
-    pwfile = root / "pw"
-    pwfile.write_text(PASSWORD + "\n")
-    if as_user:
-        shutil.chown(pwfile, "postgres")
-    port = free_port()
-
-    def pg(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120)
-
-    r = pg(str(pg_bin / "initdb"), "-D", str(root / "data"), "-U", "scaletune", "--auth=scram-sha-256",
-           f"--pwfile={pwfile}")  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    opts = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
-    start = [str(pg_bin / "pg_ctl"), "-D", str(root / "data"), "-o", opts, "-l", str(root / "log"), "-w"]
-    r = pg(*start, "start")
-    assert r.returncode == 0, r.stdout + r.stderr + (root / "log").read_text()
-    server = {"url": f"postgres://scaletune:{PASSWORD}@127.0.0.1:{port}/postgres", "pg": pg, "start": start}
-    yield server
-    pg(*start[:3], "-m", "immediate", "stop")
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_migrations_run_on_postgres(postgres):

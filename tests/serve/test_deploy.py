@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.serve.conftest import client, plant_job
+from tests.serve.serve_helpers import client, plant_job
 
 # What torchrun writes to the one log of a 2-rank local job: rank 0 prints for the run, and only an
 # uncaught error's traceback is prefixed with its rank (torch's excepthook; no --tee).

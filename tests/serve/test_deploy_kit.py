@@ -7,10 +7,10 @@ and the Render-style deployment run end to end here.
   CLI, the service or Modal's SDK reads; the systemd unit passes `systemd-analyze verify` and
   keeps jobs alive across restarts (KillMode=process); the nginx example passes `nginx -t`; the
   build context .dockerignore admits builds scaletune's wheel with the page and the migrations.
-- End to end, as Render runs it: a real Postgres (tests/serve/test_db.py's), render.yaml's start
+- End to end, as Render runs it: a real Postgres (tests/serve/conftest.py's), render.yaml's start
   command run by a shell with Render's variables (PORT, RENDER_EXTERNAL_URL) and the Blueprint's
   (SCALETUNE_DB as the postgres:// URL, SCALETUNE_ADMIN_TOKEN), behind a real nginx serving it at
-  /team/st/ (test_mount.py's Proxy) with SCALETUNE_ROOT_PATH; the login page and /healthz through
+  /team/st/ (serve_helpers.py's Proxy) with SCALETUNE_ROOT_PATH; the login page and /healthz through
   the proxy, the Dockerfile's HEALTHCHECK command against it, and `scaletune remote submit --wait`
   through the proxy training the tiny model to `succeeded`, as the Postgres record says.
 
@@ -39,9 +39,7 @@ from sqlalchemy import create_engine, text
 
 from scaletune.serve.db import database_url
 from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
-from tests.serve.conftest import free_port, need
-from tests.serve.test_db import PASSWORD, postgres  # noqa: F401 - the fixture: a real Postgres in a temporary folder
-from tests.serve.test_mount import NGINX, PREFIX, Proxy
+from tests.serve.serve_helpers import NGINX, PASSWORD, PREFIX, Proxy, free_port, need
 
 DEPLOY = REPO_ROOT / "deploy"
 # The parser's refusal, from the click typer runs on (typer 0.29 ships its own copy of click).
@@ -317,7 +315,7 @@ def _page_and_health(base: str) -> None:
         assert c.get(base + "/healthz").json() == {"status": "ok"}
 
 
-def test_render_start_command_behind_nginx_trains_on_postgres(postgres, tiny_model_dir, tmp_path):  # noqa: F811
+def test_render_start_command_behind_nginx_trains_on_postgres(postgres, tiny_model_dir, tmp_path):
     need(NGINX, "needs nginx (apt-get install nginx-light)")
     t0 = time.monotonic()
     _, web = render_blueprint()

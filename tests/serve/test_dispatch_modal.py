@@ -30,7 +30,7 @@ from scaletune.serve.dispatch.base import Status
 from scaletune.serve.jobs import JobService
 from scaletune.serve.records import set_state
 from tests.helpers import make_config
-from tests.serve.conftest import TEST_POLICY, plant_job
+from tests.serve.serve_helpers import TEST_POLICY, plant_job
 
 modal = pytest.importorskip("modal")
 from modal._image import LATEST_IMAGE_BUILDER_VERSION  # noqa: E402

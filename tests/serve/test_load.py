@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.helpers import make_config
-from tests.serve.conftest import Server, client
+from tests.serve.serve_helpers import Server, client
 
 # scripts/test.sh runs every marker, and 20 training processes cost minutes of the CI budget: this
 # runs when asked (SCALETUNE_LOAD_TEST=1 pytest -s tests/serve/test_load.py).

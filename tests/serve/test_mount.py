@@ -17,11 +17,9 @@ Without nginx (Debian's nginx-light) the tests skip, and fail under CI=true."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import uvicorn
@@ -31,35 +29,13 @@ from scaletune.serve.app import create_app
 from scaletune.serve.auth import create_token
 from scaletune.serve.jobs import JobService
 from tests.helpers import make_config, subprocess_env, wait_for
-from tests.serve.conftest import Server, dom, free_port, headless_chromium, need
+from tests.serve.serve_helpers import NGINX, PREFIX, Proxy, Server, dom, free_port, headless_chromium, need
 
-PREFIX = "/team/st"
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 # A URL from the host's root to one of the service's own routes: under a prefix it misses the
 # service (nginx answers 404). The old templates held many (href="/jobs/..", fetch('/api/..')).
 ABSOLUTE = re.compile(
     rf"""(?:href|src|action)\s*=\s*["']/(?!/|{PREFIX[1:]}/)|["'`]/(?:api|static|jobs|login|compare|docs)\b"""
 )
-
-_CONF = """worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log;
-events {{ worker_connections 64; }}
-http {{
-  access_log off;
-  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;
-  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
-  server {{
-    listen 127.0.0.1:{port};
-    location {prefix}/ {{
-      proxy_pass http://127.0.0.1:{upstream}/;  # the trailing slash strips the prefix
-      proxy_set_header Host $http_host;         # the service checks the Origin against it
-      proxy_http_version 1.1;
-      proxy_read_timeout 1h;                    # the event stream stays open
-    }}
-  }}
-}}
-"""
 
 # The stand-in run: one step, then it waits for the test's go-ahead (the page must show the
 # stream while the job runs), a second step, a checkpoint, final/.
@@ -97,41 +73,8 @@ def absolute_urls(html: str) -> list[str]:
     return [html[max(0, m.start() - 30) : m.end() + 20] for m in ABSOLUTE.finditer(html)]
 
 
-class Proxy:
-    """nginx serving 127.0.0.1:UPSTREAM at http://127.0.0.1:PORT/team/st/ (its own prefix, stripped)."""
-
-    def __init__(self, root: Path, upstream: int) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}{PREFIX}"
-        conf = root / "nginx.conf"
-        conf.write_text(_CONF.format(d=root, port=self.port, upstream=upstream, prefix=PREFIX))
-        self.proc = subprocess.Popen(
-            [NGINX, "-p", str(root), "-c", str(conf), "-g", "daemon off;"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{self.port}/", timeout=2).status_code >= 400  # not ours
-            except httpx.TransportError:
-                assert self.proc.poll() is None, (root / "error.log").read_text()
-                return False
-
-        try:
-            wait_for(up, 20, "nginx")
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=20)
-
-
 class MountedServer(Server):
-    """conftest's Server with uvicorn's root_path, as `scaletune serve --root-path` runs it."""
+    """serve_helpers' Server with uvicorn's root_path, as `scaletune serve --root-path` runs it."""
 
     def start(self) -> None:
         self.svc = JobService(self.db, self.home, self.url, poll_s=0.3, policy=self.policy)

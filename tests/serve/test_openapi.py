@@ -12,7 +12,7 @@ import re
 import yaml
 
 from tests.helpers import make_config
-from tests.serve.conftest import client, plant_job
+from tests.serve.serve_helpers import client, plant_job
 
 
 def resolve(schema: dict, ref_or_schema: dict) -> dict:

@@ -3,36 +3,18 @@ a service restart still stops a job after it (the CSRF key is kept in the databa
 refused action shows the service's own message on the page (Stop on a finished job, a Resume the
 API refuses, invalid Resources JSON, which is caught before anything is sent).
 
-One service and one logged-in browser serve every case of the module."""
+One service and one logged-in browser (conftest's `server` and `page`) serve every case of the module."""
 
 from __future__ import annotations
 
-import pytest
 import yaml
 from sse_starlette.sse import AppStatus
 
 from scaletune.serve.db import Job
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import client, dom, headless_chromium, plant_job, wait_state
+from tests.serve.serve_helpers import client, dom, plant_job, wait_state
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8}
-
-
-@pytest.fixture(scope="module")
-def page(server, module_tmp_path):
-    """A Chromium logged in to `server` with its submit token, the one the tests submit jobs with
-    through the API (a job's owner may stop it; module-wide: starting Chromium costs seconds)."""
-    from selenium.webdriver.common.by import By
-
-    driver = headless_chromium(module_tmp_path / "chromium-profile")
-    try:
-        driver.get(server.url + "/login")
-        driver.find_element(By.ID, "token").send_keys(server.submit)
-        driver.find_element(By.ID, "login").click()
-        wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
-        yield driver
-    finally:
-        driver.quit()
 
 
 def shown(driver, list_id: str) -> list[str]:

@@ -22,7 +22,7 @@ from scaletune.serve.data_preview import MEASURED
 from scaletune.serve.datasets import SUFFIXES
 from scaletune.serve.policy import Policy, data_area
 from tests.helpers import ALPACA_5000, make_config, wait_for
-from tests.serve.conftest import SHARED_DATA, Server, client, dom, headless_chromium
+from tests.serve.serve_helpers import SHARED_DATA, Server, client, dom, headless_chromium
 
 ALPACA = json.loads(ALPACA_5000.read_text())
 

@@ -9,8 +9,7 @@ import json
 import pytest
 
 from tests.helpers import make_config, run_cli, train, wait_for
-from tests.serve.conftest import client, dom, plant_job
-from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
+from tests.serve.serve_helpers import client, dom, plant_job
 
 
 def test_eval_results_are_on_the_job_page(server, page, tiny_model_dir, tmp_path):  # noqa: F811

@@ -20,7 +20,7 @@ from scaletune.serve.auth import create_token
 from scaletune.serve.form import FIELDS
 from scaletune.serve.policy import Policy
 from tests.helpers import wait_for
-from tests.serve.conftest import REPO_ROOT, Server, client, dom, headless_chromium
+from tests.serve.serve_helpers import REPO_ROOT, Server, client, dom, headless_chromium
 
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 # The one reason an example may fail its dry run here: its model folder is built by a command it

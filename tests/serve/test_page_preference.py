@@ -10,8 +10,7 @@ import json
 import yaml
 
 from tests.helpers import REPO_ROOT, make_config, metrics, run_cli, wait_for
-from tests.serve.conftest import client, dom, wait_state
-from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
+from tests.serve.serve_helpers import client, dom, wait_state
 
 JOB = {"max_steps": 4, "save_every": 0, "micro_batch_size": 8, "eval_every": 2}
 PAIRS = REPO_ROOT / "examples" / "data" / "alpaca_pairs.jsonl"

@@ -18,7 +18,7 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import ALPACA_5000, LORA, make_config, run_cli, wait_for
-from tests.serve.conftest import client, dom, headless_chromium, plant_job, wait_state
+from tests.serve.serve_helpers import client, dom, headless_chromium, plant_job, wait_state
 
 PROMPT = "Name a colour."
 JOB = {"max_steps": 2, "save_every": 1, "sample_prompts": [PROMPT], "sample_max_new_tokens": 8}

@@ -27,7 +27,7 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import ALPACA_5000, make_config, wait_for
-from tests.serve.conftest import (
+from tests.serve.serve_helpers import (
     CHROMIUM,
     DRIVER,
     NO_BROWSER,

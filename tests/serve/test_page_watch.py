@@ -17,8 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import client, dom, wait_state
-from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
+from tests.serve.serve_helpers import client, dom, wait_state
 
 JOB = {"max_steps": 6, "save_every": 0, "micro_batch_size": 8, "eval_every": 2, "log_every": 1}
 #: The overrides of the two compared jobs; the keys they differ in are the diff's control.
@@ -289,7 +288,7 @@ def test_finite_divergence_rule(server, tmp_path, losses, flagged):
     the API's job summary."""
     from scaletune.serve.db import Job
     from scaletune.serve.records import add_metric
-    from tests.serve.conftest import plant_job
+    from tests.serve.serve_helpers import plant_job
 
     job_id = plant_job(server.svc, tmp_path / "run", state="running")
     with server.svc.Session() as s:

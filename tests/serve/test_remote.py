@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.helpers import make_config, run_cli, subprocess_env
-from tests.serve.conftest import client, free_port, wait_state
+from tests.serve.serve_helpers import client, free_port, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 

@@ -14,7 +14,7 @@ import yaml
 
 from scaletune.serve.auth import install_env_admin
 from tests.helpers import REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
-from tests.serve.conftest import Server, client, dom, free_port, headless_chromium, wait_state
+from tests.serve.serve_helpers import Server, client, dom, free_port, headless_chromium, wait_state
 
 LONG = {"max_steps": 10000, "save_every": 0, "micro_batch_size": 8}
 

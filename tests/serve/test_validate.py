@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.helpers import LORA, make_config, run_cli
-from tests.serve.conftest import client
+from tests.serve.serve_helpers import client
 
 DDP = {"distributed": {"strategy": "ddp"}, "training": {"max_steps": 2, "save_every": 0, "micro_batch_size": 1}}
 SHAPE = {"nodes": 2, "gpus_per_node": 8}  # world size 16

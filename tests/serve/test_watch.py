@@ -20,7 +20,7 @@ import yaml
 
 from scaletune.serve.db import Job
 from tests.helpers import make_config
-from tests.serve.conftest import Server, client, read_events, wait_state
+from tests.serve.serve_helpers import Server, client, read_events, wait_state
 
 JOBS, LIMIT = 12, 2
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}

@@ -19,8 +19,7 @@ import yaml
 
 from scaletune.serve.dispatch.base import LOG_FILE
 from tests.helpers import make_config, wait_for
-from tests.serve.conftest import Server, client, dom, read_events, wait_state
-from tests.serve.test_page_actions import page  # noqa: F401 - the logged-in Chromium fixture
+from tests.serve.serve_helpers import Server, client, dom, read_events, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 

@@ -15,7 +15,7 @@ import yaml
 
 from scaletune.serve.auth import create_token
 from tests.helpers import make_config
-from tests.serve.conftest import Server, client, plant_job
+from tests.serve.serve_helpers import Server, client, plant_job
 
 SLOW_S = 3.0
 

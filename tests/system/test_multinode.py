@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 from scaletune.launch.commands import LaunchOptions, build_launch
+from scaletune.serve.dispatch.local import descendants
 from scaletune.strategies.base import free_port
 from tests.helpers import wait_for
-from tests.system.conftest import (
+from tests.system.system_helpers import (
     PAYLOAD,
     assert_trains_like_reference,
-    descendants,
     start,
     stop,
     system_config,

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from scaletune.serve.auth import create_token
-from tests.serve.conftest import Server, client, read_events
-from tests.system.conftest import MAX_STEPS, system_config
+from tests.serve.serve_helpers import Server, client, read_events
+from tests.system.system_helpers import MAX_STEPS, system_config
 
 pytestmark = [pytest.mark.system]
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from scaletune.launch.slurm import SlurmOptions, render_sbatch
-from tests.system.conftest import PAYLOAD, assert_trains_like_reference, system_config
+from tests.system.system_helpers import PAYLOAD, assert_trains_like_reference, system_config
 
 pytestmark = [pytest.mark.system]
 

@@ -12,7 +12,7 @@ import transformers
 
 from scaletune.data.batching import Collator
 from scaletune.models.attention import packed_mask
-from scaletune.models.loss import CausalLMLoss, target_index
+from scaletune.models.loss import CausalLMLoss
 from scaletune.strategies.context_parallel import context_mask, split_batch
 from scaletune.trainer.batches import TEXT, model_inputs
 
@@ -55,14 +55,28 @@ def test_slices_put_back_are_the_padded_batch_and_count_the_same(make, cp):
     labels = padded(mb["labels"], length + 1, -100)
     for r, s in enumerate(slices):
         assert torch.equal(s["labels"], labels[:, r * local : (r + 1) * local + 1])
-        index = model_inputs(s)["target_index"]  # what the loss gets: the slice's own targets
-        assert "target_index" not in s and torch.equal(index, target_index(s["labels"]))
+        assert "target_index" not in s  # it indexed the whole rows; model_inputs computes the slice's
+        index = model_inputs(s)["target_index"]  # what the loss gets (its values: the test below)
         assert index.numel() == 0 or int(index.max()) < mb["input_ids"].size(0) * local
         assert ("full_position_ids" in s) == packed
         if packed:
             assert torch.equal(s["full_position_ids"], padded(mb["position_ids"], length, 0))
     assert sum(TEXT.targets(s) for s in slices) == TEXT.targets(mb)
     assert sum(TEXT.tokens(s) for s in slices) == TEXT.tokens(mb)
+
+
+def test_the_loss_gets_each_slices_own_targets():
+    """The target index the loss gets on each context rank, written out by hand for the unpacked
+    batch at cp 2 (rows of 13, 9 and 5 tokens whose first 4, 2 and 0 are prompt: labels -100 there
+    and in the padding). T = 13, so L = 7 and rank r holds positions [7r, 7r + 7) with the labels
+    of [7r, 7r + 8) (one past the slice). Local position t of row b is index 7b + t when its next
+    token's label, at position 7r + t + 1, is a target (row 0: 4..12, row 1: 2..8, row 2: 0..4):
+    rank 0: row 0 t = 3..6, row 1 t = 1..6 -> 8..13, row 2 t = 0..3 -> 14..17;
+    rank 1: row 0 t = 0..4 (positions 8..12), row 1 t = 0 (position 8) -> 7, row 2 none."""
+    mb = unpacked_batch()
+    want = {0: [3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], 1: [0, 1, 2, 3, 4, 7]}
+    for rank, index in want.items():
+        assert model_inputs(split_batch(mb, rank, 2))["target_index"].tolist() == index, rank
 
 
 def test_the_packed_boundary_case_is_there():

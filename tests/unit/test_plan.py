@@ -92,33 +92,51 @@ def test_lora_only_adapters_train(llama8b):
     assert ddp.params == 4 * shape.trainable + 2 * shape.frozen  # frozen base in bf16
 
 
-def _bnb_4bit_bytes(shape: tuple[int, ...], double_quant: bool) -> int:
-    """Bytes bitsandbytes really stores for a 4-bit NF4 weight of `shape` (as `Params4bit` with
-    its defaults, blocksize 64): the packed weight, the per-block absmax and, with double
-    quantization, the absmax's own 8-bit state (its fp32 absmax per 256 blocks, code and offset)."""
+def _bnb_4bit_storage(shape: tuple[int, ...], double_quant: bool, device: str) -> list[tuple[tuple[int, ...], str]]:
+    """The tensors bitsandbytes stores for a 4-bit NF4 weight of `shape` (as `Params4bit` with its
+    defaults, blocksize 64), as (shape, dtype): the packed weight, the per-block absmax and, with
+    double quantization, the absmax's own 8-bit state (its fp32 absmax per 256 blocks, code and
+    offset). `device="meta"` runs bitsandbytes' own quantize_4bit on a tensor without data (the
+    storage it allocates, no kernel run); `"cpu"` quantizes a random weight for real."""
     import bitsandbytes.functional as F  # noqa: N812
     import torch
 
-    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    if device == "meta":
+        w = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    else:
+        w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     packed, state = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=double_quant)
     tensors = [packed, state.absmax]
     if state.nested:
         tensors += [state.state2.absmax, state.state2.code, state.offset]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return [(tuple(t.shape), str(t.dtype)) for t in tensors]
+
+
+def _bnb_4bit_bytes(shape: tuple[int, ...], double_quant: bool) -> int:
+    """Bytes bitsandbytes stores for a 4-bit NF4 weight of `shape` (:func:`_bnb_4bit_storage` on meta)."""
+    import math
+
+    import torch
+
+    storage = _bnb_4bit_storage(shape, double_quant, "meta")
+    return sum(math.prod(s) * getattr(torch, dtype.removeprefix("torch.")).itemsize for s, dtype in storage)
 
 
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_qlora_base_bytes_are_bitsandbytes_storage(llama8b, double_quant):
     """The 4-bit base of QLoRA costs what bitsandbytes stores when it quantizes each of those
-    weights (measured by quantizing one tensor of each shape on the CPU), within 0.01%; the rest of
-    the frozen model is float32 (peft's prepare_model_for_kbit_training upcasts it) and the adapters
-    are float32 master weights."""
+    weights (measured by bitsandbytes' quantize_4bit on a meta tensor of each shape; the control:
+    on the CPU a real weight of the smallest shape is stored in the same tensors), within 0.01%;
+    the rest of the frozen model is float32 (peft's prepare_model_for_kbit_training upcasts it) and
+    the adapters are float32 master weights."""
     pytest.importorskip("bitsandbytes")
     _, full = llama8b
     quant = {"bits": 4, "double_quant": double_quant}
     p = plan(cfg_for("llama-3-8b", lora={"r": 16}, quantization=quant), world_size=1, gpu_memory_bytes=24 * GiB)
     quantized = [x for x in p.shape.params if x.quantized]
     assert {x.shape for x in quantized} == {(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)}
+    on_cpu = _bnb_4bit_storage((1024, 4096), double_quant, "cpu")
+    assert on_cpu == _bnb_4bit_storage((1024, 4096), double_quant, "meta"), on_cpu
     real = {shape: _bnb_4bit_bytes(shape, double_quant) for shape in {x.shape for x in quantized}}
     base = sum(real[x.shape] for x in quantized)
     other = p.shape.frozen - sum(x.numel for x in quantized)
