@@ -24,4 +24,7 @@ done
 export DS_ACCELERATOR=cpu HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The suite needs a few GB of temporary space at its peak; say how much there is, for a failure's reader.
 df -h "${TMPDIR:-/tmp}" | awk 'NR == 2 {print "[test.sh] free disk for temporary files: " $4}'
-python -m pytest -q --durations=30 ${where[@]+"${where[@]}"} "$@"
+# Every test's duration goes to test-durations.tsv; the run ends with the time per tier and the ten
+# slowest tests (tests/conftest.py), which tests/README.md's budgets are checked against.
+export SCALETUNE_TEST_DURATIONS="${SCALETUNE_TEST_DURATIONS:-$PWD/test-durations.tsv}"
+python -m pytest -q ${where[@]+"${where[@]}"} "$@"

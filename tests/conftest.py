@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ALPACA_5000, SHARED_DATA
+from tests.helpers import ALPACA_5000, SHARED_DATA, SMALL_TOKENIZER
 
 # Tests never reach a hub; DeepSpeed runs on its CPU accelerator where no CUDA GPU is visible (the
 # GPU tier needs it on CUDA).
@@ -35,6 +35,43 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+# Per-test durations (setup + call + teardown, seconds), written where SCALETUNE_TEST_DURATIONS names
+# (scripts/test.sh: test-durations.tsv) and summed per tier at the end of the run, so CI's log shows
+# where the time went and tests/README.md's budgets can be checked against it.
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
+    if parts[0] != "tests" or len(parts) < 3:
+        return "other"
+    return "fast (cli usage)" if parts[1:] == ["e2e", "test_cli_usage.py"] else parts[1]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _DURATIONS:
+        return
+    ranked = sorted(_DURATIONS.items(), key=lambda kv: -kv[1])
+    path = os.environ.get("SCALETUNE_TEST_DURATIONS")
+    if path:
+        Path(path).write_text("".join(f"{d:.2f}\t{n}\n" for n, d in ranked))
+    tiers: dict[str, list[float]] = {}
+    for nodeid, seconds in ranked:
+        tiers.setdefault(_tier(nodeid), []).append(seconds)
+    write = terminalreporter.write_line
+    write("")
+    write(f"test time by tier ({len(ranked)} tests{'; all of them in ' + path if path else ''}):")
+    for tier, times in sorted(tiers.items(), key=lambda kv: -sum(kv[1])):
+        write(f"  {tier:<16} {sum(times):8.1f} s  {len(times):5d} tests")
+    write("the ten slowest tests:")
+    for nodeid, seconds in ranked[:10]:
+        write(f"  {seconds:8.1f} s  {nodeid}")
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not ALPACA_5000.is_file():
@@ -56,14 +93,28 @@ def module_tmp_path(request, tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """The `olmo2-tiny` preset, randomly initialised and saved once per test session."""
+    """The `olmo2-tiny` preset with the tests' tokenizer (tests/helpers.py SMALL_TOKENIZER: OLMo-2's,
+    cut to the 27,110 tokens the project's data uses), randomly initialised and saved once per test
+    session: 3.7M parameters, where OLMo-2's whole vocabulary makes it 13.2M (98.5 % embeddings)."""
     from scaletune.models import init_model
 
-    return init_model("olmo2-tiny", tmp_path_factory.mktemp("models") / "olmo2-tiny", seed=0)
+    out = tmp_path_factory.mktemp("models") / "olmo2-tiny"
+    return init_model("olmo2-tiny", out, seed=0, tokenizer_file=SMALL_TOKENIZER)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
+    """The `llama-tiny` preset with the tests' tokenizer, as :func:`tiny_model_dir`."""
     from scaletune.models import init_model
 
-    return init_model("llama-tiny", tmp_path_factory.mktemp("models") / "llama-tiny", seed=0)
+    out = tmp_path_factory.mktemp("models") / "llama-tiny"
+    return init_model("llama-tiny", out, seed=0, tokenizer_file=SMALL_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def olmo2_vocab_model_dir(tmp_path_factory) -> Path:
+    """The `olmo2-tiny` preset exactly as `scaletune init-model olmo2-tiny` builds it (the bundled
+    OLMo-2 tokenizer, 100,352 rows), for the tests about that default."""
+    from scaletune.models import init_model
+
+    return init_model("olmo2-tiny", tmp_path_factory.mktemp("models") / "olmo2-vocab", seed=0)

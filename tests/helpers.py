@@ -25,6 +25,10 @@ ALPACA_5000 = SHARED_DATA / "alpaca_5000.json"
 NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b.json"
 OLMO2_TOKENIZER = SHARED_DATA / "tokenizers" / "olmo2-dolma2.json"
 BUNDLED_ALPACA = REPO_ROOT / "examples" / "data" / "alpaca_400.json"
+# OLMo-2's tokenizer cut down to the 27,110 tokens the project's data uses (scripts/make_test_tokenizer.py;
+# tests/assets/README.md): it cuts that data exactly as OLMo-2's does, and tiny models built with it are
+# 3.7M parameters instead of 13.2M.
+SMALL_TOKENIZER = REPO_ROOT / "tests" / "assets" / "olmo2-alpaca.json"
 
 # The LoRA model section of the distributed parity and resume runs.
 LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}, "gradient_checkpointing": True}
@@ -290,10 +294,27 @@ def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **confi
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from scaletune.models import _tokenizer_from_file
+    from scaletune.models import tokenizer_from_file
 
     llama = LlamaConfig(**config)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(llama, dtype=torch.float32).save_pretrained(out)
-    _tokenizer_from_file(tokenizer_file, model_max_length=llama.max_position_embeddings).save_pretrained(out)
+    tokenizer_from_file(tokenizer_file, model_max_length=llama.max_position_embeddings).save_pretrained(out)
     return out
+
+
+def modules_after(args: list[str]) -> set[str]:
+    """The modules `scaletune ARGS` has imported by the time it exits (with 0), in a fresh process
+    (a name set to None in `sys.modules`, which marks a package absent, is not imported)."""
+    code = "import sys\nfrom scaletune.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n    print('MODULES', *[k for k, v in sys.modules.items() if v is not None])\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=subprocess_env(),
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(proc.stdout.splitlines()[-1].split()[1:])

@@ -47,11 +47,14 @@ def torch_save_globals() -> list[Any]:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def enforce() -> None:
-    """Make every `torch.load` of this process and its children restricted (see the module docstring)."""
+def enforce(*, deepspeed: bool = True) -> None:
+    """Make every `torch.load` of this process and its children restricted (see the module docstring).
+    `deepspeed=False` leaves DeepSpeed's classes off torch's allow-list (and DeepSpeed unimported),
+    for a process that loads no DeepSpeed file (`train --check`): the scans add them themselves."""
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     os.environ[FORCE] = "1"
-    _allow_deepspeed_globals()
+    if deepspeed:
+        _allow_deepspeed_globals()
 
 
 def _allow_deepspeed_globals() -> None:

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.distributed.parity_cases import SINGLE
 from tests.helpers import (
     ALPACA_5000,
     GRAD_REL,
     LORA,
     REPO_ROOT,
+    SMALL_TOKENIZER,
     assert_close,
     assert_same_logits,
     assert_same_steps,
@@ -40,7 +42,6 @@ GOLDEN_COMMAND = (
 )
 REL = 1e-4
 
-SINGLE = {"strategy": "single", "num_processes": 1}
 CASES = {
     "ddp": {"strategy": "ddp"},
     "fsdp": {"strategy": "fsdp"},
@@ -77,7 +78,9 @@ def config_of(run: Path) -> dict:
     cfg = yaml.safe_load((run.parent / "config.yaml").read_text())
     assert cfg["output_dir"] == str(run) and cfg["data"]["train"]["path"] == str(ALPACA_5000)
     cfg["output_dir"] = "<output_dir>"
-    cfg["model"]["name_or_path"] = "<tiny_model_dir: scaletune init-model olmo2-tiny, seed 0>"
+    cfg["model"]["name_or_path"] = (
+        "<tiny_model_dir: init_model olmo2-tiny, seed 0, tokenizer_file tests/assets/olmo2-alpaca.json>"
+    )
     cfg["data"]["train"]["path"] = "<../shared/data>/alpaca_5000.json"
     return cfg
 
@@ -215,7 +218,7 @@ def test_fsdp_with_tied_embeddings(tmp_path):
     single-process run's."""
     from scaletune.models import init_model
 
-    qwen = init_model("qwen2-tiny", tmp_path / "qwen2-tiny", seed=0)
+    qwen = init_model("qwen2-tiny", tmp_path / "qwen2-tiny", seed=0, tokenizer_file=SMALL_TOKENIZER)
     runs = {}
     for name, dist in (("single", SINGLE), ("fsdp", {"strategy": "fsdp", "num_processes": 2})):
         cfg = make_config(qwen, tmp_path / name, distributed=dist, training={"max_steps": 3, "save_every": 0})

@@ -4,7 +4,14 @@ process)."""
 
 from __future__ import annotations
 
-from tests.helpers import run_cli
+from tests.helpers import modules_after, run_cli
+
+
+def test_help_imports_no_torch():
+    """Startup is a product cost: `--help` is typer's work alone (`import torch` alone is seconds)."""
+    for args in (["--help"], ["train", "--help"]):
+        heavy = modules_after(args) & {"torch", "transformers", "deepspeed", "datasets", "fastapi"}
+        assert not heavy, f"scaletune {' '.join(args)} imported {sorted(heavy)}"
 
 
 def test_help_rewraps_docstrings_to_the_terminal():

@@ -8,7 +8,7 @@ import json
 import torch
 import yaml
 
-from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, modules_after, run_cli, train
 
 EVAL_DROP = 0.1  # eval loss from step 3 to step 8 (measured: 0.20)
 DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
@@ -189,3 +189,16 @@ def test_divergence_stops_without_a_poisoned_checkpoint(tiny_model_dir, tmp_path
 
     logged = {m["step"]: m["loss"] for m in metrics(tmp_path / "run") if "loss" in m}
     assert all(math.isfinite(logged[s]) for s in range(1, step)) and not math.isfinite(logged[step])
+
+
+def test_train_check_imports_no_deepspeed_and_no_service(tiny_model_dir, tmp_path):
+    """`train --check` imports what its checks use (torch, transformers for the model on the meta
+    device, datasets to tokenise), not DeepSpeed (its classes join torch's allow-list only in a
+    process that trains) nor the job service, nor bitsandbytes for a config that quantizes nothing
+    (peft imports it whenever it is installed, and it compiles its CPU ops at import: run/entry.py)."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(make_config(tiny_model_dir, tmp_path / "run")))
+    loaded = modules_after(["train", str(path), "--check"])
+    assert "transformers" in loaded  # the checks ran
+    unwanted = {"deepspeed", "fastapi", "scaletune.serve", "scaletune.strategies.deepspeed", "bitsandbytes"}
+    assert not loaded & unwanted, sorted(loaded & unwanted)

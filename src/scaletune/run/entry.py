@@ -3,13 +3,18 @@ the preflight, the re-exec under torchrun when no launcher started this one, the
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from scaletune.config import read_config
 from scaletune.env import DistributedEnv, configure_logging, print0, tune_host_allocator
 from scaletune.resolve import RunSpec
 from scaletune.run.preflight import check_data, predicted_memory, prepare
 from scaletune.run.reexec import reexec_under_torchrun
+
+if TYPE_CHECKING:
+    from scaletune.config import LoadedConfig
 
 
 def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: bool = False) -> Path | None:
@@ -18,12 +23,16 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
     Returns the run directory (None after a check)."""
     from scaletune.safe_load import enforce
 
-    enforce()  # every torch.load of this process and its ranks through the restricted unpickler
+    # Every torch.load of this process and its ranks through the restricted unpickler; a check
+    # loads no DeepSpeed file, so it does not import DeepSpeed for its classes.
+    enforce(deepspeed=not check_only)
     env = DistributedEnv.from_environ()
     configure_logging(env.rank)  # an entry point: `scaletune train` as a rank, or called in-process
     if env.device.type == "cpu":
         tune_host_allocator()  # before the model and data are allocated
-    spec = prepare(read_config(config_path, overrides), env)
+    loaded = read_config(config_path, overrides)
+    _set_unused_bitsandbytes_aside(loaded)
+    spec = prepare(loaded, env)
     if check_only or (not env.launched and spec.world_size > 1):
         check_data(spec)  # before the ranks start, so bad data ends here, once, with exit 2
     if check_only:
@@ -44,3 +53,17 @@ def train(spec: RunSpec) -> Path:
         print0(f"[scaletune] restarted by torchrun: resuming from the latest checkpoint (attempt {attempt})")
     predicted = predicted_memory(spec) if spec.env.is_main else None
     return Trainer(spec, predicted_memory=predicted, open_run_dir=opened).fit()
+
+
+def _set_unused_bitsandbytes_aside(loaded: LoadedConfig) -> None:
+    """Treat bitsandbytes as not installed in a run that quantizes nothing.
+
+    peft imports bitsandbytes whenever it is installed (peft/helpers.py, peft 0.21), and
+    bitsandbytes wraps its CPU ops in `torch.compile` at import, which imports torch._dynamo and
+    inductor: about 2 s of CPU at the start of every rank. Without `model.quantization` no code of
+    the run uses it, so this process marks it absent (`sys.modules[name] = None`: `import` raises
+    ImportError and `importlib.util.find_spec` returns None, which is how peft and transformers ask),
+    as on a machine without the `gpu` extra."""
+    config = loaded.config or loaded.best_effort
+    if config is not None and config.model.quantization is None and "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None
