@@ -318,3 +318,19 @@ def modules_after(args: list[str]) -> set[str]:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return set(proc.stdout.splitlines()[-1].split()[1:])
+
+
+def assert_refused(cfg: dict, tmp_path: Path) -> str:
+    """`scaletune train` of `cfg` refused as bad input: exit 2, no traceback, no run directory
+    written (tmp_path/run); returns stderr."""
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be written before validation passes"
+    return proc.stderr
+
+
+def assert_located(err: str, config: Path, line_text: str, message: str) -> None:
+    """`message` is in `err` prefixed by `config`'s file:line of the YAML line `line_text`."""
+    line = config.read_text().splitlines().index(line_text) + 1
+    assert f"{config}:{line}: {message}" in err, err

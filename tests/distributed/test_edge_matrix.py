@@ -18,8 +18,8 @@ One config holds every edge, so each (strategy, world size) is one run:
 Also: a dataset smaller than one global batch (exit 2, one message, no traceback) and your own
 model (`model.factory`, examples/digits) across two processes through the real command.
 
-The default tier runs fsdp at world size 2 and ZeRO-3 at world size 3 (through torchrun); the other
-six are in the slow tier (SCALETUNE_SLOW_TESTS=1).
+Each engine runs at world sizes 2 and 3 (ddp, ZeRO-2 and ZeRO-3 at both; fsdp at both), half of the
+resumed runs started through torchrun, half through the plain command.
 """
 
 from __future__ import annotations
@@ -44,21 +44,18 @@ STRATEGIES = {
     "zero2": ["distributed.strategy=deepspeed", "distributed.zero_stage=2"],
     "zero3": ["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
 }
-# (strategy, world size, how the resumed run starts): world sizes 2 and 3 in the default tier; resuming
-# through the plain command is tests/distributed/test_resume.py's.
+# (strategy, world size, how the resumed run starts): every engine at world sizes 2 and 3, the resumed
+# run started through torchrun or the plain command; resuming onto another world size is
+# tests/distributed/test_resume.py's.
 CASES = [
     ("fsdp", 2, "torchrun"),
     ("zero3", 3, "torchrun"),
-    # DDP at world size 3: the uneven shares and stage ends are the loop's, which the zero3 case holds
-    # at world size 3; DDP's parity is test_parity.py's. The slow tier (CI time).
-    pytest.param("ddp", 3, "scaletune", marks=pytest.mark.slow),
-    # ZeRO-2 at world size 2: its parity is test_parity.py's, and the edges (uneven eval, stage ends,
-    # resume) run through the DeepSpeed engine in the zero3 case above; the slow tier (CI time).
-    pytest.param("zero2", 2, "scaletune", marks=pytest.mark.slow),
-    pytest.param("fsdp", 3, "scaletune", marks=pytest.mark.slow),
-    pytest.param("zero3", 2, "scaletune", marks=pytest.mark.slow),
-    pytest.param("ddp", 2, "torchrun", marks=pytest.mark.slow),
-    pytest.param("zero2", 3, "torchrun", marks=pytest.mark.slow),
+    ("ddp", 3, "scaletune"),
+    ("zero2", 2, "scaletune"),
+    ("fsdp", 3, "scaletune"),
+    ("zero3", 2, "scaletune"),
+    ("ddp", 2, "torchrun"),
+    ("zero2", 3, "torchrun"),
 ]
 RESUME_STEP = 4
 # LoRA: the head stays frozen. A full fine-tune's gradient norm agrees across engines only to a few

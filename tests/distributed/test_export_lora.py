@@ -32,12 +32,9 @@ def adapter(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "adapter_model.safetensors")
 
 
-# DDP and ZeRO-1/-2 keep every parameter whole on each rank (the gathering that fails is ZeRO-3's
-# and FSDP's, both in the default tier; DDP's adapter logits are test_parity.py's): their cases run
-# in the slow tier (CI time).
-@pytest.mark.parametrize(
-    "engine", [pytest.param(e, marks=pytest.mark.slow) if e in ("ddp", "zero1", "zero2") else e for e in ENGINES]
-)
+# Every engine: DDP and ZeRO-1/-2 keep every parameter whole on each rank, ZeRO-3 and FSDP gather
+# their shards for final/.
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
     run, proc = run_once(SHARED.get(engine, f"{engine}-lora"), model=LORA, distributed=ENGINES[engine])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,7 +19,7 @@ from scaletune import models
 from scaletune.config import ModelConfig
 from scaletune.models import DevicePlacement
 from scaletune.models.attention import packed_mask
-from tests.unit.test_attention import TOL, packed_batch, scaletune_mean_loss, tiny, transformers_mean_loss
+from tests.attention_cases import TOL, packed_batch, scaletune_mean_loss, tiny, transformers_mean_loss
 
 CPU = DevicePlacement(None, "cpu")
 

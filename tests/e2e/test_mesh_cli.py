@@ -5,8 +5,7 @@ tests/unit/test_mesh.py."""
 
 from __future__ import annotations
 
-from tests.e2e.test_train_cli import _bad, _located
-from tests.helpers import make_config
+from tests.helpers import assert_located, assert_refused, make_config
 
 
 def test_every_mesh_problem_in_one_message(tiny_model_dir, tmp_path):
@@ -18,14 +17,16 @@ def test_every_mesh_problem_in_one_message(tiny_model_dir, tmp_path):
         data={"max_seq_length": 63},
         distributed={"strategy": "deepspeed", "num_processes": 4, "tensor_parallel": 3, "context_parallel": 2},
     )
-    err = _bad(cfg, tmp_path)
+    err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
     degrees = "tensor_parallel 3, context_parallel 2"
     assert "cannot start training (3 problems)" in err, err
     strategy = f"{degrees} needs distributed.strategy fsdp (or auto), not deepspeed zero_stage 2"
-    _located(err, config, "  tensor_parallel: 3", strategy)
-    _located(err, config, "  tensor_parallel: 3", f"{degrees} (6 ranks per model replica) does not divide world_size 4")
-    _located(
+    assert_located(err, config, "  tensor_parallel: 3", strategy)
+    assert_located(
+        err, config, "  tensor_parallel: 3", f"{degrees} (6 ranks per model replica) does not divide world_size 4"
+    )
+    assert_located(
         err, config, "  max_seq_length: 63", "data.max_seq_length 63 is not divisible by distributed.context_parallel 2"
     )
 
@@ -40,16 +41,16 @@ def test_model_shape_refused(tiny_model_dir, tmp_path):
         tmp_path / "run",
         distributed={"strategy": "fsdp", "num_processes": 8, "tensor_parallel": 4, "context_parallel": 2},
     )
-    err = _bad(cfg, tmp_path)
+    err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
     assert "cannot start training (2 problems)" in err, err
-    _located(
+    assert_located(
         err,
         config,
         "  tensor_parallel: 4",
         "distributed.tensor_parallel 4 does not divide the model's key-value heads (2)",
     )
-    _located(
+    assert_located(
         err,
         config,
         "  context_parallel: 2",

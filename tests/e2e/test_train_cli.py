@@ -8,7 +8,18 @@ import json
 import torch
 import yaml
 
-from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, modules_after, run_cli, train
+from tests.helpers import (
+    ALPACA_5000,
+    assert_close,
+    assert_located,
+    assert_refused,
+    losses,
+    make_config,
+    metrics,
+    modules_after,
+    run_cli,
+    train,
+)
 
 EVAL_DROP = 0.1  # eval loss from step 3 to step 8 (measured: 0.20)
 DESIGN_FIELDS = {"step", "stage", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
@@ -75,20 +86,6 @@ def test_accumulation_identity_4x1_equals_1x4(tiny_model_dir, tmp_path):
 # Bad input: exit code 2, one message naming every problem, no traceback, nothing written.
 
 
-def _bad(cfg, tmp_path):
-    proc = train(cfg, tmp_path, expect_ok=False)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "run").exists(), "nothing may be written before validation passes"
-    return proc.stderr
-
-
-def _located(err, config, line_text, message):
-    """`message` is in `err` prefixed by `config`'s file:line of the YAML line `line_text`."""
-    line = config.read_text().splitlines().index(line_text) + 1
-    assert f"{config}:{line}: {message}" in err, err
-
-
 def test_every_config_data_and_model_problem_in_one_message(tiny_model_dir, tmp_path):
     """One run, every problem the preflight finds before a rank starts (each rule in-process:
     tests/unit/test_config.py, test_resolve.py, test_data.py): two unknown keys, a global batch
@@ -109,18 +106,20 @@ def test_every_config_data_and_model_problem_in_one_message(tiny_model_dir, tmp_
         model={"lora": {"rank": 4}},
         distributed={"strategy": "ddp", "num_processes": 2},
     )
-    err = _bad(cfg, tmp_path)
+    err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
     assert "cannot start training (7 problems)" in err, err
-    _located(err, config, "  learnig_rate: 0.1", "training.learnig_rate: unknown key (did you mean 'learning_rate'?)")
-    _located(err, config, "    rank: 4", "model.lora.rank: unknown key; allowed here: r, alpha")
-    _located(
+    assert_located(
+        err, config, "  learnig_rate: 0.1", "training.learnig_rate: unknown key (did you mean 'learning_rate'?)"
+    )
+    assert_located(err, config, "    rank: 4", "model.lora.rank: unknown key; allowed here: r, alpha")
+    assert_located(
         err,
         config,
         "  global_batch_size: 6",
         "training.global_batch_size (6) must be a multiple of micro_batch_size x world_size (2 x 2 = 4)",
     )
-    _located(err, config, "  max_seq_length: 100000", "data.max_seq_length (100000) is larger than the model's")
+    assert_located(err, config, "  max_seq_length: 100000", "data.max_seq_length (100000) is larger than the model's")
     assert "max_position_embeddings (2048), the positions" in err
     assert f"{bad_jsonl}:2: not valid JSON" in err  # the malformed line
     assert f"{bad_jsonl}:3: record 3: missing field 'output'" in err  # the record missing its field

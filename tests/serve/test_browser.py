@@ -23,9 +23,8 @@ def browser_binaries() -> tuple[str, str]:
     return CHROMIUM, DRIVER
 
 
-# Slow tier: tests/serve/test_page_walk.py walks the same path (and more) in CI; this one stays as
-# the short first check of a page change (bash scripts/test.sh --slow tests/serve/test_browser.py).
-@pytest.mark.slow
+# The short first check of a page change (tests/serve/test_page_walk.py walks the whole path): every
+# problem of a bad config shown at once, the plan preview, the live chart to a succeeded job.
 def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path):
     from selenium.webdriver.common.by import By
 

@@ -214,9 +214,6 @@ def test_models_and_samples_are_listed(server, jobs):
     assert samples == written and samples[0]["prompt"] == PROMPT and "trained" in samples[0]
 
 
-# The page walk (tests/serve/test_page_walk.py) holds the same evaluation against `scaletune eval
-# --json` through the page: this API-level case is in the slow tier (CI time).
-@pytest.mark.slow
 def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs, eval_file):
     job = jobs["full"]
     run = Path(job["run_dir"])
@@ -271,9 +268,6 @@ def test_export_task_matches_the_command_line_and_its_archive_the_folder(server,
     assert got_files == want_files and any(n.endswith(".safetensors") for n in got_files)
 
 
-# Slow tier: the HF export task above proves the task path; GGUF itself is held against the CLI in
-# tests/e2e (export); CI time goes to the whole-page walk (tests/serve/test_page_walk.py).
-@pytest.mark.slow
 def test_gguf_export_task_writes_the_command_lines_file(server, jobs, tmp_path):
     job = jobs["full"]
     run = Path(job["run_dir"])
@@ -328,8 +322,6 @@ def test_tasks_need_the_jobs_owner(server, jobs, eval_file):
         assert c.post(f"/api/jobs/{job_id}/tasks/export", json={}).status_code == 403
 
 
-# Slow tier: tests/serve/test_page_walk.py chats, evaluates, exports and downloads in Chromium in CI.
-@pytest.mark.slow
 def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
     from selenium.webdriver.common.by import By
 
