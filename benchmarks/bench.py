@@ -708,13 +708,13 @@ def prepare_model(spec: Spec, cache: Path) -> Path:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from scaletune.models import _tokenizer_from_file
+        from scaletune.models import tokenizer_from_file
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(preset_config(spec.model_preset), dtype=torch.bfloat16)
         model.save_pretrained(out)
         tok_file = REPO / "src" / "scaletune" / "assets" / "olmo2-dolma2.json"
-        _tokenizer_from_file(tok_file, model_max_length=spec.max_seq_length).save_pretrained(out)
+        tokenizer_from_file(tok_file, model_max_length=spec.max_seq_length).save_pretrained(out)
     return out
 
 

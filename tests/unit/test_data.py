@@ -563,21 +563,21 @@ def test_dummy_data(tmp_path, neox):
 
 def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("SCALETUNE_CACHE", raising=False)
-    assert D._cache_root(None) == Path.home() / ".cache" / "scaletune" / "datasets"
+    assert D.cache_root(None) == Path.home() / ".cache" / "scaletune" / "datasets"
     monkeypatch.setenv("SCALETUNE_CACHE", str(tmp_path))
-    assert D._cache_root(None) == tmp_path / "datasets"
-    assert D._cache_root(tmp_path / "x") == tmp_path / "x"
+    assert D.cache_root(None) == tmp_path / "datasets"
+    assert D.cache_root(tmp_path / "x") == tmp_path / "x"
 
 
 def test_tokenized_data_is_cached_and_reused(tmp_path, olmo, alpaca_path, monkeypatch):
     encoded = []  # records passed through the tokenizing function, per call
-    real_call = D._Encoder.__call__
+    real_call = D.Encoder.__call__
 
     def counting(self, batch):
         encoded.append(len(next(iter(batch.values()))))
         return real_call(self, batch)
 
-    monkeypatch.setattr(D._Encoder, "__call__", counting)
+    monkeypatch.setattr(D.Encoder, "__call__", counting)
     src = {"path": str(alpaca_path), "max_samples": 100}
     first = build(tmp_path, olmo, train=src, max_seq_length=256, packing=True)
     assert sum(encoded) > 100

@@ -113,7 +113,7 @@ def test_liger_without_gpu_or_package_is_fatal(tmp_path):
     c = cfg(tmp_path, model={"liger": True})
     res = doctor.check_liger(NONE, c)
     assert res.status == "FAIL" and res.fatal and "needs a CUDA GPU" in res.message and "model.liger: false" in res.fix
-    if doctor._version("liger-kernel") is not None:
+    if doctor.installed_version("liger-kernel") is not None:
         pytest.skip("liger-kernel is installed here")
     res = doctor.check_liger(GPU8, c)  # a GPU machine without the package (really absent here)
     assert res.status == "FAIL" and res.fatal and "liger-kernel" in res.message and "scaletune[liger]" in res.fix

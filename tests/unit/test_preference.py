@@ -23,9 +23,9 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from scaletune.models import _tokenizer_from_file
+    from scaletune.models import tokenizer_from_file
 
-    tok = _tokenizer_from_file(OLMO2_TOKENIZER, model_max_length=512)
+    tok = tokenizer_from_file(OLMO2_TOKENIZER, model_max_length=512)
     tok.chat_template = CHATML
     return tok
 

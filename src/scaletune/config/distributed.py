@@ -6,10 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from scaletune.config.strict import _Strict
+from scaletune.config.strict import StrictModel
 
 
-class DistributedConfig(_Strict):
+class DistributedConfig(StrictModel):
     """How the work is spread over processes and devices."""
 
     strategy: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"

@@ -43,7 +43,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _set_path(data: dict, parts: list[str], value: Any) -> None:
+def set_path(data: dict, parts: list[str], value: Any) -> None:
     node = data
     for p in parts[:-1]:
         if not isinstance(node.get(p), dict):
@@ -178,7 +178,7 @@ def read_config(
         data = {} if data is None else data
     if not isinstance(data, dict):
         return LoadedConfig(None, None, [f"{source}: the top level must be a mapping of keys"], source)
-    data = _deepcopy(data)
+    data = plain_copy(data)
     override_keys: set[tuple] = set()
     for item in overrides:
         if any(ord(c) < 0x20 or ord(c) == 0x7F for c in item):
@@ -190,7 +190,7 @@ def read_config(
         except ValueError as exc:
             problems.append(f"command line: {exc}")
             continue
-        _set_path(data, parts, value)
+        set_path(data, parts, value)
         override_keys.add(tuple(parts))
     for loc, what in yamlfile.control_characters(data):
         problems.append(f"{_where(source, lines, loc, override_keys)}: {'.'.join(map(str, loc))}: {what}")
@@ -229,7 +229,7 @@ def load_config(
 
 def _without(data: dict, locs: list[tuple]) -> dict:
     """A copy of `data` with the keys at `locs` removed (defaults then apply)."""
-    out = _deepcopy(data)
+    out = plain_copy(data)
     for loc in locs:
         node: Any = out
         for part in loc[:-1]:
@@ -243,11 +243,11 @@ def _without(data: dict, locs: list[tuple]) -> dict:
     return out
 
 
-def _deepcopy(x: Any) -> Any:
+def plain_copy(x: Any) -> Any:
     if isinstance(x, dict):
-        return {k: _deepcopy(v) for k, v in x.items()}
+        return {k: plain_copy(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_deepcopy(v) for v in x]
+        return [plain_copy(v) for v in x]
     return x
 
 

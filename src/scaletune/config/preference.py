@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from scaletune.config.strict import _Strict
+from scaletune.config.strict import StrictModel
 
 Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo"]
 #: The objectives that train on preference data (`data.train.format: preference`, KTO: `kto`).
@@ -15,7 +15,7 @@ PreferenceObjective = Literal["dpo", "ipo", "orpo", "kto", "simpo"]
 ReferenceMode = Literal["auto", "base", "precomputed", "model"]
 
 
-class PreferenceConfig(_Strict):
+class PreferenceConfig(StrictModel):
     """Preference training (DPO, IPO, ORPO, KTO, SimPO): the loss's temperature and where the
     reference model's log-probabilities come from. Read only when `objective` is not `sft`."""
 

@@ -10,7 +10,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from scaletune.config.distributed import DistributedConfig
 from scaletune.config.preference import Objective, PreferenceConfig
-from scaletune.config.strict import _Strict
+from scaletune.config.strict import StrictModel
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
 Scheduler = Literal["cosine", "linear", "constant"]
@@ -24,7 +24,7 @@ def check_device_map(v: str | None) -> str | None:
     return v
 
 
-def _overrides(model: type[_Strict], doc: str, keys: tuple[str, ...] | None = None) -> type[_Strict]:
+def _overrides(model: type[StrictModel], doc: str, keys: tuple[str, ...] | None = None) -> type[StrictModel]:
     """A stage's section: `model`'s fields (all, or `keys`), each optional with default None (not
     given: inherited), with `model`'s type, constraints and description (written once)."""
     fields: dict[str, Any] = {}
@@ -32,10 +32,10 @@ def _overrides(model: type[_Strict], doc: str, keys: tuple[str, ...] | None = No
         if keys is None or key in keys:
             inner = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
             fields[key] = (Optional[inner], Field(None, description=info.description))  # noqa: UP045
-    return create_model(f"Stage{model.__name__[:-6]}", __base__=_Strict, __doc__=doc, __module__=__name__, **fields)
+    return create_model(f"Stage{model.__name__[:-6]}", __base__=StrictModel, __doc__=doc, __module__=__name__, **fields)
 
 
-class LoraConfig(_Strict):
+class LoraConfig(StrictModel):
     """LoRA adapters (Hu et al. 2021, arXiv:2106.09685) injected by peft; the base weights freeze."""
 
     r: int = Field(16, ge=1)
@@ -51,7 +51,7 @@ class LoraConfig(_Strict):
     """Which biases train: none, all, or only those of adapted modules."""
 
 
-class QuantizationConfig(_Strict):
+class QuantizationConfig(StrictModel):
     """bitsandbytes quantization of the frozen base weights (QLoRA: Dettmers et al. 2023,
     arXiv:2305.14314). Needs `model.lora` and a CUDA GPU."""
 
@@ -68,7 +68,7 @@ class QuantizationConfig(_Strict):
     each unit's parameters into one tensor of one dtype, so under them it must equal `model.dtype`."""
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """The model to fine-tune and how to load and adapt it."""
 
     name_or_path: str | None = None
@@ -132,7 +132,7 @@ class ModelConfig(_Strict):
     _device_map = field_validator("device_map")(check_device_map)
 
 
-class DataSource(_Strict):
+class DataSource(StrictModel):
     """One data set: a local JSON/JSONL/Parquet/CSV file or folder, or a Hugging Face `datasets` name."""
 
     path: str | list[str]
@@ -169,7 +169,7 @@ class DataSource(_Strict):
         return self
 
 
-class DummyData(_Strict):
+class DummyData(StrictModel):
     """Synthetic token sequences for smoke tests (replaces `data.train`)."""
 
     num_samples: int = Field(100, ge=1)
@@ -178,7 +178,7 @@ class DummyData(_Strict):
     """Tokens per sequence (default: `data.max_seq_length`)."""
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     """Training and evaluation data, tokenisation and packing."""
 
     train: DataSource | None = None
@@ -212,7 +212,7 @@ class DataConfig(_Strict):
         return self
 
 
-class TrainingConfig(_Strict):
+class TrainingConfig(StrictModel):
     """The optimisation: batch, length of the run, AdamW, schedule, evaluation, checkpoints."""
 
     global_batch_size: int = Field(32, ge=1)
@@ -281,7 +281,7 @@ StageTraining = _overrides(
 )
 
 
-class StageConfig(_Strict):
+class StageConfig(StrictModel):
     """One curriculum stage: its data and training keys are merged onto the top level's."""
 
     name: str
@@ -301,7 +301,7 @@ class StageConfig(_Strict):
     set). Each pattern must match. The optimizer is rebuilt when a stage trains another set."""
 
 
-class WandbConfig(_Strict):
+class WandbConfig(StrictModel):
     """Weights & Biases logging from rank 0 through the `wandb` package (`pip install
     'scaletune[wandb]'`). The API key comes from `wandb login` or WANDB_API_KEY, never from this
     file; the resolved config is sent with secret-looking values redacted."""
@@ -321,7 +321,7 @@ class WandbConfig(_Strict):
     null: WANDB_MODE, else online."""
 
 
-class LoggingConfig(_Strict):
+class LoggingConfig(StrictModel):
     """Where metrics go besides metrics.jsonl."""
 
     tensorboard: bool = True
@@ -330,7 +330,7 @@ class LoggingConfig(_Strict):
     """Weights & Biases run; null: none."""
 
 
-class Config(_Strict):
+class Config(StrictModel):
     """A run: model, data, training, distribution, curriculum stages and logging."""
 
     output_dir: str = "runs/default"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Base of every section: unknown keys, bad assignments and non-finite numbers (an `inf` learning
     rate, refused before a GPU-hour is spent) are errors; each field's docstring is its description."""
 

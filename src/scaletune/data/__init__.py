@@ -44,7 +44,7 @@ from scaletune.data.batching import (
     make_loader,
 )
 from scaletune.data.build import DataBundle, build_datasets
-from scaletune.data.build import _cache_root as _cache_root
+from scaletune.data.build import cache_root as cache_root
 from scaletune.data.factory import build_custom_data, count_batch_tokens, count_units, custom_inputs
 from scaletune.data.packing import check_packing_support, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
@@ -59,10 +59,8 @@ from scaletune.data.templates import (
     tokenizer_fingerprint,
 )
 from scaletune.data.templates import (
-    _Encoder as _Encoder,
+    Encoder as Encoder,
 )
-
-_pack = pack_rows  # the name before the split into a package
 
 __all__ = [
     "ALPACA_PROMPT",

@@ -17,9 +17,9 @@ import jinja2
 import torch
 
 from scaletune.config import DataConfig, DataSource
-from scaletune.data.packing import _PACK_CHUNK, pack_rows
+from scaletune.data.packing import PACK_CHUNK, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, load_records, split_records
-from scaletune.data.templates import _Encoder, resolve_chat_template, tokenizer_fingerprint
+from scaletune.data.templates import Encoder, resolve_chat_template, tokenizer_fingerprint
 from scaletune.errors import DataError
 from scaletune.resolve import positions_problem
 
@@ -70,7 +70,7 @@ def progress_bars(records: int) -> Iterator[None]:
         datasets.enable_progress_bars()
 
 
-def _cache_root(cache_dir: str | Path | None) -> Path:
+def cache_root(cache_dir: str | Path | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     if os.environ.get("SCALETUNE_CACHE"):
@@ -87,11 +87,11 @@ def encoding(source: DataSource, data_cfg: DataConfig, tokenizer) -> tuple[str, 
     return ("alpaca_chat" if source.format == "alpaca" and chat else source.format), template
 
 
-def sft_encoder(source: DataSource, data_cfg: DataConfig, tokenizer) -> _Encoder:
+def sft_encoder(source: DataSource, data_cfg: DataConfig, tokenizer) -> Encoder:
     """The encoder :func:`build_datasets` tokenizes an alpaca, messages or text `source` with (the
     serve page's data preview calls it, so it shows what training sees)."""
     fmt, template = encoding(source, data_cfg, tokenizer)
-    return _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+    return Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
 
 
 def _tokenize(
@@ -118,10 +118,10 @@ def _tokenize(
     if pairs:
         from scaletune.data.preference import PreferenceEncoder, features
 
-        encoder: _Encoder = PreferenceEncoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+        encoder: Encoder = PreferenceEncoder(tokenizer, fmt, data_cfg.max_seq_length, template)
         row_features = features(fmt)
     else:
-        encoder = _Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
+        encoder = Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
         ints = datasets.Sequence(datasets.Value("int32"))
         row_features = datasets.Features(
             {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
@@ -165,7 +165,7 @@ def _tokenize(
             ds = ds.map(
                 pack_rows,
                 batched=True,
-                batch_size=_PACK_CHUNK,
+                batch_size=PACK_CHUNK,
                 fn_kwargs={"max_len": data_cfg.max_seq_length},
                 cache_file_name=str(cache / f"{key}-packed.arrow"),
                 new_fingerprint=f"{key}-packed",
@@ -280,7 +280,7 @@ def build_datasets(
     too_long = positions_problem(data_cfg.max_seq_length, max_positions)
     if too_long is not None:  # a resolved run has passed this rule; direct callers of this function may not
         raise DataError(too_long.text(), title="invalid data")
-    cache = _cache_root(cache_dir)
+    cache = cache_root(cache_dir)
     stats: dict = {}
     evl = None
     eval_records = None
@@ -298,7 +298,7 @@ def build_datasets(
             if data_cfg.packing:
                 with progress_bars(len(part)):
                     ds = ds.map(
-                        pack_rows, batched=True, batch_size=_PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
+                        pack_rows, batched=True, batch_size=PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
                     )
             built[name] = ds
             stats.update(_prefixed(name, records=len(part), examples=len(part), dropped_empty=0, truncated=0))

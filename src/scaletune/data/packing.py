@@ -7,7 +7,7 @@ from scaletune.errors import ConfigError
 from scaletune.resolve import packing_problems
 
 # Examples are packed within chunks of this many (consecutive) examples, to bound memory.
-_PACK_CHUNK = 10_000
+PACK_CHUNK = 10_000
 
 
 def pack_rows(batch: dict[str, list], max_len: int) -> dict[str, list]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from scaletune.data.sources import IGNORE_INDEX
-from scaletune.data.templates import _Encoder, span_labels
+from scaletune.data.templates import Encoder, span_labels
 
 
 def with_kl_completions(records: list[dict]) -> list[dict]:
@@ -40,7 +40,7 @@ def with_kl_completions(records: list[dict]) -> list[dict]:
     return [{**r, "kl_completion": records[(i - 1) % n]["completion"]} for i, r in enumerate(records)]
 
 
-class PreferenceEncoder(_Encoder):
+class PreferenceEncoder(Encoder):
     """Batched ``Dataset.map`` function: preference or kto records -> the rows described above.
 
     Each conversation (prompt + completion) is rendered and tokenized whole, as `messages` data is;

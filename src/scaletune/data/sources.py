@@ -165,10 +165,10 @@ def load_records(source: DataSource) -> list[dict]:
         except OSError as exc:
             raise DataError(f"{path}: cannot be read: {exc.strerror or exc}", title="invalid data") from None
         if suffix == ".jsonl":
-            for where, record in _jsonl_records(raw, path, limit, problems):
+            for where, record in jsonl_records(raw, path, limit, problems):
                 add(record, where)
         else:
-            for i, record in enumerate(_json_records(raw, path, limit), 1):
+            for i, record in enumerate(json_records(raw, path, limit), 1):
                 add(record, f"{path}: record {i}")
     elif p.is_file() and suffix not in (".parquet", ".csv"):
         raise DataError(
@@ -187,7 +187,7 @@ def load_records(source: DataSource) -> list[dict]:
     return records
 
 
-def _jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]) -> Iterator[tuple[str, Any]]:
+def jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]) -> Iterator[tuple[str, Any]]:
     """("file:line: record n", record) of each non-empty line (n counts them); an undecodable or
     invalid line becomes a problem, in line order with the records' own."""
     n = 0
@@ -209,7 +209,7 @@ def _jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]
             yield f"{path}:{lineno}: record {n}", record
 
 
-def _json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
+def json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
     """The records of a .json file holding a list.
 
     Raises:

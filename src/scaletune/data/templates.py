@@ -95,7 +95,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-class _Encoder:
+class Encoder:
     """Batched ``Dataset.map`` function: records -> input_ids, labels, position_ids, truncated.
 
     Examples that keep no predicted token after truncation are dropped (the map returns fewer rows).

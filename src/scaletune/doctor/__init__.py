@@ -21,7 +21,7 @@ from scaletune.doctor.checks import (
     check_wandb,
 )
 from scaletune.doctor.checks import (
-    _version as _version,
+    installed_version as installed_version,
 )
 from scaletune.doctor.comm import comm_test, render_comm
 from scaletune.doctor.report import render, report

@@ -42,11 +42,11 @@ class Check:
         return asdict(self)
 
 
-def _ok(name: str, message: str) -> Check:
+def ok(name: str, message: str) -> Check:
     return Check(name, "OK", message)
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -56,7 +56,7 @@ def _version(dist: str) -> str | None:
 def check_launcher_vars(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
     name = "distributed variables"
     if env.launcher in ("torchrun", "deepspeed", "srun"):
-        return _ok(name, f"started by {env.launcher}: rank {env.rank} of {env.world_size}")
+        return ok(name, f"started by {env.launcher}: rank {env.rank} of {env.world_size}")
     fix = "unset RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT, or start the job with torchrun / scaletune launch"
     if env.launcher == "env":
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(v)]
@@ -84,7 +84,7 @@ def check_launcher_vars(env: DistributedEnv, environ: Mapping[str, str]) -> Chec
                     fatal=True,
                 )
         if env.world_size > 1:
-            return _ok(
+            return ok(
                 name,
                 f"RANK/WORLD_SIZE set by an external launcher: rank {env.rank} of {env.world_size}, "
                 f"rendezvous {environ.get('MASTER_ADDR')}:{environ.get('MASTER_PORT')}",
@@ -99,7 +99,7 @@ def check_launcher_vars(env: DistributedEnv, environ: Mapping[str, str]) -> Chec
     stray = [v for v in ("MASTER_ADDR", "MASTER_PORT") if v in environ]
     if stray:
         return Check(name, "WARN", f"{' and '.join(stray)} set without a launcher (harmless for one process)", fix)
-    return _ok(name, "no launcher: one process")
+    return ok(name, "no launcher: one process")
 
 
 def _rule(spec: RunSpec | None, *groups: str) -> Problem | None:
@@ -132,17 +132,17 @@ def check_processes_vs_gpus(env: DistributedEnv, spec: RunSpec | None, environ: 
         bad = _rule(spec, name)
         if bad is not None:
             return _fail(bad)
-        return _ok(
+        return ok(
             name, f"{env.local_world_size if env.launched else 1} process(es), {env.cuda_device_count} GPU(s) visible"
         )
-    return _ok(name, f"no GPU: {env.local_world_size} CPU process(es) on this node (gloo)")
+    return ok(name, f"no GPU: {env.local_world_size} CPU process(es) on this node (gloo)")
 
 
 def check_device_map(env: DistributedEnv, spec: RunSpec | None) -> Check:
     name = "device_map"
     device_map = spec.config.model.device_map if spec is not None else None
     if device_map is None:
-        return _ok(name, "no device_map")
+        return ok(name, "no device_map")
     if env.launched:
         return Check(
             name,
@@ -151,14 +151,14 @@ def check_device_map(env: DistributedEnv, spec: RunSpec | None) -> Check:
             "its replica or shard on its own device",
             "drop model.device_map when training with several processes",
         )
-    return _ok(name, f"device_map {device_map} in one process")
+    return ok(name, f"device_map {device_map} in one process")
 
 
 def check_quantization(env: DistributedEnv, spec: RunSpec | None) -> list[Check]:
     """A CUDA GPU and bitsandbytes (this machine), then what the resolve rules say of the strategy."""
     q = spec.config.model.quantization if spec is not None else None
     if spec is None or q is None:
-        return [_ok("quantization", "no quantization")]
+        return [ok("quantization", "no quantization")]
     out = []
     if not env.cuda_available:
         out.append(
@@ -170,7 +170,7 @@ def check_quantization(env: DistributedEnv, spec: RunSpec | None) -> list[Check]
                 fatal=True,
             )
         )
-    elif _version("bitsandbytes") is None:
+    elif installed_version("bitsandbytes") is None:
         out.append(
             Check(
                 "quantization",
@@ -181,10 +181,10 @@ def check_quantization(env: DistributedEnv, spec: RunSpec | None) -> list[Check]
             )
         )
     else:
-        out.append(_ok("quantization", f"{q.bits}-bit on GPU with bitsandbytes {_version('bitsandbytes')}"))
+        out.append(ok("quantization", f"{q.bits}-bit on GPU with bitsandbytes {installed_version('bitsandbytes')}"))
     bad = _rule(spec, "quantization strategy", "quantization storage dtype")
     out.append(
-        _fail(bad) if bad else _ok("quantization strategy", f"{q.bits}-bit weights with strategy {spec.strategy_label}")
+        _fail(bad) if bad else ok("quantization strategy", f"{q.bits}-bit weights with strategy {spec.strategy_label}")
     )
     return out
 
@@ -194,7 +194,7 @@ def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
     checked without importing it. Its clash with ZeRO-3 is a resolve rule."""
     name = "liger"
     if spec is None or not spec.config.model.liger:
-        return _ok(name, "model.liger off")
+        return ok(name, "model.liger off")
     if not env.cuda_available:
         return Check(
             name,
@@ -203,7 +203,7 @@ def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
             "set model.liger: false (the built-in chunked loss runs on any device) or run on a GPU machine",
             fatal=True,
         )
-    if _version("liger-kernel") is None:
+    if installed_version("liger-kernel") is None:
         return Check(
             name,
             "FAIL",
@@ -211,15 +211,15 @@ def check_liger(env: DistributedEnv, spec: RunSpec | None) -> Check:
             "pip install 'scaletune[liger]'",
             fatal=True,
         )
-    return _ok(name, f"Liger kernels on GPU with liger-kernel {_version('liger-kernel')}")
+    return ok(name, f"Liger kernels on GPU with liger-kernel {installed_version('liger-kernel')}")
 
 
 def check_wandb(spec: RunSpec | None) -> Check:
     """`logging.wandb` needs the wandb package (checked without importing it)."""
     name = "wandb"
     if spec is None or spec.config.logging.wandb is None:
-        return _ok(name, "logging.wandb off")
-    if _version("wandb") is None:
+        return ok(name, "logging.wandb off")
+    if installed_version("wandb") is None:
         return Check(
             name,
             "FAIL",
@@ -227,7 +227,7 @@ def check_wandb(spec: RunSpec | None) -> Check:
             "pip install 'scaletune[wandb]'",
             fatal=True,
         )
-    return _ok(name, f"wandb {_version('wandb')}, project {spec.config.logging.wandb.project}")
+    return ok(name, f"wandb {installed_version('wandb')}, project {spec.config.logging.wandb.project}")
 
 
 def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
@@ -240,9 +240,9 @@ def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
     name = "checkpointing under ddp"
     m = spec.config.model if spec is not None else None
     if spec is None or m is None or m.lora is None or not m.gradient_checkpointing:
-        return _ok(name, "not LoRA with gradient checkpointing")
+        return ok(name, "not LoRA with gradient checkpointing")
     if spec.strategy != "ddp":
-        return _ok(name, f"strategy {spec.strategy}")
+        return ok(name, f"strategy {spec.strategy}")
     default = inspect.signature(models.enable_gradient_checkpointing).parameters["use_reentrant"].default
     if default is not False:
         return Check(
@@ -253,15 +253,15 @@ def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
             "use non-reentrant checkpointing (use_reentrant=False)",
             fatal=True,
         )
-    return _ok(name, "LoRA + checkpointing under ddp uses non-reentrant checkpointing")
+    return ok(name, "LoRA + checkpointing under ddp uses non-reentrant checkpointing")
 
 
 def check_batch(spec: RunSpec | None) -> Check:
     name = "batch arithmetic"
     if spec is None:
-        return _ok(name, "no config")
+        return ok(name, "no config")
     bad = _rule(spec, name)
-    return _fail(bad) if bad else _ok(name, spec.batch.describe())
+    return _fail(bad) if bad else ok(name, spec.batch.describe())
 
 
 def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None) -> Check:
@@ -269,7 +269,7 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
     name = "deepspeed ops"
     if builders is None:
         if spec is None or spec.strategy != "deepspeed":
-            return _ok(name, "DeepSpeed not used")
+            return ok(name, "DeepSpeed not used")
         builders = ["CPUAdamBuilder"] if spec.offload_optimizer else []
     try:
         import deepspeed  # noqa: F401 - importable, not only installed (a broken build fails here)
@@ -282,7 +282,7 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
             fatal=True,
         )
     if not builders:
-        return _ok(name, f"deepspeed {_version('deepspeed')}; no custom op needed")
+        return ok(name, f"deepspeed {installed_version('deepspeed')}; no custom op needed")
     try:
         import torch
 
@@ -312,7 +312,7 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
             "run `ds_report` and install the missing toolchain (a C++ compiler, libaio-dev, the CUDA toolkit), or drop the offload",
             fatal=True,
         )
-    return _ok(name, f"{', '.join(builders)} compatible ({acc.device_name()})")
+    return ok(name, f"{', '.join(builders)} compatible ({acc.device_name()})")
 
 
 def check_mesh(spec: RunSpec | None) -> list[Check]:
@@ -321,7 +321,7 @@ def check_mesh(spec: RunSpec | None) -> list[Check]:
     and MLP width against the degrees, windowed attention), read from the model's config."""
     name = "device mesh"
     if spec is None or not spec.mesh.model_parallel:
-        return [_ok(name, "no tensor, context or pipeline parallelism")]
+        return [ok(name, "no tensor, context or pipeline parallelism")]
     from scaletune.resolve import rule_problems
 
     out = [_fail(p) for p in rule_problems(spec) if p.check == name]
@@ -345,4 +345,4 @@ def check_mesh(spec: RunSpec | None) -> list[Check]:
         )
         return out
     out += [_fail(p) for p in model_mesh_problems(spec.mesh, hf_config)]
-    return out or [_ok(name, f"{spec.mesh.describe()}; the model's heads and MLP width split evenly")]
+    return out or [ok(name, f"{spec.mesh.describe()}; the model's heads and MLP width split evenly")]

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from scaletune.doctor.checks import _version
+from scaletune.doctor.checks import installed_version
 from scaletune.env import DistributedEnv
 
 _PACKAGES = (
@@ -34,7 +34,7 @@ def report(env: DistributedEnv, environ: Mapping[str, str] | None = None) -> dic
     out: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "packages": {p: _version(p) for p in _PACKAGES},
+        "packages": {p: installed_version(p) for p in _PACKAGES},
         "torch_cuda": torch.version.cuda,
         "nccl": None,
         "cuda_available": env.cuda_available,

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletune.doctor.checks import Check, _ok
+from scaletune.doctor.checks import Check, ok
 from scaletune.env import DistributedEnv
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def check_nccl_env(env: DistributedEnv, environ: Mapping[str, str]) -> list[Chec
             )
         )
     if not out:
-        out.append(_ok("NCCL variables", "no variable known to cause hangs is set"))
+        out.append(ok("NCCL variables", "no variable known to cause hangs is set"))
     return out
 
 
@@ -129,10 +129,10 @@ def check_disk(spec: RunSpec | None) -> Check:
     """Free disk at output_dir against the checkpoints the run keeps (real `shutil.disk_usage`)."""
     name = "free disk"
     if spec is None:
-        return _ok(name, "no config")
+        return ok(name, "no config")
     cfg = spec.config
     if cfg.model.factory is not None:
-        return _ok(name, "not checked: model.factory builds a module of unknown size")
+        return ok(name, "not checked: model.factory builds a module of unknown size")
     counts = _parameters(spec)
     if counts is None:
         return Check(
@@ -160,7 +160,7 @@ def check_disk(spec: RunSpec | None) -> Check:
         return Check(name, "FAIL", msg, "free disk space or point output_dir at a larger disk", fatal=True)
     if free < need:
         return Check(name, "WARN", msg, "lower training.keep_last or free disk space")
-    return _ok(name, msg)
+    return ok(name, msg)
 
 
 def port_free(port: int, host: str = "0.0.0.0") -> bool:
@@ -184,10 +184,10 @@ def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
     raw = environ.get("MASTER_PORT")
     port = int(raw) if raw and raw.isdigit() and 1 <= int(raw) <= 65535 else DEFAULT_PORT
     if env.launcher in ("torchrun", "deepspeed", "srun") or environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return _ok(name, f"port {port} held by the launcher")
+        return ok(name, f"port {port} held by the launcher")
     if env.launcher == "env":
         if env.rank != 0 or env.world_size == 1:
-            return _ok(name, f"rank {env.rank} connects to {environ.get('MASTER_ADDR')}:{port}")
+            return ok(name, f"rank {env.rank} connects to {environ.get('MASTER_ADDR')}:{port}")
         if not port_free(port):
             return Check(
                 name,
@@ -196,7 +196,7 @@ def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
                 "choose a free MASTER_PORT or stop the process holding it (`ss -ltnp`)",
                 fatal=True,
             )
-        return _ok(name, f"port {port} free for rank 0's rendezvous")
+        return ok(name, f"port {port} free for rank 0's rendezvous")
     if not port_free(port):
         return Check(
             name,
@@ -204,4 +204,4 @@ def check_port(env: DistributedEnv, environ: Mapping[str, str]) -> Check:
             f"port {port} (the rendezvous port `scaletune launch` would use) is in use",
             "pass --master-port with a free port (single-node `scaletune train` picks one itself)",
         )
-    return _ok(name, f"port {port} free")
+    return ok(name, f"port {port} free")

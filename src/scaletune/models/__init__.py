@@ -27,14 +27,12 @@ from scaletune.models.presets import (
     OLMO2_TOKENIZER,
     PRESETS,
     Preset,
-    _tokenizer_from_file,  # noqa: F401  (benchmarks/bench.py imports it)
     get_preset,
     init_model,
     preset_config,
+    tokenizer_from_file,  # noqa: F401  (benchmarks/bench.py imports it)
 )
 from scaletune.models.pretrained import PRETRAINED, copy_pretrained, models_cache, pretrained_path
-
-_unwrap = unwrap  # the name before the split; plan.py imports it
 
 __all__ = [
     "ASSETS",

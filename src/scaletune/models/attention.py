@@ -100,7 +100,7 @@ def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
-def _full_causal_only(hf_config: Any) -> bool:
+def full_causal_only(hf_config: Any) -> bool:
     """Every layer is plain causal attention over the whole row: the one mask fits all layers.
     Sliding-window, chunked or bidirectional layers keep transformers' own masks."""
     layer_types = getattr(hf_config, "layer_types", None)
@@ -128,10 +128,10 @@ def packed_mask(hf_config: Any, position_ids: torch.Tensor) -> Any:
     Returns:
         ``flex_attention``: a `torch.nn.attention.flex_attention.BlockMask` of shape ``[B, 1, T, T]``
         (128 x 128 blocks). ``sdpa``: a bool ``[B, 1, T, T]`` tensor (True: attend). None for other
-        implementations or models with other than full causal layers (:func:`_full_causal_only`).
+        implementations or models with other than full causal layers (:func:`full_causal_only`).
     """
     impl = getattr(hf_config, "_attn_implementation", None)
-    if impl not in PREBUILT or not _full_causal_only(hf_config):
+    if impl not in PREBUILT or not full_causal_only(hf_config):
         return None
     seq = sequence_ids(position_ids)
     batch, length = seq.shape

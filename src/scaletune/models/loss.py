@@ -278,7 +278,7 @@ def liger_head_cross_entropy(
     return loss.float()
 
 
-def _decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
+def decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
     base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # peft
     return base.get_decoder(), base.get_output_embeddings()
 
@@ -380,7 +380,7 @@ class CausalLMLoss(nn.Module):
             flat = logits[:, scored, :].reshape(-1, logits.size(-1)).index_select(0, index).float()
             targets = labels[:, 1:].reshape(-1).to(logits.device).index_select(0, index)
             return F.cross_entropy(flat, targets, reduction="sum").to(input_ids.device)
-        decoder, head = _decoder_and_head(self.causal_lm)
+        decoder, head = decoder_and_head(self.causal_lm)
         # Only the decoder's activations are offloaded: the head's chunks are recomputed in
         # backward anyway, and their inputs are the few target rows gathered below.
         with self._saved_tensors_context():

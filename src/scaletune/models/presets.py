@@ -266,7 +266,7 @@ def init_model(preset: str, output: str | Path, *, seed: int = 0, tokenizer_file
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = _tokenizer_from_file(tok_path, model_max_length=p.kwargs.get("max_position_embeddings"))
+    tokenizer = tokenizer_from_file(tok_path, model_max_length=p.kwargs.get("max_position_embeddings"))
     overrides: dict[str, Any] = {}
     if tokenizer_file:
         overrides = {
@@ -339,7 +339,7 @@ def _existing_matches(out: Path, want: dict[str, Any]) -> bool:
     return False
 
 
-def _tokenizer_from_file(path: Path, *, model_max_length: int | None = None) -> PreTrainedTokenizerBase:
+def tokenizer_from_file(path: Path, *, model_max_length: int | None = None) -> PreTrainedTokenizerBase:
     """A `PreTrainedTokenizerFast` over a `tokenizers` JSON with BOS/EOS/PAD found by name.
 
     EOS is the end-of-document token (`<|endoftext|>`, `</s>`, ...), BOS the same token where

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scaletune.models.loss import IGNORE_INDEX, _decoder_and_head, default_chunk, packed_mask
+from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
 
 __all__ = ["sequence_logps", "token_logps"]
 
@@ -100,7 +100,7 @@ def sequence_logps(
             picked, flat.to(logits.device).index_select(0, index.to(logits.device)), reduction="none"
         )
     else:
-        decoder, head = _decoder_and_head(causal_lm)
+        decoder, head = decoder_and_head(causal_lm)
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state[:, :-1, :]
         idx = index.to(hidden.device)

@@ -50,13 +50,13 @@ def _model_identity(spec: RunSpec) -> dict:
 
 def cache_path(spec: RunSpec, stage_index: int, fingerprints: list[str]) -> Path:
     """The shared cache entry of a first stage's reference table (see the module docstring)."""
-    from scaletune.data import _cache_root
+    from scaletune.data import cache_root
 
     key = json.dumps(
         {"data": fingerprints, "model": _model_identity(spec), "stage": stage_index}, sort_keys=True, default=str
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return _cache_root(None).parent / "reference" / f"{digest}.safetensors"
+    return cache_root(None).parent / "reference" / f"{digest}.safetensors"
 
 
 @torch.no_grad()

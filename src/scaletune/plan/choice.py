@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scaletune.plan.estimates import _scaletune_settings, plan
+from scaletune.plan.estimates import plan, scaletune_settings
 from scaletune.resolve import AutoChoice
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def choose_auto(spec: RunSpec) -> AutoChoice:
     p = plan(spec, gpu_memory_bytes=mem)
     if p.chosen == "ddp":
         return AutoChoice(default.strategy, p.reason)
-    settings = dict(_scaletune_settings(p.chosen))
+    settings = dict(scaletune_settings(p.chosen))
     return AutoChoice(
         settings.pop("strategy"),
         p.reason,

@@ -112,7 +112,7 @@ def plan_name(strategy: str, zero_stage: int = 2, offload_optimizer: bool = Fals
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def _scaletune_settings(name: str) -> dict:
+def scaletune_settings(name: str) -> dict:
     return {
         "ddp": {"strategy": "ddp"},
         "zero1": {"strategy": "deepspeed", "zero_stage": 1},
@@ -232,7 +232,7 @@ def _strategy_plan(name: str, shape: ModelShape, spec: RunSpec, w: int) -> Strat
         act_ckpt=act_ckpt,
         act_full=act_full,
         margin=margin,
-        scaletune=_scaletune_settings(name),
+        scaletune=scaletune_settings(name),
         host_bytes=host,
     )
 

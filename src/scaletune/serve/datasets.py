@@ -81,7 +81,7 @@ def check_file(path: Path, name: str) -> int:
         DataError: it does not parse: the problems name the file and the line (JSON, JSONL, CSV)
             or the row group (Parquet) where it fails; it holds no record.
     """
-    from scaletune.data.sources import _json_records, _jsonl_records
+    from scaletune.data.sources import json_records, jsonl_records
     from scaletune.errors import DataError
 
     suffix = Path(name).suffix.lower()
@@ -92,14 +92,14 @@ def check_file(path: Path, name: str) -> int:
         n = _csv_rows(path.read_bytes(), name)
     elif suffix == ".jsonl":
         n = 0
-        for where, rec in _jsonl_records(path.read_bytes(), name, None, problems):
+        for where, rec in jsonl_records(path.read_bytes(), name, None, problems):
             n += 1
             if not isinstance(rec, dict):
                 problems.append(
                     f"{where.rsplit(': record', 1)[0]}: a record is a JSON object, got {type(rec).__name__}"
                 )
     else:
-        items = _json_records(path.read_bytes(), name, None)
+        items = json_records(path.read_bytes(), name, None)
         n = len(items)
         problems += [
             f"{name}: record {i}: a record is a JSON object, got {type(r).__name__}"

@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from scaletune.config import DataConfig, ModelConfig, TrainingConfig, parse_override
-from scaletune.config.loader import _deepcopy, _set_path  # the CLI's own copy and key setting
+from scaletune.config.loader import plain_copy, set_path  # the CLI's own copy and key setting
 from scaletune.config.yamlfile import parse
 from scaletune.serve.schemas import problems_responses, refusal
 
@@ -209,14 +209,14 @@ def apply_fields(text: str, fields: dict[str, Any], world_size: int = 1) -> tupl
     Raises:
         FormProblem: the YAML does not parse, or a field cannot be set (see :func:`overrides_for`).
     """
-    data = _deepcopy(read_yaml(text))  # an alias's target is set in one place, as read_config sets it
+    data = plain_copy(read_yaml(text))  # an alias's target is set in one place, as read_config sets it
     overrides, remove = overrides_for(data, fields, world_size)
     for item in overrides:
         try:
             parts, value = parse_override(item)
         except ValueError as exc:
             raise FormProblem([f"{item.split('=', 1)[0]}: {exc}"]) from None
-        _set_path(data, parts, value)
+        set_path(data, parts, value)
     for key in remove:
         *parents, last = key.split(".")
         node = _get(data, ".".join(parents)) if parents else data
@@ -259,7 +259,7 @@ def local_models(policy, workdir: Path, jobs_home: Path) -> list[str]:
     """Model folders (a config.json directly inside) the policy lets a job read: under a read root
     (symbolic links resolved, never outside one), at most MODEL_DEPTH levels down, not in the jobs
     folder (another job's files); relative to the working directory when inside it, as typed."""
-    from scaletune.serve.policy import _inside
+    from scaletune.serve.policy import inside
 
     roots, home = _roots(policy, workdir), Path(os.path.realpath(jobs_home))
     found: set[Path] = set()
@@ -273,7 +273,7 @@ def local_models(policy, workdir: Path, jobs_home: Path) -> list[str]:
                 if visits > MODEL_VISITS:
                     break
                 real = Path(os.path.realpath(folder))
-                if not any(_inside(real, r) for r in roots) or _inside(real, home):
+                if not any(inside(real, r) for r in roots) or inside(real, home):
                     continue
                 if (real / "config.json").is_file():
                     found.add(real)
@@ -284,7 +284,7 @@ def local_models(policy, workdir: Path, jobs_home: Path) -> list[str]:
                     continue
             level = [Path(e.path) for e in below]
     here = Path(os.path.realpath(workdir))
-    return sorted(str(p.relative_to(here)) if _inside(p, here) and p != here else str(p) for p in found)
+    return sorted(str(p.relative_to(here)) if inside(p, here) and p != here else str(p) for p in found)
 
 
 def add_form_routes(app: FastAPI, svc, need) -> None:

@@ -119,7 +119,7 @@ def _get(data: Any, *keys: str) -> Any:
     return data
 
 
-def _inside(path: Path, root: Path) -> bool:
+def inside(path: Path, root: Path) -> bool:
     return path == root or path.is_relative_to(root)
 
 
@@ -196,10 +196,10 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
             problems.append(f"policy: {key}: contains a NUL byte")
             continue
         p = _local_path(value, places.workdir)
-        if p is None or any(_inside(p, o) for o in own) or _inside(p, area):
+        if p is None or any(inside(p, o) for o in own) or inside(p, area):
             continue  # the job's own files, or the data area's (in the jobs folder, yet no job's)
         why = _service_file(p, places) or (
-            None if any(_inside(p, r) for r in roots) else "is outside the folders this service reads from"
+            None if any(inside(p, r) for r in roots) else "is outside the folders this service reads from"
         )
         if why:
             problems.append(f"policy: {key}: {value}: {why}; admin setting: --read-root FOLDER")
@@ -209,11 +209,11 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
 def _service_file(p: Path, places: Places) -> str | None:
     """Why `p` belongs to the service or another job (None when it does not)."""
     home = _real(places.jobs_home)
-    if _inside(p, home) and not _inside(p, _real(places.job_dir)):
+    if inside(p, home) and not inside(p, _real(places.job_dir)):
         return "is in the folder of another job"
     if places.db_file is not None:
         db = _real(places.db_file)
-        if p.parent == db.parent and p.name.startswith(db.name) or _inside(db, p):
+        if p.parent == db.parent and p.name.startswith(db.name) or inside(db, p):
             return "is the service's database"
     return None
 
@@ -231,14 +231,14 @@ def _run_dir(data: dict, policy: Policy, places: Places) -> tuple[Path | None, s
     p = _real(Path(expanded))
     why = _service_file(p, places)
     if why is None and not (
-        _inside(p, _real(places.job_dir)) or any(_inside(p, _real(Path(r))) for r in policy.write_roots)
+        inside(p, _real(places.job_dir)) or any(inside(p, _real(Path(r))) for r in policy.write_roots)
     ):
         why = "writes outside the jobs folder (give a relative path); admin setting: --write-root FOLDER"
-    if why is None and _inside(_real(places.jobs_home), p):
+    if why is None and inside(_real(places.jobs_home), p):
         why = "holds the jobs folder"
     for other in places.other_runs:
         o = _real(other)
-        if why is None and (_inside(p, o) or _inside(o, p)):
+        if why is None and (inside(p, o) or inside(o, p)):
             why = "is (or holds) another job's run directory"
     if why:
         return None, f"policy: output_dir: {value}: {why}"

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletune.data.sources import IGNORE_INDEX
-from scaletune.models.attention import SDPA, _full_causal_only, packed_mask
+from scaletune.models.attention import SDPA, full_causal_only, packed_mask
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def install(causal_lm: nn.Module, cp_group: Any) -> None:
         raise ValueError(
             f"context parallelism over {cp} ranks needs heads ({heads}) and KV heads ({kv_heads}) divisible by {cp}"
         )
-    if not _full_causal_only(config):
+    if not full_causal_only(config):
         raise ValueError(
             f"{type(config).__name__} has layers other than full causal attention; context parallelism needs only those"
         )

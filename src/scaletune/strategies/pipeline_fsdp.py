@@ -22,8 +22,8 @@ from torch import nn
 from scaletune.strategies.mesh import DATA_CONTEXT
 from scaletune.strategies.pipeline_parallel import (
     PipelineRunner,
-    _base,
-    _head_name,
+    base_model,
+    head_name,
     pipeline_clip_grad_norm_,
     split_stage,
 )
@@ -57,8 +57,8 @@ class PipelineEngine:
     def split(self, loss_module: nn.Module) -> nn.Module:
         """This rank's `PipelineStageModule` of a `loss.CausalLMLoss` (its chunk kept), names unchanged.
         The modules other stages run move to the meta device (no storage), kept for :meth:`whole`."""
-        base = _base(loss_module.causal_lm)
-        decoder, head = base.get_decoder(), _head_name(base)
+        base = base_model(loss_module.causal_lm)
+        decoder, head = base.get_decoder(), head_name(base)
         whole = {"layers": decoder.layers, "embed_tokens": decoder.embed_tokens, "norm": decoder.norm}
         whole[head] = base.get_output_embeddings()
         stage = split_stage(loss_module.causal_lm, self.stage_index, self.num_stages, chunk=loss_module.chunk)
@@ -73,7 +73,7 @@ class PipelineEngine:
     def whole(self, stage: nn.Module) -> Iterator[None]:
         """The stage's model with every module of the unsplit model (the other stages' on the meta
         device), for `save_pretrained`: peft saves the adapter weights of the modules it finds."""
-        base = _base(stage.causal_lm)
+        base = base_model(stage.causal_lm)
         decoder = base.get_decoder()
         split = {"layers": decoder.layers, "embed_tokens": decoder.embed_tokens, "norm": decoder.norm}
         head = next(k for k in self._whole if k not in split)

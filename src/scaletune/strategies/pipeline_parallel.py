@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scaletune.models.attention import _full_causal_only, packed_mask
+from scaletune.models.attention import full_causal_only, packed_mask
 from scaletune.models.loss import IGNORE_INDEX, chunked_head_cross_entropy
 
 __all__ = [
@@ -38,11 +38,11 @@ __all__ = [
 ]
 
 
-def _base(causal_lm: nn.Module) -> nn.Module:
+def base_model(causal_lm: nn.Module) -> nn.Module:
     return causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # peft
 
 
-def _head_name(base: nn.Module) -> str:
+def head_name(base: nn.Module) -> str:
     head = base.get_output_embeddings()
     for name, child in base.named_children():
         if child is head:
@@ -91,7 +91,7 @@ class PipelineStageModule(nn.Module):
     def _mask(self, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        config = _base(self.causal_lm).config
+        config = base_model(self.causal_lm).config
         if position_ids is not None:
             mask = packed_mask(config, position_ids)  # sdpa / flex_attention: built here, no host sync
             if mask is not None:
@@ -104,7 +104,7 @@ class PipelineStageModule(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        base = _base(self.causal_lm)
+        base = base_model(self.causal_lm)
         decoder = base.get_decoder()
         hidden = decoder.embed_tokens(x) if self.is_first else x
         positions = position_ids
@@ -159,12 +159,12 @@ def split_stage(
             with other than plain causal attention layers (sliding window, chunked), or a head tied to the input embeddings with more than one stage (they would sit on two
             ranks; torchtitan does not split tied models either).
     """
-    base = _base(causal_lm)
+    base = base_model(causal_lm)
     decoder = base.get_decoder()
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(decoder, name):
             raise ValueError(f"{type(base).__name__}: pipeline stages need a decoder with `{name}`")
-    if not _full_causal_only(base.config):
+    if not full_causal_only(base.config):
         # The stages build one mask for all their layers; sliding-window or chunked layers need their own.
         raise ValueError(f"{type(base).__name__}: pipeline stages support plain causal attention in every layer only")
     head = base.get_output_embeddings()
@@ -181,7 +181,7 @@ def split_stage(
         decoder.embed_tokens = None
     if stage_index != num_stages - 1:
         decoder.norm = None
-        setattr(base, _head_name(base), None)
+        setattr(base, head_name(base), None)
     return PipelineStageModule(causal_lm, stage_index, num_stages, chunk)
 
 
