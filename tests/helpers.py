@@ -203,11 +203,13 @@ def metrics(run_dir: Path | str) -> list[dict]:
 
 
 # Gradient norms of a full fine-tune agree across engines only to a few 1e-4: the float32 norm of
-# the head's gradient (100,352 x 64 values) is itself accurate to ~3e-4 on the CPU (step 1 of the
-# base config: 1.032107 in float32, 1.032413 in float64), and the engines sum it differently
-# (single and DDP: the whole tensor, reported 1.903663; FSDP: per shard, 1.903743; DeepSpeed
-# ZeRO: 1.903829 = the float64 total). The losses, and every parameter's gradient, agree to 1e-7.
-GRAD_REL = 5e-4
+# the head's gradient is itself accurate only to a few 1e-4 on the CPU (OLMo-2's 100,352 x 64 head,
+# step 1 of the base config: 1.032107 in float32, 1.032413 in float64), and the engines sum it
+# differently (single and DDP: the whole tensor, reported 1.903663; FSDP: per shard, 1.903743;
+# DeepSpeed ZeRO: 1.903829 = the float64 total). With the tests' 27,136-row head (tiny_model_dir)
+# the single-process norm is 1.3e-4 off ZeRO's at step 1 and 7.2e-4 by step 8 (FSDP: 6.7e-5, 3.7e-4),
+# while the losses, and every parameter's gradient, agree to 2e-7.
+GRAD_REL = 1e-3
 
 
 def steps(run_dir: Path | str) -> list[dict]:

@@ -35,8 +35,8 @@ CASES = {
     "fsdp-lora": (4, 2, True, True),
 }
 STEPS, MICRO, ROWS, CHUNK, MAX_NORM, LR = 3, 4, 2, 8, 0.3, 1e-2
-# Torchrun runs: the cases each runs together (the last is slow: FSDP2 x LoRA on 4 ranks).
-RUNS = [("unpacked", "packed", "lora"), ("fsdp",), ("fsdp-lora",)]
+# Torchrun runs: the cases each runs together (one launch per world size: 2 stages, then 2 stages x 2 data ranks).
+RUNS = [("unpacked", "packed", "lora"), ("fsdp", "fsdp-lora")]
 RTOL = 1e-4
 # AdamW's eps well above the gradients' rounding: with the default 1e-8, its first update is about
 # lr * g / |g| per element, so an element whose gradient is near 1e-8 moves by up to lr on rounding
@@ -284,7 +284,7 @@ def results(tmp_path_factory) -> Callable[[str], dict]:
     return get
 
 
-@pytest.mark.parametrize("case", [*RUNS[0], *RUNS[1], pytest.param(RUNS[2][0], marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", [case for run in RUNS for case in run])
 def test_pipeline_matches_one_process(results, case):
     res = results(case)
     assert res["names_partition"]  # the stages' parameters are the model's, each on one stage
