@@ -28,7 +28,10 @@ pytestmark = pytest.mark.distributed
 
 # ZeRO-2's same-size resume and reshard wait in the slow tier (CI time): ZeRO-3's reshard and the
 # edge matrix's ZeRO-3 resume hold DeepSpeed's checkpoints.
-@pytest.mark.parametrize("case", ["single", "ddp", "fsdp", pytest.param("zero2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case",
+    ["single", "ddp", pytest.param("fsdp", marks=pytest.mark.slow), pytest.param("zero2", marks=pytest.mark.slow)],
+)
 def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
     full, _ = run_once(case, distributed=STRATEGIES[case])
@@ -113,6 +116,7 @@ def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
     assert merged and not any("lora" in k for k in merged)
 
 
+@pytest.mark.slow  # tests/security/test_bad_input.py covers corrupt checkpoints through the CLI (CI time)
 def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     full, _ = run_once("single", distributed=SINGLE)
     ckpt = full / "checkpoints" / "step-4"

@@ -97,7 +97,9 @@ def test_chat_reads_standard_input(lora_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     answers = [line.removeprefix("model> ") for line in proc.stdout.splitlines() if line.startswith("model> ")]
-    assert answers == [r["trained"] for r in rows]
+    # samples.jsonl keeps the answer stripped; chat prints the decoded text as is (a leading space
+    # when the first token starts with one, as the tests' tiny model's does).
+    assert [a.strip() for a in answers] == [r["trained"] for r in rows]
     assert "(conversation forgotten)" in proc.stdout
 
 

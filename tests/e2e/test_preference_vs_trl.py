@@ -252,9 +252,9 @@ def _export(run_dir: Path, step: int, tmp_path: Path) -> Path:
     return export_checkpoint(run_dir / "checkpoints" / f"step-{step}", tmp_path / f"step-{step}-hf")
 
 
-def _close(ours: float, trl: float, what: str, rel: float = REL) -> None:
+def _close(ours: float, trl: float, what: str, rel: float = REL, atol: float = 0.0) -> None:
     assert math.isfinite(ours) and math.isfinite(trl), f"{what}: {ours} vs {trl}"
-    assert abs(ours - trl) <= rel * abs(trl), (
+    assert abs(ours - trl) <= rel * abs(trl) + atol, (
         f"{what}: scaletune {ours!r} vs TRL {trl!r} (rel {abs(ours - trl) / abs(trl):.2e})"
     )
 
@@ -435,7 +435,10 @@ def test_simpo_equals_trl_cpo(runs, model_dir):
     got = _step(run, 1)
     print(f"simpo step 1: scaletune {got['loss']!r} TRL {trl_loss!r}")
     _close(got["loss"], trl_loss, "simpo step 1 loss")
-    _close(got["reward_margin"], logged["rewards/margins"], "simpo step 1 reward_margin", rel=1e-4)
+    # A step-1 margin is a difference of two rewards that nearly cancel (-0.0038 on the tests' tiny
+    # model): it is held to float32's rounding of the rewards themselves (measured 2.4e-6), not to 1e-4 of
+    # a near-zero difference.
+    _close(got["reward_margin"], logged["rewards/margins"], "simpo step 1 reward_margin", rel=1e-4, atol=1e-5)
 
 
 def test_orpo_equals_trl(runs, model_dir):
@@ -473,4 +476,5 @@ def test_orpo_equals_trl(runs, model_dir):
     )
     _close(got["loss"], nll_answer + odds_ratio_term, "orpo step 1 loss")
     _close(trl_orpo - odds_ratio_term, orpo_logged["nll_loss"], "TRL's ORPO = its NLL + the odds-ratio term")
-    _close(got["reward_margin"], orpo_logged["rewards/margins"], "orpo step 1 reward_margin", rel=1e-4)
+    # As SimPO's step-1 margin above (-0.00019 here; measured difference 8.9e-8).
+    _close(got["reward_margin"], orpo_logged["rewards/margins"], "orpo step 1 reward_margin", rel=1e-4, atol=1e-5)

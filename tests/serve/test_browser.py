@@ -25,6 +25,7 @@ def browser_binaries() -> tuple[str, str]:
 
 # The short first check of a page change (tests/serve/test_page_walk.py walks the whole path): every
 # problem of a bad config shown at once, the plan preview, the live chart to a succeeded job.
+@pytest.mark.slow  # CI time: tests/serve/test_page_walk.py walks the same path in CI
 def test_login_submit_watch_succeeded(browser_binaries, tiny_model_dir, tmp_path):
     from selenium.webdriver.common.by import By
 
