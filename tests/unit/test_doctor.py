@@ -296,6 +296,23 @@ def test_free_disk_real_disk_fails_for_a_70b_run(tmp_path):
     assert huge.status == "FAIL" and huge.fatal and "GB free" in huge.message
 
 
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_llama_dir"])
+def test_full_finetune_is_counted_from_the_headers_as_the_meta_model_counts_it(tmp_path, fixture, request):
+    """A full fine-tune of a local safetensors folder is sized from the files' headers (no model
+    built): the same total the planner's meta model counts (OLMo-2 tiny: untied head; Llama tiny:
+    tied embeddings, stored once), the trainable count the same; a LoRA run still builds it."""
+    from scaletune.doctor.system import _parameters
+    from scaletune.plan.shapes import model_shape
+
+    model = request.getfixturevalue(fixture)
+    full = cfg(tmp_path, model={"name_or_path": str(model)})
+    meta = model_shape(full)
+    assert _parameters(full) == (meta.total, meta.trainable) == (meta.total, meta.total)
+    lora = cfg(tmp_path, model={"name_or_path": str(model), "lora": {"r": 8}})
+    shape = model_shape(lora)
+    assert _parameters(lora) == (shape.total, shape.trainable) and shape.trainable < shape.total
+
+
 # -- port ------------------------------------------------------------------------------------
 
 

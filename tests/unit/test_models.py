@@ -612,3 +612,17 @@ def test_one_dtype_name_map():
     )
     found = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if pattern.search(p.read_text()))
     assert found == ["resolve/spec.py"]
+
+
+def test_builtin_attention_names_are_ones_transformers_knows():
+    """The names `train --check` accepts without importing transformers' model code
+    (models/checks.py BUILTIN_ATTENTION) are ones transformers registers, and a name it does not
+    know still goes to transformers and is refused with the list it knows."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from scaletune.models.checks import BUILTIN_ATTENTION, attention_problem
+
+    assert BUILTIN_ATTENTION <= {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+    assert all(attention_problem(name) is None for name in BUILTIN_ATTENTION)
+    refused = attention_problem("sdpaa")
+    assert refused is not None and "'sdpaa' is not one transformers knows" in refused and "sdpa" in refused

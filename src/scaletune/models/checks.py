@@ -25,6 +25,28 @@ _ST_BYTES |= {"U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 _ST_MAX_HEADER = 100_000_000
 
 
+def _read_header(path: Path) -> tuple[dict, int] | Problem:
+    """(the JSON header of a safetensors file, the bytes of tensor data after it), or the problem
+    that stops reading it: the header's length, its JSON."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or n > min(size - 8, _ST_MAX_HEADER):
+                return _weights(
+                    f"{path}: not a safetensors file: its header length {n} does not fit the file ({size} bytes)"
+                )
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        return _weights(f"{path}: cannot be read: {exc.strerror or exc}")
+    except ValueError as exc:
+        return _weights(f"{path}: not a safetensors file: its header is not JSON ({exc})")
+    if not isinstance(header, dict):
+        return _weights(f"{path}: not a safetensors file: its header is not a JSON object")
+    return header, size - 8 - n
+
+
 def safetensors_problems(path: Path, limit: int = 3) -> list[Problem]:
     """What in a safetensors file's header does not fit the file, read without loading a tensor:
     the header's length, its JSON, and per tensor its dtype, shape and `data_offsets` (inside the
@@ -34,25 +56,10 @@ def safetensors_problems(path: Path, limit: int = 3) -> list[Problem]:
     Returns:
         at most `limit` problems, each naming the file and the tensor; empty for a sound header.
     """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n < 0 or n > min(size - 8, _ST_MAX_HEADER):
-                return [
-                    _weights(
-                        f"{path}: not a safetensors file: its header length {n} does not fit the file ({size} bytes)"
-                    )
-                ]
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        return [_weights(f"{path}: cannot be read: {exc.strerror or exc}")]
-    except ValueError as exc:
-        return [_weights(f"{path}: not a safetensors file: its header is not JSON ({exc})")]
-    if not isinstance(header, dict):
-        return [_weights(f"{path}: not a safetensors file: its header is not a JSON object")]
-    data = size - 8 - n
+    read = _read_header(path)
+    if isinstance(read, Problem):
+        return [read]
+    header, data = read
     problems: list[Problem] = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -63,6 +70,24 @@ def safetensors_problems(path: Path, limit: int = 3) -> list[Problem]:
             if len(problems) >= limit:
                 break
     return problems
+
+
+def stored_parameters(name_or_path: str) -> int | None:
+    """The number of parameter elements a local model folder's safetensors files hold, read from
+    their headers (no tensor, no model code): the model's parameter count, since transformers
+    stores tied weights once. None for anything else (a hub id, pickled weights, a header that
+    does not read: the preflight reports those)."""
+    folder = Path(name_or_path).expanduser()
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    total = 0
+    for f in files:
+        read = _read_header(f)
+        if isinstance(read, Problem) or any(
+            _tensor_problem(i, read[1]) for k, i in read[0].items() if k != "__metadata__"
+        ):
+            return None
+        total += sum(math.prod(i["shape"]) for k, i in read[0].items() if k != "__metadata__")
+    return total or None
 
 
 def _weights(message: str) -> Problem:
@@ -87,9 +112,15 @@ def _tensor_problem(info: object, data: int) -> str | None:
     return None
 
 
+# The attention implementations transformers has registered since 4.48: a config naming one of
+# them is answered without importing transformers.modeling_utils (about 2 s of CPU, a third of
+# `train --check`). tests/unit/test_model_checks.py holds this set inside transformers' own.
+BUILTIN_ATTENTION = frozenset({"eager", "sdpa", "flash_attention_2", "flex_attention"})
+
+
 def attention_problem(name: str | None) -> str | None:
     """`model.attn_implementation` must be one transformers knows (or a hub kernel `owner/name`)."""
-    if name is None or "/" in name:
+    if name is None or "/" in name or name in BUILTIN_ATTENTION:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
