@@ -27,4 +27,12 @@ df -h "${TMPDIR:-/tmp}" | awk 'NR == 2 {print "[test.sh] free disk for temporary
 # Every test's duration goes to test-durations.tsv; the run ends with the time per tier and the ten
 # slowest tests (tests/conftest.py), which tests/README.md's budgets are checked against.
 export SCALETUNE_TEST_DURATIONS="${SCALETUNE_TEST_DURATIONS:-$PWD/test-durations.tsv}"
-python -m pytest -q ${where[@]+"${where[@]}"} "$@"
+# The tiers run on pytest-xdist workers, one per core (at least 2: much of a test's time is a
+# process starting or a service answering, not arithmetic; at most 4), a test module to a worker at
+# a time (tests/conftest.py worker_group). SCALETUNE_TEST_WORKERS=0 runs them in this one process.
+workers="${SCALETUNE_TEST_WORKERS:-$(python -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))')}"
+parallel=()
+if [ "$workers" != 0 ] && [ ${#where[@]} -gt 0 ]; then
+  parallel=(-n "$workers")
+fi
+python -m pytest -q ${parallel[@]+"${parallel[@]}"} ${where[@]+"${where[@]}"} "$@"

@@ -75,7 +75,7 @@ BY_HAND = {
     "scaletune.serve.states": ["tests/serve/test_api.py", "tests/security/test_serve_restart.py"],
     "scaletune.serve.submission": ["tests/serve/test_api.py", "tests/security/test_serve_policy.py"],
     "scaletune.serve.validate": ["tests/serve/test_api.py"],
-    "scaletune.serve.web": ["tests/serve/test_browser.py", "tests/security/test_serve_web.py"],
+    "scaletune.serve.web": ["tests/serve/test_page_walk.py", "tests/security/test_serve_web.py"],
     "scaletune.serve.archive": ["tests/serve/test_page_results.py"],
     "scaletune.serve.chatting": ["tests/serve/test_page_results.py"],
     "scaletune.serve.results": ["tests/serve/test_page_results.py"],

@@ -23,10 +23,48 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The units `scripts/test.sh` hands to its pytest-xdist workers: a test module by default, so a
+# module's fixtures (a server, a browser, a Postgres) start once; the modules whose tests share
+# package-scoped runs (`run_once`, `finished_runs`) as one unit, so each of those runs trains once;
+# the system tier as one, since its SLURM cluster is one per session.
+SHARED_RUN_GROUPS = {
+    "tests/distributed/test_parity.py": "distributed-runs",
+    "tests/distributed/test_resume.py": "distributed-runs",
+    "tests/distributed/test_export_lora.py": "distributed-runs",
+    "tests/security/test_bad_input.py": "security-runs",
+    "tests/security/test_hostile_checkpoints.py": "security-runs",
+    "tests/security/test_run_directory.py": "security-runs",
+    "tests/security/test_strangers_files.py": "security-runs",
+}
+
+
+def worker_group(path: str) -> str:
+    """The xdist unit of the test file at `path` (relative to the repository)."""
+    return "system" if path.startswith("tests/system/") else SHARED_RUN_GROUPS.get(path, path)
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # plain pytest without the dev extra: no workers, no scheduler
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class _ByWorkerGroup(LoadScopeScheduling):
+        """xdist's scope scheduling with :func:`worker_group` as the scope. (`--dist loadgroup`
+        cannot do this under pytest 9.2: xdist 3.8 renames items through `Item._nodeid`, which
+        pytest 9.2 no longer reads.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::", 1)[0])
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _ByWorkerGroup(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `slow` repeat a proof another test makes more cheaply (another engine of the
-    same parity, another reshard direction) or measure rather than prove: they run with
-    SCALETUNE_SLOW_TESTS=1 (`bash scripts/test.sh --slow`), not in the default run CI makes."""
+    """Tests marked `slow` measure rather than prove (benchmarks, load) or wait for CI time:
+    they run with SCALETUNE_SLOW_TESTS=1 (`bash scripts/test.sh --slow`), not in the default run CI makes."""
     if os.environ.get("SCALETUNE_SLOW_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="slow tier: set SCALETUNE_SLOW_TESTS=1 (bash scripts/test.sh --slow)")

@@ -33,10 +33,8 @@ def adapter(folder) -> dict[str, torch.Tensor]:
 
 
 # Every engine: DDP and ZeRO-1/-2 keep every parameter whole on each rank, ZeRO-3 and FSDP gather
-# their shards for final/. ZeRO-1/-2 (two LoRA runs of their own) wait in the slow tier (CI time).
-@pytest.mark.parametrize(
-    "engine", [pytest.param(e, marks=pytest.mark.slow) if e in ("zero1", "zero2") else e for e in ENGINES]
-)
+# their shards for final/.
+@pytest.mark.parametrize("engine", ENGINES)
 def test_adapter_and_merge_from_every_engine(engine, run_once, tmp_path):
     run, proc = run_once(SHARED.get(engine, f"{engine}-lora"), model=LORA, distributed=ENGINES[engine])
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -143,7 +143,7 @@ def test_tensor_two_checkpoint_resumes_with_tensor_one(torchrun_tensor2, run_onc
     assert_same_steps(one, ref, REL, "tensor 2 -> 1, steps 5-8", first=4, grad_rel=GRAD_REL)
 
 
-@pytest.mark.parametrize("target", ["one", pytest.param("pipeline2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("target", ["one", "pipeline2"])
 def test_pipeline_two_checkpoint_resumes(target, run_once, tiny_model_dir, tmp_path):
     """The DCP checkpoint of step 4 written by 2 pipeline stages (each rank saved its own layers and
     optimizer state) resumes under fsdp at world size 1 (pipeline 1) and under pipeline 2 again:

@@ -172,12 +172,7 @@ def test_loss_moves_because_of_training(run_once):
         assert after[-1][1] >= MARGIN[kind], f"{kind}: last step only {after[-1][1]:.4f} below the lr=0 control"
 
 
-# ZeRO-1 and the offload variants (about 4 minutes on 2 cores, DeepSpeed's CPU Adam built on first
-# use) wait in the slow tier for the shared run cache (CI time).
-SLOW_CASES = {"zero1", "fsdp-offload", "zero2-offload-optimizer", "zero3-offload-params"}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_full_finetune_parity(case, run_once):
     run, _ = world2(run_once, case)
     ref = reference(run_once, "full")
@@ -189,11 +184,8 @@ def test_full_finetune_parity(case, run_once):
     assert_same_logits(logits(run / "final"), logits(ref / "final"), f"{case} final/")
 
 
-# DDP is where LoRA with gradient checkpointing used to fail ("mark a variable ready only once");
-# FSDP's LoRA case waits in the slow tier (CI time).
-@pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.slow) if c.startswith("fsdp") else c for c in LORA_CASES]
-)
+# DDP is where LoRA with gradient checkpointing used to fail ("mark a variable ready only once").
+@pytest.mark.parametrize("case", LORA_CASES)
 def test_lora_gradient_checkpointing_parity(case, run_once):
     run, proc = world2(run_once, case, lora=True)
     assert "Expected to mark a variable ready only once" not in proc.stderr

@@ -164,9 +164,6 @@ def test_dpo_parity_at_world_size_2(mode, engine, dpo_run):
             assert 0.45 * whole < rank["reference"] < 0.6 * whole, (engine, rank, whole)
 
 
-# Slow tier: every default parity case already compares a different split of the same global batch
-# (one process: 4 micro-batches of 2 pairs; two ranks: 2 each), which is the rule this checks.
-@pytest.mark.slow
 def test_micro_batch_split_does_not_change_the_step(dpo_run):
     """One micro-batch of 4 pairs per step equals 4 micro-batches of 1 (gradient accumulation)."""
     one = {"global_batch_size": 4, "micro_batch_size": 4, "eval_on_start": False}
@@ -177,11 +174,7 @@ def test_micro_batch_split_does_not_change_the_step(dpo_run):
     assert_same_steps(b, a, REL, "4 micro-batches of 1 pair vs 1 of 4")
 
 
-# KTO (its KL pass) in the default tier; the others' formulas are held against TRL's
-# (tests/objectives, tests/e2e/test_preference_vs_trl.py), their parity runs in the slow tier.
-@pytest.mark.parametrize(
-    "objective", [pytest.param(o, marks=pytest.mark.slow) for o in ("ipo", "orpo", "simpo")] + ["kto"]
-)
+@pytest.mark.parametrize("objective", ["ipo", "orpo", "simpo", "kto"])
 def test_other_objectives_parity_under_ddp(objective, dpo_run, pair_files, tmp_path_factory):
     """IPO, ORPO, SimPO and KTO (its KL pass over the whole global batch) under DDP at world size 2."""
     data = {}

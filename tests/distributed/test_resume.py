@@ -26,12 +26,7 @@ from tests.helpers import (
 pytestmark = pytest.mark.distributed
 
 
-# ZeRO-2's same-size resume and reshard wait in the slow tier (CI time): ZeRO-3's reshard and the
-# edge matrix's ZeRO-3 resume hold DeepSpeed's checkpoints.
-@pytest.mark.parametrize(
-    "case",
-    ["single", "ddp", pytest.param("fsdp", marks=pytest.mark.slow), pytest.param("zero2", marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("case", ["single", "ddp", "fsdp", "zero2"])
 def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
     full, _ = run_once(case, distributed=STRATEGIES[case])
@@ -77,7 +72,7 @@ def test_exact_resume_with_dropout_restores_the_rng(run_once, tiny_model_dir, tm
     )
 
 
-@pytest.mark.parametrize("case", ["fsdp", pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
+@pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
 def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4 (the gradient norm within GRAD_REL)."""
@@ -116,7 +111,6 @@ def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
     assert merged and not any("lora" in k for k in merged)
 
 
-@pytest.mark.slow  # tests/security/test_bad_input.py covers corrupt checkpoints through the CLI (CI time)
 def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
     full, _ = run_once("single", distributed=SINGLE)
     ckpt = full / "checkpoints" / "step-4"

@@ -322,7 +322,6 @@ def test_tasks_need_the_jobs_owner(server, jobs, eval_file):
         assert c.post(f"/api/jobs/{job_id}/tasks/export", json={}).status_code == 403
 
 
-@pytest.mark.slow  # CI time: tests/serve/test_page_walk.py chats, evaluates and exports in Chromium
 def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
     from selenium.webdriver.common.by import By
 

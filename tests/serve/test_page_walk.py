@@ -115,7 +115,16 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         listed = {f["name"]: f for f in api.get("/api/data").json()}
         assert listed["alpaca-walk.jsonl"]["records"] == 48
 
-        # 2. The config: a tiny model's YAML pasted in; the form reads its fields from it.
+        # 2. The config: a careless one first, whose every problem the page shows at once; then a
+        # tiny model's YAML pasted in, the form reading its fields from it.
+        bad = make_config(tiny_model_dir, "runs/bad")
+        bad["model"]["dtype"] = "float99"
+        bad["training"]["micro_batch_size"] = 0
+        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
+        driver.find_element(By.ID, "preview").click()
+        shown = wait_for(lambda: dom(driver, "#problems li"), 60, "the problems")
+        for key in ("model.dtype", "training.micro_batch_size"):
+            assert any(key in t for t in shown), f"{key} missing from the problems shown: {shown}"
         cfg = make_config(tiny_model_dir, "runs/walk")
         cfg["training"].update(max_steps=120, save_every=0, eval_every=0, log_every=1)
         cfg["training"]["sample_prompts"] = [PROMPT]
@@ -136,7 +145,12 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         driver.save_screenshot(str(shots / "page-walk-data.png"))
 
         # 4. The form: the plan preview follows the fields (LoRA holds far less optimizer state).
-        wait_for(lambda: _plan(driver)["strategy"] or dom(driver, "#problems li"), 90, "the first plan preview")
+        # (the careless config's problems stay listed until the first preview of this one answers)
+        wait_for(
+            lambda: _plan(driver)["strategy"] or dom(driver, "#problems li") not in ([], shown),
+            90,
+            "the first plan preview",
+        )
         assert not dom(driver, "#problems li"), dom(driver, "#problems li")
         full = _plan(driver)
         dry = api.post("/api/jobs", json={"config": _value(driver, "#config"), "dry_run": True}).json()["plan"]

@@ -188,7 +188,6 @@ def test_a_job_settled_lost_while_its_process_lives_is_re_settled(srv, tiny_mode
     assert any("not lost" in ln for ln in lines), lines
 
 
-@pytest.mark.slow  # CI time: the stand-in's proof above runs in CI
 def test_a_real_run_trains_on_after_its_checkpoint(srv, tiny_model_dir, tmp_path):
     """The stand-in's proof with the real trainer (`scaletune train`, 4 steps, a checkpoint at 2
     and at the end): the phase after the step-2 checkpoint is training again; none once it ended."""

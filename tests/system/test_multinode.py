@@ -199,7 +199,6 @@ def test_max_restarts_resumes_training_after_a_rank_is_killed(tmp_path, tiny_mod
     assert (tmp_path / "run" / "final").is_dir()
 
 
-@pytest.mark.slow  # the same two-node proof as torchrun's, through DeepSpeed's launcher
 def test_two_nodes_on_loopback_with_the_deepspeed_launcher(tmp_path, tiny_model_dir, reference_run):
     """`scaletune launch --launcher deepspeed --nodes 2 ...`: each node runs DeepSpeed's launcher
     with --no_ssh, --node_rank and the hostfile scaletune writes; same loss as one process."""
