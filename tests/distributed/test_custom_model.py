@@ -1,6 +1,6 @@
 """Your own model and data under every strategy: the digits image-to-text example
 (examples/digits: conv encoder, projector, olmo2-tiny LM; three stages training projector, then
-projector + LM, then everything) at world size 2 under ddp, fsdp (slow tier) and ZeRO-3 reproduces the
+projector + LM, then everything) at world size 2 under ddp, fsdp and ZeRO-3 reproduces the
 single-process loss and grad norm of every step (fp32) through all three stages; in each stage
 exactly the parameters the stage names change, tensor by tensor (single and every engine); a run
 resumed in the middle of stage 2 continues with the uninterrupted run's losses (single, ZeRO-3);
@@ -98,9 +98,7 @@ def _driver(out: str, cases: list[str]) -> None:
             dist.destroy_process_group()
 
 
-# FSDP's case waits in the slow tier (SCALETUNE_SLOW_TESTS=1) for CI time.
-ENGINES = ("ddp", "fsdp", "zero3") if os.environ.get("SCALETUNE_SLOW_TESTS") == "1" else ("ddp", "zero3")
-ENGINE_PARAMS = [pytest.param(c, marks=pytest.mark.slow) if c == "fsdp" else c for c in ("ddp", "fsdp", "zero3")]
+ENGINES = ("ddp", "fsdp", "zero3")
 
 
 def _run(cmd: list[str], timeout: int = 1800) -> None:
@@ -136,7 +134,7 @@ def rel(a: float, b: float) -> float:
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("case", ENGINE_PARAMS)
+@pytest.mark.parametrize("case", ENGINES)
 def test_world2_reproduces_single_through_three_stages(case, runs):
     ref, got = steps(runs / "single"), steps(runs / case)
     assert [m["stage"] for m in got] == [s for s in STAGES for _ in range(3)]
@@ -147,7 +145,7 @@ def test_world2_reproduces_single_through_three_stages(case, runs):
     assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # the curve moves: parity over a flat curve proves nothing
 
 
-@pytest.mark.parametrize("case", ["single", *ENGINE_PARAMS])
+@pytest.mark.parametrize("case", ["single", *ENGINES])
 def test_each_stage_changes_exactly_its_parameters(case, runs):
     changed = json.loads((runs / case / "changed.json").read_text())
     from safetensors.torch import load_file

@@ -18,8 +18,8 @@ One config holds every edge, so each (strategy, world size) is one run:
 Also: a dataset smaller than one global batch (exit 2, one message, no traceback) and your own
 model (`model.factory`, examples/digits) across two processes through the real command.
 
-The default tier runs fsdp at world size 2 and ZeRO-3 at world size 3 (through torchrun); the other
-six (every engine at 2 and 3, half resumed through the plain command) are in the slow tier.
+Every engine runs at world sizes 2 and 3, half of the resumed runs started through torchrun and half
+through the plain command.
 """
 
 from __future__ import annotations
@@ -46,19 +46,17 @@ STRATEGIES = {
 }
 # (strategy, world size, how the resumed run starts): every engine at world sizes 2 and 3, the resumed
 # run started through torchrun or the plain command; resuming onto another world size is
-# tests/distributed/test_resume.py's.
-# fsdp at 2 and ZeRO-3 at 3 in CI; the other six (about 7 minutes on 2 cores) wait in the slow tier
-# for the shared run cache (CI time).
-SLOW = pytest.mark.slow
+# tests/distributed/test_resume.py's. The cases are spread over the test workers one by one
+# (tests/conftest.py SPREAD): about a minute each on 2 busy cores.
 CASES = [
     ("fsdp", 2, "torchrun"),
     ("zero3", 3, "torchrun"),
-    pytest.param("ddp", 3, "scaletune", marks=SLOW),
-    pytest.param("zero2", 2, "scaletune", marks=SLOW),
-    pytest.param("fsdp", 3, "scaletune", marks=SLOW),
-    pytest.param("zero3", 2, "scaletune", marks=SLOW),
-    pytest.param("ddp", 2, "torchrun", marks=SLOW),
-    pytest.param("zero2", 3, "torchrun", marks=SLOW),
+    ("ddp", 3, "scaletune"),
+    ("zero2", 2, "scaletune"),
+    ("fsdp", 3, "scaletune"),
+    ("zero3", 2, "scaletune"),
+    ("ddp", 2, "torchrun"),
+    ("zero2", 3, "torchrun"),
 ]
 RESUME_STEP = 4
 # LoRA: the head stays frozen. A full fine-tune's gradient norm agrees across engines only to a few

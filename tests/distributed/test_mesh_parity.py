@@ -8,9 +8,8 @@ written with pipeline 2 resumed with pipeline 1 and 2, and evaluation through th
 The single-process references are the parity runs of tests/distributed/test_parity.py (the same
 `run_once` names and sections, trained once per session) and their packed twins here.
 
-Every layout but pipeline 2 x data 2 appears in the default tier; together the cases cover packed and unpacked
-rows, LoRA (with gradient checkpointing) and full fine-tuning. The rest of the 6 x 2 x 2 matrix is in
-the slow tier (SCALETUNE_SLOW_TESTS=1)."""
+Every layout appears once; together the cases cover packed and unpacked rows, LoRA (with gradient
+checkpointing) and full fine-tuning (the other cells of the 6 x 2 x 2 product: see CASES)."""
 
 from __future__ import annotations
 
@@ -39,23 +38,20 @@ pytestmark = pytest.mark.distributed
 
 REL = 1e-4
 STATES = ("params", "grads", "optimizer")
-# (layout, method, packed) in the default tier: each of tensor, context and pipeline with both
-# methods and both row kinds, at world sizes 2 and 4 (pipeline: 2). Tensor 2 with full fine-tuning on
-# unpacked rows is the torchrun test below (whose checkpoint the resume test reads).
-DEFAULT = {
+# (layout, method, packed) through the command: every layout of LAYOUTS (tensor 2 with full
+# fine-tuning on unpacked rows is the torchrun test below, whose checkpoint the resume test reads),
+# each of tensor, context and pipeline with both methods and both row kinds. The other cells of the
+# 6 x 2 x 2 product add no code path of their own: the method and the row kind under each layout
+# are held against one process per parameter by the drivers (tests/distributed/test_tensor_parallel.py:
+# full and LoRA; test_context_parallel.py: padded and packed rows, with and without checkpointing;
+# test_pipeline_parallel.py: pipeline 2 and pipeline 2 x data 2, full and LoRA, padded and packed).
+CASES = [
     ("context2", "full", True),
     ("data2-tensor2", "lora", True),
     ("data2-context2", "lora", False),
     ("pipeline2", "full", False),
     ("pipeline2", "lora", True),
-}
-# Pipeline 2 x data 2 through the command is in the slow tier (CI time); the driver
-# tests/distributed/test_pipeline_parallel.py holds it against one process per parameter.
-CASES = [
-    pytest.param(layout, method, packed, marks=() if (layout, method, packed) in DEFAULT else pytest.mark.slow)
-    for layout in LAYOUTS
-    for method in ("full", "lora")
-    for packed in (False, True)
+    ("data2-pipeline2", "full", True),
 ]
 
 

@@ -335,7 +335,8 @@ def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
         wait_for(lambda: driver.find_elements(By.ID, "config"), 30, "the submit form")
         driver.get(f"{server.url}/jobs/{job['id']}")
         wait_for(lambda: "checkpoints/step-1" in dom(driver, "#chat-checkpoint option", prop="value"), 30, "the models")
-        assert dom(driver, "#samples tr.sample td")[0] == PROMPT
+        # The samples table is filled by its own request, which may answer after the models' list.
+        assert wait_for(lambda: dom(driver, "#samples tr.sample td"), 30, "the samples")[0] == PROMPT
         driver.execute_script("document.getElementById('chat-max').value = 12")
         driver.find_element(By.ID, "chat-input").send_keys(PROMPT)
         driver.find_element(By.ID, "chat-send").click()
