@@ -78,7 +78,9 @@ def stored_parameters(name_or_path: str) -> int | None:
     stores tied weights once. None for anything else (a hub id, pickled weights, a header that
     does not read: the preflight reports those)."""
     folder = Path(name_or_path).expanduser()
-    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not folder.is_dir() or (folder / "adapter_config.json").exists():
+        return None  # an adapter folder's files hold the adapters, not the model they load onto
+    files = sorted(folder.glob("*.safetensors"))
     total = 0
     for f in files:
         read = _read_header(f)
@@ -114,7 +116,7 @@ def _tensor_problem(info: object, data: int) -> str | None:
 
 # The attention implementations transformers has registered since 4.48: a config naming one of
 # them is answered without importing transformers.modeling_utils (about 2 s of CPU, a third of
-# `train --check`). tests/unit/test_model_checks.py holds this set inside transformers' own.
+# `train --check`). tests/unit/test_models.py holds this set inside transformers' own.
 BUILTIN_ATTENTION = frozenset({"eager", "sdpa", "flash_attention_2", "flex_attention"})
 
 
