@@ -50,7 +50,8 @@ def torch_save_globals() -> list[Any]:
 def enforce(*, deepspeed: bool = True) -> None:
     """Make every `torch.load` of this process and its children restricted (see the module docstring).
     `deepspeed=False` leaves DeepSpeed's classes off torch's allow-list (and DeepSpeed unimported),
-    for a process that loads no DeepSpeed file (`train --check`): the scans add them themselves."""
+    for a process that loads no DeepSpeed file (`train --check`, a run of another engine): the scans
+    and :func:`restricted_load` add them themselves."""
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     os.environ[FORCE] = "1"
     if deepspeed:
