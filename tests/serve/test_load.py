@@ -1,6 +1,7 @@
-"""Load on loopback: 50 concurrent API clients, 20 submitted jobs, at most 2 running at once.
-Every job ends, every record and metric line is there; the p95 latency of the API is printed
-(docs/serve.md states the measured number). Slow: 20 training processes of 2 steps each."""
+"""Load on loopback: concurrent API clients polling while submitted jobs train, at most 2 running at
+once. Every job ends, every record and metric line is there, no request fails; the API's latency
+is printed. CI proves it at a size it can pay for (8 clients, 4 jobs: under a minute on 2 cores);
+SCALETUNE_LOAD_TEST=1 runs the measurement docs/serve.md states (50 clients, 20 jobs)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,15 @@ import statistics
 import threading
 import time
 
-import pytest
 import yaml
 
 from tests.helpers import make_config
 from tests.serve.serve_helpers import Server, client
 
-# scripts/test.sh runs every marker, and 20 training processes cost minutes of the CI budget: this
-# runs when asked (SCALETUNE_LOAD_TEST=1 pytest -s tests/serve/test_load.py).
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("SCALETUNE_LOAD_TEST") != "1", reason="set SCALETUNE_LOAD_TEST=1 to run"),
-]
-
-CLIENTS, JOBS, LIMIT, STEPS = 50, 20, 2, 2
+# The measurement (SCALETUNE_LOAD_TEST=1 pytest -s tests/serve/test_load.py): 20 training processes,
+# minutes of CPU; the proof in CI: the same assertions with fewer clients and jobs.
+MEASURE = os.environ.get("SCALETUNE_LOAD_TEST") == "1"
+CLIENTS, JOBS, LIMIT, STEPS = (50, 20, 2, 2) if MEASURE else (8, 4, 2, 2)
 
 
 def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
