@@ -168,6 +168,19 @@ def run_torchrun(
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
 
 
+def finish_driver(out: Path, results: dict) -> None:
+    """The end of a driver that runs under torchrun (tests/distributed/test_*_parallel.py): rank 0
+    writes `results` to `out` as JSON, then every rank leaves the process group together. (A rank
+    tearing gloo down while another was still in the group aborted once, "terminate called without
+    an active exception", after the results were written, on a busy 2-core machine.)"""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_cli(
     args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None, input: str | None = None
 ) -> subprocess.CompletedProcess:

@@ -105,6 +105,8 @@ def driver(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.helpers import finish_driver
+
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     results = {}
@@ -125,13 +127,7 @@ def driver(out: Path) -> None:
                 "input_grad_rel": rel(cp_embed[:, :length], embed),
                 "input_grad_past_end": float(cp_embed[:, length:].abs().max()) if cp_embed.size(1) > length else 0.0,
             }
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=1))
-    # Both ranks leave together: a rank tearing gloo down while the other is still in the process
-    # group aborted once ("terminate called without an active exception", after results.json was
-    # written, on a busy 2-core machine).
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_driver(out, results)
 
 
 def test_two_context_ranks_equal_one_process(tmp_path):

@@ -236,6 +236,8 @@ def driver(out: Path, cases: list[str]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tests.helpers import finish_driver
+
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pipeline", "data_shard"))
@@ -260,13 +262,7 @@ def driver(out: Path, cases: list[str]) -> None:
         }
         if not CASES[case][3]:  # full fine-tuning: the checkpoint loads at pipeline 1
             results[case]["gaps"]["resharded"] = reshard_gap(got["stage"], want, out.parent / f"dcp-{case}")
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=1))
-    # Both ranks leave together: a rank tearing gloo down while the other is still in the process
-    # group aborted once ("terminate called without an active exception", after results.json was
-    # written, on a busy 2-core machine).
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_driver(out, results)
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,8 @@ def driver(out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from tests.helpers import finish_driver
+
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tensor",))
     results = {}
@@ -152,13 +154,7 @@ def driver(out: Path) -> None:
             }
             results[case] = {"gaps": gaps, "loss": want["loss"], "norm": want["norm"], "tp_norm": got["norm"]}
         dist.barrier()
-    if dist.get_rank() == 0:
-        out.write_text(json.dumps(results, indent=1))
-    # Both ranks leave together: a rank tearing gloo down while the other is still in the process
-    # group aborted once ("terminate called without an active exception", after results.json was
-    # written, on a busy 2-core machine).
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_driver(out, results)
     del torch
 
 
