@@ -44,6 +44,9 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def set_path(data: dict, parts: list[str], value: Any) -> None:
+    """Set `data[parts[0]]...[parts[-1]] = value` in place, making (or replacing by) a mapping at each
+    key on the way: how an override (`parse_override`) applies, for the CLI, the page's form and a
+    submission to the service alike."""
     node = data
     for p in parts[:-1]:
         if not isinstance(node.get(p), dict):

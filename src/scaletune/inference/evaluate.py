@@ -51,8 +51,7 @@ def evaluate(loaded: LoadedModel, data_cfg: DataConfig, *, batch_size: int = 8) 
     from scaletune.models.loss import CausalLMLoss, target_index
 
     tok = loaded.tokenizer
-    base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()
-    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(base.config))
+    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(loaded.model))
     rows = bundle.train
     collate = Collator(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     loss_fn = CausalLMLoss(loaded.model)
@@ -203,8 +202,7 @@ def evaluate_preference(
     from scaletune.objectives.logprobs import sequence_logps
 
     tok = loaded.tokenizer
-    base = getattr(loaded.model, "get_base_model", lambda: loaded.model)()
-    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(base.config))
+    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(loaded.model))
     rows = bundle.train
     collate = PreferenceCollator(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, "preference")
     policy_parts, ref_parts, token_parts = [], [], []

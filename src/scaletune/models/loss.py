@@ -279,7 +279,9 @@ def liger_head_cross_entropy(
 
 
 def decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
-    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # peft
+    from scaletune.models.introspection import unwrap
+
+    base = unwrap(causal_lm)  # under peft
     return base.get_decoder(), base.get_output_embeddings()
 
 

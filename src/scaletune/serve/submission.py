@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from scaletune.config import is_secret_name, parse_override
+from scaletune.config.loader import set_path  # the CLI's own key setting
 from scaletune.config.yamlfile import depth_problem, parse
 from scaletune.errors import UserError
 
@@ -32,15 +33,6 @@ class Submission:
     @property
     def secret_names(self) -> list[str]:
         return sorted(self.secrets)
-
-
-def _set(data: dict, parts: list[str], value: Any) -> None:
-    node = data
-    for p in parts[:-1]:
-        if not isinstance(node.get(p), dict):
-            node[p] = {}
-        node = node[p]
-    node[parts[-1]] = value
 
 
 def read(text: str, overrides: list[str], max_depth: int) -> Submission:
@@ -70,7 +62,7 @@ def read(text: str, overrides: list[str], max_depth: int) -> Submission:
             parsed.append((item, [], None))
             continue
         parsed.append((item, parts, value))
-        _set(data, parts, value)
+        set_path(data, parts, value)
     extra = _get_list(data, "distributed", "secret_env")
     secrets: dict[str, str] = {}
     text_out = text

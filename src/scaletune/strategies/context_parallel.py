@@ -241,7 +241,9 @@ def install(causal_lm: nn.Module, cp_group: Any) -> None:
     """
     from transformers import AttentionInterface
 
-    base = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # peft
+    from scaletune.models.introspection import unwrap
+
+    base = unwrap(causal_lm)  # under peft
     config = base.config
     cp = torch.distributed.get_world_size(cp_group)
     heads = config.num_attention_heads

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletune.strategies.base import Strategy
+from scaletune.strategies.process_group import broadcast_buffers
 
 
 def shard_model(
@@ -305,12 +306,7 @@ class FSDPStrategy(FullyShardedState, Strategy):
             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
         )
         del full_state
-        with torch.no_grad():
-            for name, buf in model.named_buffers():
-                src = buffers[name].to(buf.device) if self.env.is_main else buf
-                dist.broadcast(src, src=0)
-                if self.env.is_main:
-                    buf.copy_(src)
+        broadcast_buffers(model, buffers)
 
     def _parallelize(self, model: nn.Module) -> None:
         """Tensor and context parallelism on the (meta-device) loss module, before FSDP2 shards it."""

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scaletune.models.introspection import unwrap
 from scaletune.strategies.mesh import DATA_CONTEXT
 from scaletune.strategies.pipeline_parallel import (
     PipelineRunner,
-    base_model,
     head_name,
     pipeline_clip_grad_norm_,
     split_stage,
 )
+from scaletune.strategies.process_group import broadcast_buffers
 
 __all__ = ["PipelineEngine", "is_stage_leader"]
 
@@ -57,7 +58,7 @@ class PipelineEngine:
     def split(self, loss_module: nn.Module) -> nn.Module:
         """This rank's `PipelineStageModule` of a `loss.CausalLMLoss` (its chunk kept), names unchanged.
         The modules other stages run move to the meta device (no storage), kept for :meth:`whole`."""
-        base = base_model(loss_module.causal_lm)
+        base = unwrap(loss_module.causal_lm)
         decoder, head = base.get_decoder(), head_name(base)
         whole = {"layers": decoder.layers, "embed_tokens": decoder.embed_tokens, "norm": decoder.norm}
         whole[head] = base.get_output_embeddings()
@@ -73,7 +74,7 @@ class PipelineEngine:
     def whole(self, stage: nn.Module) -> Iterator[None]:
         """The stage's model with every module of the unsplit model (the other stages' on the meta
         device), for `save_pretrained`: peft saves the adapter weights of the modules it finds."""
-        base = base_model(stage.causal_lm)
+        base = unwrap(stage.causal_lm)
         decoder = base.get_decoder()
         split = {"layers": decoder.layers, "embed_tokens": decoder.embed_tokens, "norm": decoder.norm}
         head = next(k for k in self._whole if k not in split)
@@ -99,11 +100,7 @@ class PipelineEngine:
             where = self.device if mesh.device_type != "cpu" else torch.device("cpu")
             full = full_state[name].to(where, p.dtype) if leader else torch.empty(p.shape, dtype=p.dtype, device=where)
             p.to_local().copy_(distribute_tensor(full, mesh, p.placements, src_data_rank=0).to_local())
-        for name, buf in model.named_buffers():
-            src = buffers[name].to(buf.device) if leader else buf
-            dist.broadcast(src, group=self.data_group, group_src=0)
-            if leader:
-                buf.copy_(src)
+        broadcast_buffers(model, buffers, self.data_group)
 
     def _runner(self, module: nn.Module, n: int, grad_divisor: float) -> PipelineRunner:
         if n not in self._runners:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scaletune.models.attention import full_causal_only, packed_mask
+from scaletune.models.introspection import unwrap
 from scaletune.models.loss import IGNORE_INDEX, chunked_head_cross_entropy
 
 __all__ = [
@@ -36,10 +37,6 @@ __all__ = [
     "split_stage",
     "stage_layers",
 ]
-
-
-def base_model(causal_lm: nn.Module) -> nn.Module:
-    return causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm  # peft
 
 
 def head_name(base: nn.Module) -> str:
@@ -91,7 +88,7 @@ class PipelineStageModule(nn.Module):
     def _mask(self, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
         from transformers.masking_utils import create_causal_mask
 
-        config = base_model(self.causal_lm).config
+        config = unwrap(self.causal_lm).config
         if position_ids is not None:
             mask = packed_mask(config, position_ids)  # sdpa / flex_attention: built here, no host sync
             if mask is not None:
@@ -104,7 +101,7 @@ class PipelineStageModule(nn.Module):
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        base = base_model(self.causal_lm)
+        base = unwrap(self.causal_lm)
         decoder = base.get_decoder()
         hidden = decoder.embed_tokens(x) if self.is_first else x
         positions = position_ids
@@ -159,7 +156,7 @@ def split_stage(
             with other than plain causal attention layers (sliding window, chunked), or a head tied to the input embeddings with more than one stage (they would sit on two
             ranks; torchtitan does not split tied models either).
     """
-    base = base_model(causal_lm)
+    base = unwrap(causal_lm)
     decoder = base.get_decoder()
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(decoder, name):

@@ -201,3 +201,17 @@ class WaitGroup:
     def barrier(self) -> None:
         """Wait until every rank arrives; raises RuntimeError naming the missing ranks after the timeout."""
         dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+
+
+@torch.no_grad()
+def broadcast_buffers(model: torch.nn.Module, buffers: dict[str, torch.Tensor], group: Any = None) -> None:
+    """Give every rank of `group` (default: the world) the buffers (rotary `inv_freq`, ...) of its
+    first rank, which holds them by name in `buffers` (the others pass an empty dict). The sharded
+    engines fill parameters from a state dict and the buffers through this, since a state dict
+    skips non-persistent buffers."""
+    leader = dist.get_rank(group) == 0
+    for name, buf in model.named_buffers():
+        src = buffers[name].to(buf.device) if leader else buf
+        dist.broadcast(src, group=group, group_src=0)
+        if leader:
+            buf.copy_(src)

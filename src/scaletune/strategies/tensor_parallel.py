@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scaletune.models.introspection import unwrap
+
 if TYPE_CHECKING:  # torch.distributed.tensor is imported where used: models/loss.py imports this module
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -74,15 +76,10 @@ def parallel_style(name: str) -> ParallelStyle:
     return getattr(parallel, style)(**({replicated: Replicate()} if replicated else {}))
 
 
-def _unwrap(causal_lm: nn.Module) -> nn.Module:
-    """The transformers CausalLM under a peft wrapper (or the model itself)."""
-    return causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-
-
 def base_model(causal_lm: nn.Module) -> nn.Module:
     """The decoder the plan's names are relative to: `model.model` of a CausalLM (its
     `base_model_prefix` attribute), under a peft wrapper too."""
-    hf = _unwrap(causal_lm)
+    hf = unwrap(causal_lm)
     return getattr(hf, getattr(hf, "base_model_prefix", ""), hf)
 
 
@@ -108,10 +105,10 @@ def tensor_parallel_plan(causal_lm: nn.Module) -> dict[str, str]:
         ValueError: the model ships no plan, a style is not supported, LoRA uses DoRA (its
             magnitude normalises the whole merged weight row), or a key matches no module.
     """
-    config = getattr(_unwrap(causal_lm), "config", None)
+    config = getattr(unwrap(causal_lm), "config", None)
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        raise ValueError(f"tensor parallelism: {type(_unwrap(causal_lm)).__name__} has no base_model_tp_plan")
+        raise ValueError(f"tensor parallelism: {type(unwrap(causal_lm)).__name__} has no base_model_tp_plan")
     for style in plan.values():
         parallel_style(style)  # refuse unknown styles before touching the model
     base = base_model(causal_lm)
@@ -137,7 +134,7 @@ def tensor_parallel_plan(causal_lm: nn.Module) -> dict[str, str]:
 def _check_divisible(causal_lm: nn.Module, plan: dict[str, str], size: int) -> None:
     """Sharded widths must divide by the tensor-parallel size: the styles' `from_local` assume even
     shards, and a colwise attention projection must hold whole heads."""
-    base, config = base_model(causal_lm), _unwrap(causal_lm).config
+    base, config = base_model(causal_lm), unwrap(causal_lm).config
     for name, style in plan.items():
         module = base.get_submodule(name)
         width = module.out_features if style in _COLUMN else module.in_features
@@ -148,7 +145,7 @@ def _check_divisible(causal_lm: nn.Module, plan: dict[str, str], size: int) -> N
             heads = getattr(config, field, None)
             if heads is not None and heads % size:
                 raise ValueError(f"tensor parallelism: {field}={heads} is not divisible by tensor_parallel={size}")
-    vocab = _unwrap(causal_lm).get_output_embeddings().weight.shape[0]
+    vocab = unwrap(causal_lm).get_output_embeddings().weight.shape[0]
     if vocab % size:
         raise ValueError(f"tensor parallelism: vocabulary size {vocab} is not divisible by tensor_parallel={size}")
 
@@ -176,7 +173,7 @@ def apply_tensor_parallel(causal_lm: nn.Module, tp_mesh: DeviceMesh) -> None:
     base = base_model(causal_lm)
     for name, style in plan.items():
         parallelize_module(base.get_submodule(name), tp_mesh, parallel_style(style))
-    hf = _unwrap(causal_lm)
+    hf = unwrap(causal_lm)
     head, embed = hf.get_output_embeddings(), hf.get_input_embeddings()
     if type(head) is not nn.Linear:
         raise ValueError(f"tensor parallelism: the output head is a {type(head).__name__}, not a plain Linear")
