@@ -57,7 +57,10 @@ LAYERS: list[set[str]] = [
     {"run"},
     {"launch", "doctor", "plan", "hf"},
     {"trainer"},
-    {"strategies", "checkpoint", "models", "data", "inference", "objectives"},
+    {"strategies", "checkpoint", "inference"},
+    # The model code apart from the parallelism: the loss and objectives read what a strategy hands
+    # them (sharded logits, a context slice), never a strategy.
+    {"models", "data", "objectives"},
     {"resolve"},
     {"env", "report", "safe_load"},
     {"config"},

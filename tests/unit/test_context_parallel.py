@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from scaletune.data.batching import Collator
-from scaletune.models.attention import packed_mask
+from scaletune.models.attention import context_mask, packed_mask
 from scaletune.models.loss import CausalLMLoss
-from scaletune.strategies.context_parallel import context_mask, split_batch
+from scaletune.strategies.context_parallel import split_batch
 from scaletune.trainer.batches import TEXT, model_inputs
 
 

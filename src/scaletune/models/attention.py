@@ -15,6 +15,8 @@ tests the rows on the host (``(...).all()``: a device-to-host sync per step on a
   position_ids on their device (no host sync) and passed to the model as a 4D mask, which
   transformers uses as-is for every layer: a `BlockMask` for ``flex_attention``, the same boolean
   ``[B, 1, T, T]`` mask transformers would build for ``sdpa``.
+* :func:`context_mask`: the whole rows' mask of a context-parallel slice (the strategy splits the
+  rows, `strategies.context_parallel`; the loss module asks for their mask here).
 """
 
 from __future__ import annotations
@@ -147,3 +149,35 @@ def packed_mask(hf_config: Any, position_ids: torch.Tensor) -> Any:
     # (the sdpa path keeps one for the whole forward and backward); compiling would recompile for
     # every new row length.
     return create_block_mask(same_example_causal, batch, None, length, length, device=seq.device)
+
+
+class _AsSdpa:
+    """A read-only view of a transformers config that names ``sdpa`` as its attention, so
+    `packed_mask` builds the mask that `strategies.context_parallel.ulysses_attention` hands to sdpa."""
+
+    _attn_implementation = SDPA
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def context_mask(hf_config: Any, full_position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask of the whole rows of a context-parallel micro-batch.
+
+    Args:
+        hf_config: the model's transformers config.
+        full_position_ids: ``[B, T']`` the whole padded rows' position ids of packed rows
+            (`strategies.context_parallel.split_batch`'s ``full_position_ids``), or None for unpacked rows.
+
+    Returns:
+        None for unpacked rows (attention is causal: `strategies.context_parallel`'s docstring); for packed rows
+        :func:`packed_mask`'s boolean ``[B, 1, T', T']`` document mask (True: attend).
+    """
+    if full_position_ids is None:
+        return None
+    mask = packed_mask(_AsSdpa(hf_config), full_position_ids)
+    assert mask is not None, "context_parallel.install() refuses models whose layers are not all plain causal attention"
+    return mask

@@ -15,19 +15,23 @@ Two options (`model.activation_offload`, `model.liger`), both off by default:
   autograd saves for backward wait in host memory;
 * Liger (CUDA only): the head and loss are Liger's fused linear cross-entropy kernel instead of
   the chunked PyTorch path (the model-level Liger kernels are applied by `models.prepare_model`).
+
+A tensor-parallel head (vocabulary-sharded DTensor logits) gets :func:`vocab_parallel_cross_entropy`.
+The loss imports nothing from `strategies/`: a strategy shapes the model (shards the head, splits
+the rows), and the loss reads what it is handed.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scaletune.models.attention import packed_mask
-from scaletune.strategies.tensor_parallel import vocab_parallel_cross_entropy
+from scaletune.models.attention import context_mask, packed_mask
 
 IGNORE_INDEX = -100
 CUDA_CHUNK = 1024  # target rows per head+loss chunk on a GPU: [1024, vocab] logits at a time
@@ -65,6 +69,66 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
         [num_targets] int64 indices into the flattened [batch * (seq - 1)] shifted positions.
     """
     return (labels[:, 1:].reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+
+
+# The cross-entropy of a tensor-parallel head: the strategy shards the head over the vocabulary
+# (strategies.tensor_parallel), the loss takes the sum over the shards here.
+
+
+@contextlib.contextmanager
+def _loss_parallel() -> Iterator[None]:
+    """torch's `loss_parallel()`, entered only where it is not on already: it swaps DTensor's op
+    handlers globally, and an inner exit would switch them off under an outer context."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    if torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers:
+        yield
+        return
+    with loss_parallel():
+        yield
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward and backward of the summed cross-entropy under torch's `loss_parallel()`, which torch
+    requires of both; the trainer's backward runs outside any such context, so the gradient is
+    computed here, in this function's backward, by a second (cheap) pass over the logits shard."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):  # noqa: D102 - see the class
+        ctx.save_for_backward(logits, targets)
+        with _loss_parallel():
+            return F.cross_entropy(logits, targets, reduction="sum").to_local()
+
+    @staticmethod
+    def backward(ctx, grad_total):  # noqa: D102
+        from torch.distributed.tensor import DTensor
+
+        logits, targets = ctx.saved_tensors  # first: under a checkpoint this recomputes the forward
+        with torch.enable_grad(), _loss_parallel():
+            leaf = logits.detach().requires_grad_()
+            loss = F.cross_entropy(leaf, targets, reduction="sum")
+            grad_out = DTensor.from_local(grad_total, loss.device_mesh, loss.placements, run_check=False)
+            (grad,) = torch.autograd.grad(loss, leaf, grad_out)
+        return grad, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum_i CE(logits_i, targets_i) for logits sharded over the vocabulary on a one-dimensional mesh.
+
+    torch's `loss_parallel()` cross-entropy: each rank's log-softmax takes the max and the sum of
+    exponentials all-reduced over the vocabulary shards (Megatron-LM's vocab-parallel cross-entropy,
+    Shoeybi et al. 2019, arXiv:1909.08053), so the full logits never exist on one rank. Safe inside
+    `torch.utils.checkpoint` (non-reentrant) and in a backward outside any `loss_parallel()` context.
+
+    Args:
+        logits: [n, vocab] float DTensor, `Shard(-1)` (the head of `strategies.tensor_parallel.apply_tensor_parallel`).
+        targets: [n] int64 plain tensor of token ids, the same on every rank of the mesh.
+
+    Returns:
+        0-dim plain float tensor, the total over the n rows, the same on every rank.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, targets)
 
 
 def _head_ce_sum(hidden: torch.Tensor, weight_holder: nn.Module, targets: torch.Tensor) -> torch.Tensor:
@@ -365,8 +429,6 @@ class CausalLMLoss(nn.Module):
         by ``full_position_ids`` (packed); ``attention_mask`` (the slice's padding) unused."""
         context = labels.size(1) == input_ids.size(1) + 1
         if context:
-            from scaletune.strategies.context_parallel import context_mask
-
             attention_mask = context_mask(self.causal_lm.config, full_position_ids)
         elif attention_mask is None and position_ids is not None:
             # Packed rows (the collator gives them no 2D mask): their mask once per micro-batch,

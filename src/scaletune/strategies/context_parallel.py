@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaletune.data.sources import IGNORE_INDEX
-from scaletune.models.attention import SDPA, full_causal_only, packed_mask
+from scaletune.models.attention import full_causal_only
 
 log = logging.getLogger(__name__)
 
@@ -135,38 +135,6 @@ def split_batch(mb: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict
     return out
 
 
-class _AsSdpa:
-    """A read-only view of a transformers config that names ``sdpa`` as its attention, so
-    `packed_mask` builds the mask that :func:`ulysses_attention` hands to sdpa."""
-
-    _attn_implementation = SDPA
-
-    def __init__(self, config: Any) -> None:
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, name)
-
-
-def context_mask(hf_config: Any, full_position_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The attention mask of the whole rows of a context-parallel micro-batch.
-
-    Args:
-        hf_config: the model's transformers config.
-        full_position_ids: ``[B, T']`` the whole padded rows' position ids of packed rows
-            (:func:`split_batch`'s ``full_position_ids``), or None for unpacked rows.
-
-    Returns:
-        None for unpacked rows (attention is causal, see the module docstring); for packed rows
-        `models.attention.packed_mask`'s boolean ``[B, 1, T', T']`` document mask (True: attend).
-    """
-    if full_position_ids is None:
-        return None
-    mask = packed_mask(_AsSdpa(hf_config), full_position_ids)
-    assert mask is not None, "install() refuses models whose layers are not all plain causal attention"
-    return mask
-
-
 def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """[B, H, L, D] (this rank's positions, all heads) -> [B, H / cp, cp L, D] (all positions,
     this rank's heads). Chunk ``j`` of the all-to-all's dim 0 goes to rank ``j``: head group ``j``
@@ -209,7 +177,7 @@ def ulysses_attention(
         module: the attention layer (transformers reads ``is_causal`` and
             ``num_key_value_groups`` from it).
         query: ``[B, H, L, D]`` this rank's positions; key, value: ``[B, KV, L, D]``.
-        attention_mask: None (causal) or :func:`context_mask`'s ``[B, 1, cp L, cp L]``.
+        attention_mask: None (causal) or `models.attention.context_mask`'s ``[B, 1, cp L, cp L]``.
         group: the context group (``cp`` ranks, each with the same ``B`` and ``L``).
         kwargs: passed on to transformers' ``sdpa_attention_forward`` (``scaling``, ``dropout``).
 

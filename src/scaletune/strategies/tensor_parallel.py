@@ -27,18 +27,16 @@ row-parallel adapter each rank then masks its own slice with the same pattern.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scaletune.models.introspection import unwrap
 
-if TYPE_CHECKING:  # torch.distributed.tensor is imported where used: models/loss.py imports this module
+if TYPE_CHECKING:  # torch.distributed.tensor is imported where used, by the runs that shard
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -233,59 +231,3 @@ def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float, norm_typ
             )
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return total
-
-
-@contextlib.contextmanager
-def _loss_parallel() -> Iterator[None]:
-    """torch's `loss_parallel()`, entered only where it is not on already: it swaps DTensor's op
-    handlers globally, and an inner exit would switch them off under an outer context."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    if torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers:
-        yield
-        return
-    with loss_parallel():
-        yield
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward and backward of the summed cross-entropy under torch's `loss_parallel()`, which torch
-    requires of both; the trainer's backward runs outside any such context, so the gradient is
-    computed here, in this function's backward, by a second (cheap) pass over the logits shard."""
-
-    @staticmethod
-    def forward(ctx, logits, targets):  # noqa: D102 - see the class
-        ctx.save_for_backward(logits, targets)
-        with _loss_parallel():
-            return F.cross_entropy(logits, targets, reduction="sum").to_local()
-
-    @staticmethod
-    def backward(ctx, grad_total):  # noqa: D102
-        from torch.distributed.tensor import DTensor
-
-        logits, targets = ctx.saved_tensors  # first: under a checkpoint this recomputes the forward
-        with torch.enable_grad(), _loss_parallel():
-            leaf = logits.detach().requires_grad_()
-            loss = F.cross_entropy(leaf, targets, reduction="sum")
-            grad_out = DTensor.from_local(grad_total, loss.device_mesh, loss.placements, run_check=False)
-            (grad,) = torch.autograd.grad(loss, leaf, grad_out)
-        return grad, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """sum_i CE(logits_i, targets_i) for logits sharded over the vocabulary on a one-dimensional mesh.
-
-    torch's `loss_parallel()` cross-entropy: each rank's log-softmax takes the max and the sum of
-    exponentials all-reduced over the vocabulary shards (Megatron-LM's vocab-parallel cross-entropy,
-    Shoeybi et al. 2019, arXiv:1909.08053), so the full logits never exist on one rank. Safe inside
-    `torch.utils.checkpoint` (non-reentrant) and in a backward outside any `loss_parallel()` context.
-
-    Args:
-        logits: [n, vocab] float DTensor, `Shard(-1)` (the head of :func:`apply_tensor_parallel`).
-        targets: [n] int64 plain tensor of token ids, the same on every rank of the mesh.
-
-    Returns:
-        0-dim plain float tensor, the total over the n rows, the same on every rank.
-    """
-    return _VocabParallelCrossEntropy.apply(logits, targets)
