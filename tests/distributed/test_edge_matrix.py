@@ -218,8 +218,10 @@ def test_data_smaller_than_one_global_batch_exits_2_once(module_tmp_path, edge_y
 
 def test_data_smaller_than_one_global_batch_under_torchrun_names_it_once(module_tmp_path, edge_yaml):
     """The same data under `torchrun --nproc-per-node 3 -m scaletune train`: every rank meets the
-    problem; local rank 0 lists it, the two others say one line each (it used to be listed three
-    times), and the ranks exit 2 without a traceback of scaletune's."""
+    problem; local rank 0 lists it, another rank that gets that far says one line (it used to be
+    listed three times), and the ranks exit 2 without a traceback of scaletune's. How many others
+    get that far is timing: torchrun stops them as soon as one rank exits (the one line itself:
+    tests/unit/test_errors.py)."""
     proc = scaletune_train(
         edge_yaml,
         f"output_dir={module_tmp_path / 'small-torchrun'}",
@@ -232,7 +234,7 @@ def test_data_smaller_than_one_global_batch_under_torchrun_names_it_once(module_
     assert proc.returncode != 0, out[-3000:]
     assert out.count("error: cannot start training") == 1, out[-3000:]
     assert out.count("stage a: 8 training sequences are fewer than one global batch (12)") == 1, out[-3000:]
-    assert out.count("the problems are listed by local rank 0") == 2, out[-3000:]
+    assert out.count("the problems are listed by local rank 0") <= 2, out[-3000:]
     # torchrun's own report (a traceback of torch.distributed.run ending in ChildFailedError)
     # names the exit code; no frame of scaletune is printed.
     assert "exitcode  : 2" in out and "src/scaletune/" not in out, out[-3000:]

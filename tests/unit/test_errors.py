@@ -77,3 +77,27 @@ def test_problems_and_error_text_give_the_same_lines():
     assert texts(again) == exc.problems
     assert UserError(again, title="invalid config").format() == exc.format()
     assert Problem("run directory", None, "out/ exists").text("config.yaml:2") == "config.yaml:2: out/ exists"
+
+
+def test_a_launched_rank_other_than_local_0_says_one_line(tmp_path, monkeypatch, capsys):
+    """Under a launcher every rank meets the same config problems: local rank 0 lists them, any
+    other local rank says one line pointing there (so a node's log lists each problem once). The
+    control is the same call as local rank 0. (Through torchrun, tests/distributed/test_edge_matrix.py;
+    there the other ranks may be stopped by torchrun before they get that far.)"""
+    import pytest
+
+    from scaletune.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: {learning_rate: -1, max_steps: 0}\n")
+    said = {}
+    for local_rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", str(bad), "--check"])
+        assert exit_.value.code == 2
+        said[local_rank] = capsys.readouterr().err.strip()
+    assert "learning_rate" in said["0"] and "max_steps" in said["0"], said["0"]
+    assert said["1"].splitlines() == [
+        "error (local rank 1): cannot start training; the problems are listed by local rank 0"
+    ], said["1"]
