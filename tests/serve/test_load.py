@@ -22,7 +22,7 @@ MEASURE = os.environ.get("SCALETUNE_LOAD_TEST") == "1"
 CLIENTS, JOBS, LIMIT, STEPS = (50, 20, 2, 2) if MEASURE else (8, 4, 2, 2)
 
 
-def test_fifty_clients_twenty_jobs(tiny_model_dir, tmp_path):
+def test_clients_poll_while_jobs_train_under_the_limit(tiny_model_dir, tmp_path):
     srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", max_concurrent=LIMIT)
     latencies: list[float] = []
     errors: list[str] = []
