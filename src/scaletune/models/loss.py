@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.attention import context_mask, packed_mask
+from scaletune.models.introspection import unwrap
 
 IGNORE_INDEX = -100
 CUDA_CHUNK = 1024  # target rows per head+loss chunk on a GPU: [1024, vocab] logits at a time
@@ -343,8 +344,6 @@ def liger_head_cross_entropy(
 
 
 def decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
-    from scaletune.models.introspection import unwrap
-
     base = unwrap(causal_lm)  # under peft
     return base.get_decoder(), base.get_output_embeddings()
 

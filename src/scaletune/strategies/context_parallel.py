@@ -46,6 +46,7 @@ from torch import nn
 
 from scaletune.data.sources import IGNORE_INDEX
 from scaletune.models.attention import full_causal_only
+from scaletune.models.introspection import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +209,6 @@ def install(causal_lm: nn.Module, cp_group: Any) -> None:
             ``AttentionInterface``.
     """
     from transformers import AttentionInterface
-
-    from scaletune.models.introspection import unwrap
 
     base = unwrap(causal_lm)  # under peft
     config = base.config
