@@ -1,5 +1,6 @@
 """Curriculum: two stages on two data sets in one run, one step count, a checkpoint per stage end,
-a schedule restarted per stage, and resume in the middle of stage 2."""
+a schedule restarted per stage, and resume in the middle of stage 2; a schedule continued over both
+stages, and resume from the end of stage 1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import ALPACA_5000, assert_close, losses, make_config, metrics, train
+from tests.helpers import ALPACA_5000, LORA, assert_close, losses, make_config, metrics, train
 
 
 @pytest.fixture()
@@ -59,9 +60,12 @@ def test_two_stages_then_resume_mid_stage_two(tiny_model_dir, tmp_path, text_dat
     assert [m["lr"] for m in again] == pytest.approx(lrs[4:])
 
 
-def test_continue_schedule_spans_both_stages(tiny_model_dir, tmp_path, text_data):
-    """`continue_schedule: true`: one cosine over both stages' 6 steps, peaking at stage 1's lr."""
+def test_continue_schedule_spans_both_stages_and_resumes_from_the_stage_end(tiny_model_dir, tmp_path, text_data):
+    """`continue_schedule: true`: one cosine over both stages' 6 steps, peaking at stage 1's lr.
+    Resumed from stage 1's end checkpoint, stage 2 equals the uninterrupted run: its schedule goes on
+    (not restarted at 0) and LoRA's dropout masks are drawn from the checkpoint's RNG."""
     cfg = curriculum(tiny_model_dir, tmp_path / "run", text_data, save_every=0)
+    cfg["model"]["lora"] = {**LORA["lora"], "dropout": 0.3}  # dropout: the RNG matters after a resume
     cfg["stages"][1]["continue_schedule"] = True
     proc = train(cfg, tmp_path, expect_ok=False)  # stage 2 sets its own learning_rate: a contradiction
     assert proc.returncode == 2 and "stages[1] continues the running schedule" in proc.stderr
@@ -69,5 +73,23 @@ def test_continue_schedule_spans_both_stages(tiny_model_dir, tmp_path, text_data
     train(cfg, tmp_path)
     import math
 
-    lrs = [m["lr"] for m in metrics(tmp_path / "run") if "loss" in m]
+    run = [m for m in metrics(tmp_path / "run") if "loss" in m]
+    lrs = [m["lr"] for m in run]
     assert lrs == pytest.approx([2e-3 * 0.5 * (1 + math.cos(math.pi * s / 6)) for s in range(6)])
+    stage_end = tmp_path / "run" / "checkpoints" / "step-3"
+    assert json.loads((stage_end / "progress.json").read_text())["stage_complete"] is True
+
+    cfg["output_dir"] = str(tmp_path / "resumed")
+    cfg["training"]["resume"] = str(stage_end)
+    proc = train(cfg, tmp_path, name="resumed.yaml")
+    assert "resumed at the end of stage instructions (step 3): stage plain-text starts, its schedule continued" in (
+        proc.stdout + proc.stderr
+    )
+    again = [m for m in metrics(tmp_path / "resumed") if "loss" in m]
+    assert [m["step"] for m in again] == [4, 5, 6]
+    assert [m["lr"] for m in again] == pytest.approx(lrs[3:], rel=1e-6)  # today's code: 0, warmup again
+    # step 4's loss is computed before its update: only the dropout masks (the RNG) can move it
+    assert_close([m["loss"] for m in again], [m["loss"] for m in run[3:]], 1e-5, "loss after a stage-end resume")
+    assert_close(
+        [m["grad_norm"] for m in again], [m["grad_norm"] for m in run[3:]], 1e-4, "grad norm after a stage-end resume"
+    )

@@ -234,16 +234,29 @@ class Trainer:
             )
         return True
 
-    def take_resumed(self, stage_index: int) -> Resumed | None:
-        """The resume hand-off if the run resumes in this stage; gone after the first stage entered."""
+    def take_resumed(self, stage_index: int) -> tuple[Resumed | None, Resumed | None]:
+        """The resume hand-off, taken by the first stage entered: (inside, boundary). `inside`: the
+        run resumes in this stage; `boundary`: the checkpoint ended the stage before it (a
+        stage-end checkpoint), whose RNG and continuing schedule this stage starts from."""
         resumed, self.resumed = self.resumed, None
-        return resumed if resumed is not None and resumed.progress.stage_index == stage_index else None
+        if resumed is None:
+            return None, None
+        if resumed.progress.stage_index == stage_index:
+            return resumed, None
+        return None, resumed  # also a mid-stage checkpoint of a stage since shortened to its step
 
     def enter_stage(self, plan: StagePlan) -> tuple[Iterator, Any]:
         """Loaders (from the resumed position), what trains, the schedule, the position, the
         evaluation before training. Returns (global batches, the eval loader or None)."""
         stage, prepared = plan.stage, self.prepared
-        resumed = self.take_resumed(stage.index)
+        resumed, boundary = self.take_resumed(stage.index)
+        if boundary is not None:
+            # The uninterrupted run enters this stage right after saving that checkpoint: from its RNG.
+            load_rng(boundary.path, self.env.rank)
+            print0(
+                f"[scaletune] resumed at the end of stage {boundary.progress.stage_name} (step {boundary.progress.step}): "
+                f"stage {stage.name} starts{', its schedule continued' if plan.schedule_origin != stage.index else ''}"
+            )
         start = resumed.progress if resumed is not None else None
         if start is not None and start.stage_complete:
             print0(
@@ -260,7 +273,12 @@ class Trainer:
         origin = prepared.plans[plan.schedule_origin].stage.training
         continues = plan.schedule_origin != stage.index
         self.schedule.enter(
-            self.strategy.optimizer, origin, plan.schedule_steps, continues=continues, retargeted=retargeted
+            self.strategy.optimizer,
+            origin,
+            plan.schedule_steps,
+            continues=continues,
+            retargeted=retargeted,
+            saved=boundary.scheduler if boundary is not None else None,
         )
         self.position.enter_stage(start)
         if resumed is not None:

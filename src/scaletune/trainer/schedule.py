@@ -24,11 +24,20 @@ class Schedule:
         self._lr: Any = None  # the LambdaLR of the running schedule
 
     def enter(
-        self, optimizer: torch.optim.Optimizer, origin: TrainingConfig, steps: int, *, continues: bool, retargeted: bool
+        self,
+        optimizer: torch.optim.Optimizer,
+        origin: TrainingConfig,
+        steps: int,
+        *,
+        continues: bool,
+        retargeted: bool,
+        saved: dict | None = None,
     ) -> None:
         """At a stage's start: a stage that continues the running schedule keeps it (on the new
-        optimizer, at the same position, when the stage re-targeted); any other stage, and a
-        continuing one with no schedule running yet (a resume into it), builds one.
+        optimizer, at the same position, when the stage re-targeted); a continuing stage entered
+        right after resuming from the previous stage's end checkpoint (`saved`: its schedule state)
+        builds it at the position saved; any other stage, and a continuing one resumed inside itself
+        (:meth:`restore` follows), builds one.
 
         Args:
             optimizer: the strategy's optimizer now (a new one after a re-target).
@@ -36,19 +45,22 @@ class Schedule:
             steps: the optimizer steps the schedule spans (`StagePlan.schedule_steps`).
             continues: the stage's `schedule_origin` is an earlier stage.
             retargeted: the optimizer is new since the last step (`StageFreezing.enter`).
+            saved: the schedule state of the previous stage's end checkpoint the run resumed from.
         """
         if continues and self._lr is not None:
             if retargeted:
-                self._move_to(optimizer, origin, steps)
+                self._move_to(optimizer, origin, steps, self._lr.last_epoch)
+            return
+        if continues and saved is not None:
+            self._move_to(optimizer, origin, steps, int(saved["last_epoch"]))
             return
         self._lr = make_scheduler(optimizer, origin, steps)
 
-    def _move_to(self, optimizer: torch.optim.Optimizer, origin: TrainingConfig, steps: int) -> None:
-        """The same schedule on a new optimizer, at the position the old one reached. The position
-        (steps taken) is all that carries over: the new optimizer may have another number of
+    def _move_to(self, optimizer: torch.optim.Optimizer, origin: TrainingConfig, steps: int, steps_taken: int) -> None:
+        """The schedule on a (new) optimizer, at the position `steps_taken` the running one reached.
+        The position is all that carries over: the new optimizer may have another number of
         parameter groups (a stage that freezes every bias has no no-decay group), so the old
         scheduler's per-group state does not fit it."""
-        steps_taken = self._lr.last_epoch
         self._lr = make_scheduler(optimizer, origin, steps)
         sched = self._lr
         sched.last_epoch = steps_taken
