@@ -184,3 +184,38 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
         torch.load(run / "checkpoints" / "step-8" / "rng" / "rank-0.pt", weights_only=True)["torch"].dtype
         == torch.uint8
     )
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3"])
+def test_weights_an_earlier_stage_trained_survive_a_reshard(case, tiny_model_dir, tmp_path):
+    """Stage 1 trains every weight, stage 2 freezes layer 0's MLP. Resumed on one rank from a
+    checkpoint inside stage 2 (written by two), those weights stay what stage 1 made them, bit for
+    bit (under ZeRO-1/2 DeepSpeed's universal load used to return them to the loaded model's values),
+    and the resumed steps follow the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    def config(out, dist, **training):
+        cfg = make_config(tiny_model_dir, out, distributed=dist, training={"max_steps": 2, "save_every": 3, **training})
+        cfg["stages"] = [
+            {"name": "all"},
+            {"name": "frozen-mlp", "frozen": ["model.layers.0.mlp.*"], "training": {"max_steps": 2}},
+        ]
+        return cfg
+
+    train(config(tmp_path / "run", STRATEGIES[case]), tmp_path)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-3"
+    assert json.loads((ckpt / "progress.json").read_text())["stage_name"] == "frozen-mlp"
+    one = {**STRATEGIES[case], "num_processes": 1}
+    proc = train(config(tmp_path / "resumed", one, resume=str(ckpt)), tmp_path, name="resumed.yaml")
+    assert "resharded step-3: written by 2 rank(s)" in proc.stderr
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    want = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    got = load_file(str(tmp_path / "resumed" / "final" / "model.safetensors"))
+    frozen = [k for k in want if k.startswith("model.layers.0.mlp.")]
+    assert len(frozen) == 3
+    for key in frozen:
+        assert not torch.equal(want[key], start[key].to(want[key].dtype)), f"{key} did not train in stage 1"
+        assert torch.equal(got[key], want[key]), f"{case}: {key} changed by the reshard"
+    assert_same_steps(
+        tmp_path / "resumed", tmp_path / "run", 1e-4, f"{case}: 2 -> 1 in stage 2", first=3, grad_rel=GRAD_REL
+    )

@@ -307,8 +307,52 @@ class DeepSpeedStrategy(Strategy):
         )
         if loaded is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint under {path / 'deepspeed'}")
-        if self._resume_tag == "universal" and unshare_step_counters(self.optimizer):
-            self.log.info("deepspeed: gave each parameter group its own Adam step counter after the universal load")
+        if self._resume_tag == "universal":
+            self._load_frozen_weights(path)
+            if unshare_step_counters(self.optimizer):
+                self.log.info("deepspeed: gave each parameter group its own Adam step counter after the universal load")
+
+    def _load_frozen_weights(self, path: Path) -> None:
+        """At another world size DeepSpeed's universal load restores only the parameters its
+        optimizer holds (from the universal `zero/` folder; `DeepSpeedEngine._load_checkpoint` skips
+        the module state), so weights an earlier stage trained and this stage freezes would keep the
+        values the model was loaded with. They come from the checkpoint itself (`save_state` keeps
+        them): ZeRO-1/2 from its module state, whole on every rank; ZeRO-3 from the frozen fragments
+        of every old rank's file, merged by DeepSpeed's `zero_to_fp32` on rank 0 and scattered to the
+        new partitions (`GatheredParameters(modifier_rank=0)`). Every `torch.load` here is the
+        restricted one (`safe_load.enforce`)."""
+        if not self.checkpointed_frozen:
+            return
+        names = sorted(self.checkpointed_frozen)
+        params = dict(self.module.named_parameters())
+        saved: dict[str, torch.Tensor] = {}
+        if self.spec.zero_stage != 3:
+            from scaletune.safe_load import restricted_load
+
+            files = sorted((path / "deepspeed" / "state").glob("mp_rank_*_model_states.pt"))
+            assert files, f"no module state under {path / 'deepspeed' / 'state'}"
+            saved = restricted_load(files[0])["module"]
+        elif self.env.is_main:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            saved = get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state")
+        missing = [n for n in names if n not in params or (saved and n not in saved)]
+        if missing:
+            from scaletune.errors import UserError
+
+            raise UserError(
+                f"{path} lacks weights an earlier stage trained and its stage freezes: {', '.join(missing[:4])}",
+                title="cannot resume",
+            )
+        gathered = contextlib.nullcontext()
+        if self.spec.zero_stage == 3:
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=0)
+        with gathered, torch.no_grad():
+            for name in names if saved else ():
+                params[name].copy_(saved[name].to(params[name].device, params[name].dtype))
+        self.log.info(f"deepspeed: restored {len(names)} frozen weights an earlier stage trained from {path.name}")
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         out = {}
