@@ -71,3 +71,9 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file is missing, malformed or empty after filtering."""
+
+
+class RunFailure(RuntimeError):
+    """A run that cannot go on for a reason outside its input (the disk filled up while saving): the
+    command line prints the message, without a traceback, and exits 1. The message says what
+    happened, where, and what is intact."""

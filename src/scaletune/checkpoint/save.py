@@ -12,12 +12,16 @@ Layout of `checkpoints/step-N/`::
 
 Atomicity: every rank writes into `.tmp-step-N/`; rank 0 then flushes it to disk, renames it to
 `step-N/` and only then rewrites `latest` (itself through a renamed temporary file). A crash at
-any point leaves `latest` naming the previous complete checkpoint.
+any point leaves `latest` naming the previous complete checkpoint. A disk that fills up during the
+save (torch then reports `unexpected pos ...` from its zip writer, DCP a `CheckpointException`)
+ends the run with :class:`DiskFull`: the folder, the bytes a checkpoint takes against those free,
+and the intact checkpoint `latest` still names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -31,6 +35,7 @@ from typing import Any
 import torch
 
 from scaletune.config import Config, dump_config
+from scaletune.errors import RunFailure
 
 LATEST = "latest"
 FORMAT_VERSION = 1
@@ -52,6 +57,10 @@ class Progress:
     checkpoint_format: str
     stage_complete: bool = False
     version: int = FORMAT_VERSION
+
+
+class DiskFull(RunFailure):
+    """The disk filled up while a checkpoint was written (exit 1; the previous checkpoint is intact)."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -142,9 +151,29 @@ def save_checkpoint(
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        DiskFull: the disk filled up during the save (the partial folder removed, `latest` intact).
     """
-    env = strategy.env
     root = checkpoints_dir(run_dir)
+    try:
+        return _save(strategy, root, progress, cfg, scheduler_state, keep_last, fail_after_state)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not _disk_full(exc, root):
+            raise
+        raise _disk_full_error(root, root / f".tmp-step-{progress.step}", strategy.env.is_main) from exc
+
+
+def _save(
+    strategy: Any,
+    root: Path,
+    progress: Progress,
+    cfg: Config,
+    scheduler_state: dict,
+    keep_last: int,
+    fail_after_state: bool,
+) -> Path:
+    env = strategy.env
     final = root / f"step-{progress.step}"
     tmp = root / f".tmp-step-{progress.step}"
     if env.is_main:
@@ -171,6 +200,44 @@ def save_checkpoint(
         _prune(root, keep_last, keep=final.name)
     strategy.barrier()
     return final
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _disk_full(exc: BaseException, root: Path) -> bool:
+    """True when `exc` (or what caused it) says the disk is full, or the disk holding `root` now has
+    less room than a checkpoint takes (torch's zip writer reports a short write as `unexpected pos`
+    with no errno)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    latest = latest_checkpoint(root.parent)
+    needed = _tree_bytes(latest) if latest is not None else 1 << 20
+    return shutil.disk_usage(root).free < needed
+
+
+def _disk_full_error(root: Path, tmp: Path, is_main: bool) -> DiskFull:
+    """The message of a checkpoint the disk had no room for; the partial folder removed (rank 0)."""
+    latest = latest_checkpoint(root.parent)
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    free = shutil.disk_usage(root).free
+    need = f"a checkpoint takes {_tree_bytes(latest) / 2**20:.1f} MiB ({latest.name}), " if latest else ""
+    intact = (
+        f"the last intact checkpoint is {latest} (resume from it with training.resume: auto once there is room)"
+        if latest
+        else "no checkpoint of this run is intact"
+    )
+    return DiskFull(
+        f"the disk is full: writing the checkpoint under {root} failed; {need}{free / 2**20:.1f} MiB are free "
+        f"after removing the partial {tmp.name}; {intact}"
+    )
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:

@@ -17,7 +17,7 @@ import typer
 
 from scaletune.cli.app import app
 from scaletune.env import configure_logging
-from scaletune.errors import UserError
+from scaletune.errors import RunFailure, UserError
 
 # The verbs register themselves on `app` when imported; this order is --help's order.
 # isort: off
@@ -29,7 +29,8 @@ __all__ = ["app", "main"]
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point. Usage errors exit 2 (click's standalone mode); a UserError raised by a
-    verb exits 2 with every problem and no traceback; anything else exits 1 with the traceback.
+    verb exits 2 with every problem and no traceback; a RunFailure exits 1 with its message and no
+    traceback; anything else exits 1 with the traceback.
 
     As the process's entry (`argv` None: the `scaletune` script, `python -m scaletune`) it ends the
     process through :func:`_exit_now`; called with `argv` (in-process) it raises SystemExit as click does."""
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         except UserError as exc:
             typer.echo(_error_text(exc), err=True)
             sys.exit(2)
+        except RunFailure as exc:
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(1)
     except SystemExit as exc:
         if argv is not None:
             raise
