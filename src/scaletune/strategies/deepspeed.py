@@ -174,13 +174,32 @@ class DeepSpeedStrategy(Strategy):
 
     def retarget(self, trainable: frozenset[str]) -> None:
         # ZeRO's optimizer flattens and partitions the parameters it was built with, and hooks their
-        # gradients: a new trainable set needs a new engine. destroy() removes the old one's hooks;
-        # under ZeRO-3 the module stays partitioned and the new engine takes the partitions over.
+        # gradients: a new trainable set needs a new engine. destroy() removes the old one's
+        # parameter hooks; under ZeRO-3 the module stays partitioned and the new engine takes the
+        # partitions over.
+        self._forget_engine_hooks()
         self.engine.destroy()
         self.engine = None
         self._grad_bytes = None
         apply_trainable(self.module, trainable)
         self._initialize(self.module)
+
+    def _forget_engine_hooks(self) -> None:
+        """What DeepSpeed 0.19.8's `destroy()` leaves on the module for the next engine to trip on:
+        the engine's forward pre/post hooks on the root, and, under ZeRO-3, each module's
+        ``pre_bwd_fn`` / ``post_bwd_fn`` autograd functions. `DeepSpeedZeRoOffload._register_deepspeed_module`
+        keeps those when it finds them (``if "pre_bwd_fn" not in module.__dict__``), so the new engine's
+        backward would report to the old engine's parameter coordinator: the new one never sees a
+        module in backward, and a frozen parameter gathered when a checkpoint recomputes (the head
+        under ZeRO-3, `models.loss.chunked_head_cross_entropy`) is released before backward reads it
+        (`CheckpointError: ... shape [0]` at the first step after a stage that freezes the head)."""
+        for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+            handle = getattr(self.engine, name, None)
+            if handle is not None:
+                handle.remove()
+        for module in self.module.modules():
+            for attr in ("pre_bwd_fn", "post_bwd_fn", "applied_pre_backward_ref_cnt"):
+                module.__dict__.pop(attr, None)
 
     def move_batch(self, inputs: dict[str, Any]) -> dict[str, Any]:
         # DeepSpeed casts the module, not its inputs, to bf16/fp16: floating inputs (images,
