@@ -1,4 +1,4 @@
-"""Context parallelism (Ulysses, strategies.context_parallel) over 2 ranks against one process.
+"""Context parallelism (Ulysses, strategies.parallel.context) over 2 ranks against one process.
 
 A tiny Llama (4 heads, 2 KV heads: one KV head a rank after the all-to-all) wrapped in
 `CausalLMLoss` computes one collated micro-batch two ways: whole, on one process (the control),
@@ -68,7 +68,7 @@ def run(mb: dict, *, checkpointing: bool, group=None) -> tuple[float, dict, obje
 
     from scaletune.models.adapters import enable_gradient_checkpointing
     from scaletune.models.loss import CausalLMLoss
-    from scaletune.strategies.context_parallel import install, split_batch
+    from scaletune.strategies.parallel.context import install, split_batch
     from scaletune.trainer.batches import model_inputs
 
     model = tiny_llama()

@@ -1,11 +1,11 @@
-"""Pipeline parallelism (`strategies/pipeline_parallel.py`) against the same model on one process.
+"""Pipeline parallelism (`strategies/parallel/pipeline.py`) against the same model on one process.
 
 A tiny Llama (4 layers, untied head, fp32, seeded), split into 2 pipeline stages (gloo, CPU, the
 1F1B schedule), trained 3 AdamW steps with gradient clipping, each step 4 micro-batches of 2 rows
 per data rank: right-padded unpacked rows of varying length (the runner pads them to one shape and
 rebuilds its stage when a step's shape changes) and packed rows (position_ids restarting per
 example); full fine-tuning and LoRA (peft); on 2 ranks (pipeline 2) and on 4 (pipeline 2 x data 2,
-each stage FSDP2-sharded over its data ranks as `strategies/fsdp.shard_model` shards). The control
+each stage FSDP2-sharded over its data ranks as `strategies/parallel/parallelize.shard_model` shards). The control
 is scaletune's `CausalLMLoss` on the whole model and the whole global batch in one process: each
 micro-batch's summed token loss divided by the step's target count, backward, torch's
 `clip_grad_norm_`. Losses, gradient norms (over both stages), the first step's gradients, the final
@@ -152,13 +152,13 @@ def whole(t):
 
 def pipelined(case: str, mesh) -> dict:
     """The same on the (pipeline, data_shard) mesh: this rank's stage, FSDP2-sharded over
-    data_shard where that is > 1 (as `strategies/fsdp.py` shards), run by PipelineRunner."""
+    data_shard where that is > 1 (as `strategies/parallel/parallelize.py` shards), run by PipelineRunner."""
     import torch
     import torch.distributed as dist
 
     from scaletune.models import decoder_layer_classes
-    from scaletune.strategies.fsdp import shard_model
-    from scaletune.strategies.pipeline_parallel import PipelineRunner, pipeline_clip_grad_norm_, split_stage
+    from scaletune.strategies.parallel.parallelize import shard_model
+    from scaletune.strategies.parallel.pipeline import PipelineRunner, pipeline_clip_grad_norm_, split_stage
 
     _, data, packed, lora = CASES[case]
     pp, dp = mesh["pipeline"], mesh["data_shard"]

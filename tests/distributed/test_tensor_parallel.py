@@ -1,9 +1,9 @@
-"""Tensor parallelism (`strategies/tensor_parallel.py`) against the same model on one process.
+"""Tensor parallelism (`strategies/parallel/tensor.py`) against the same model on one process.
 
 A tiny Llama (untied and tied head) and a tiny OLMo-2 (its colwise_gather_output / rowwise_split_input
 attention), full fine-tuning and LoRA (peft, dropout 0, every projection), trained 3 AdamW steps
 with gradient clipping on the same batches: once sharded over 2 ranks (gloo, CPU; built as
-FSDPStrategy does it: the model on the meta device, `apply_tensor_parallel`, `to_empty`, rank 0's
+`parallel.parallelize` does it: the model on the meta device, `apply_tensor_parallel`, `to_empty`, rank 0's
 weights broadcast by `set_model_state_dict`), once whole on rank 0 alone (the control: no
 collective, torch's `clip_grad_norm_`). The loss goes through scaletune's `CausalLMLoss` with a small
 chunk, so the vocab-parallel cross-entropy runs in several checkpointed chunks. Losses, gradient
@@ -71,7 +71,7 @@ def train(model, tensor_parallel: bool) -> dict:
     import torch
 
     from scaletune.models.loss import CausalLMLoss, target_index
-    from scaletune.strategies.tensor_parallel import grad_norm_and_clip
+    from scaletune.strategies.parallel.tensor import grad_norm_and_clip
 
     loss_module = CausalLMLoss(model, chunk=CHUNK)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -105,11 +105,11 @@ def whole(model, get) -> dict:
 
 
 def sharded(case: str, mesh):
-    """The model built as FSDPStrategy builds it under tensor parallelism (without FSDP)."""
+    """The model built as `parallelize` builds it under tensor parallelism (without FSDP)."""
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from scaletune.strategies.tensor_parallel import apply_tensor_parallel
+    from scaletune.strategies.parallel.tensor import apply_tensor_parallel
 
     model = build(case)
     rank0 = torch.distributed.get_rank() == 0

@@ -1,4 +1,4 @@
-"""strategies.context_parallel without processes: `split_batch` on real collated batches (the
+"""strategies.parallel.context without processes: `split_batch` on real collated batches (the
 slices put back together are the padded batch; the loop's target and token counts summed over
 the slices are the whole batch's), the mask of whole packed rows, and `CausalLMLoss` on a
 one-rank "slice" against the same model on the whole micro-batch. The multi-rank attention is
@@ -13,7 +13,7 @@ import transformers
 from scaletune.data.batching import Collator
 from scaletune.models.attention import context_mask, packed_mask
 from scaletune.models.loss import CausalLMLoss
-from scaletune.strategies.context_parallel import split_batch
+from scaletune.strategies.parallel.context import split_batch
 from scaletune.trainer.batches import TEXT, model_inputs
 
 

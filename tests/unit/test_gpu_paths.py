@@ -225,7 +225,7 @@ def test_fsdp_root_stays_gathered_after_forward_and_layers_reshard(tiny_model_di
     from transformers import AutoModelForCausalLM
 
     from scaletune.models import decoder_layer_classes
-    from scaletune.strategies.fsdp import shard_model
+    from scaletune.strategies.parallel.parallelize import shard_model
     from scaletune.strategies.process_group import free_port
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Pipeline stages (`strategies/pipeline_parallel.split_stage`) of tiny Llama and OLMo-2 models.
+"""Pipeline stages (`strategies/parallel/pipeline.split_stage`) of tiny Llama and OLMo-2 models.
 
 The split: every parameter of the model in exactly one stage under its own name (the `CausalLMLoss`
 names, so DCP checkpoints reshard across pipeline degrees), the layers contiguous and even,
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scaletune.models.loss import CausalLMLoss, target_index
-from scaletune.strategies.pipeline_parallel import split_stage, stage_layers
+from scaletune.strategies.parallel.pipeline import split_stage, stage_layers
 
 SIZES = dict(
     hidden_size=64,

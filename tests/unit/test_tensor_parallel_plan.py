@@ -1,4 +1,4 @@
-"""scaletune.strategies.tensor_parallel without processes: transformers' style names mapped to torch
+"""scaletune.strategies.parallel.tensor without processes: transformers' style names mapped to torch
 styles with transformers' layouts, the plan expanded from the model's own `base_model_tp_plan` (plain
 and peft-wrapped), refusals, and the shards `apply_tensor_parallel` makes on a meta-device model over
 a fake process group of 2 (the numerics are in tests/distributed/test_tensor_parallel.py)."""
@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from scaletune.strategies.tensor_parallel import (
+from scaletune.strategies.parallel.tensor import (
     _check_divisible,
     base_model,
     parallel_style,
@@ -137,7 +137,7 @@ def test_apply_shards_a_meta_model_over_a_fake_group(case):
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from scaletune.strategies.tensor_parallel import apply_tensor_parallel
+    from scaletune.strategies.parallel.tensor import apply_tensor_parallel
 
     model = tiny(tie_word_embeddings=case == "tied")
     if case == "lora":

@@ -16,7 +16,7 @@ tests the rows on the host (``(...).all()``: a device-to-host sync per step on a
   transformers uses as-is for every layer: a `BlockMask` for ``flex_attention``, the same boolean
   ``[B, 1, T, T]`` mask transformers would build for ``sdpa``.
 * :func:`context_mask`: the whole rows' mask of a context-parallel slice (the strategy splits the
-  rows, `strategies.context_parallel`; the loss module asks for their mask here).
+  rows, `strategies.parallel.context`; the loss module asks for their mask here).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def packed_mask(hf_config: Any, position_ids: torch.Tensor) -> Any:
 
 class _AsSdpa:
     """A read-only view of a transformers config that names ``sdpa`` as its attention, so
-    `packed_mask` builds the mask that `strategies.context_parallel.ulysses_attention` hands to sdpa."""
+    `packed_mask` builds the mask that `strategies.parallel.context.ulysses_attention` hands to sdpa."""
 
     _attn_implementation = SDPA
 
@@ -170,14 +170,14 @@ def context_mask(hf_config: Any, full_position_ids: torch.Tensor | None) -> torc
     Args:
         hf_config: the model's transformers config.
         full_position_ids: ``[B, T']`` the whole padded rows' position ids of packed rows
-            (`strategies.context_parallel.split_batch`'s ``full_position_ids``), or None for unpacked rows.
+            (`strategies.parallel.context.split_batch`'s ``full_position_ids``), or None for unpacked rows.
 
     Returns:
-        None for unpacked rows (attention is causal: `strategies.context_parallel`'s docstring); for packed rows
+        None for unpacked rows (attention is causal: `strategies.parallel.context`'s docstring); for packed rows
         :func:`packed_mask`'s boolean ``[B, 1, T', T']`` document mask (True: attend).
     """
     if full_position_ids is None:
         return None
     mask = packed_mask(_AsSdpa(hf_config), full_position_ids)
-    assert mask is not None, "context_parallel.install() refuses models whose layers are not all plain causal attention"
+    assert mask is not None, "parallel.context.install() refuses models whose layers are not all plain causal attention"
     return mask

@@ -73,7 +73,7 @@ def target_index(labels: torch.Tensor) -> torch.Tensor:
 
 
 # The cross-entropy of a tensor-parallel head: the strategy shards the head over the vocabulary
-# (strategies.tensor_parallel), the loss takes the sum over the shards here.
+# (strategies.parallel.tensor), the loss takes the sum over the shards here.
 
 
 @contextlib.contextmanager
@@ -123,7 +123,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) ->
     `torch.utils.checkpoint` (non-reentrant) and in a backward outside any `loss_parallel()` context.
 
     Args:
-        logits: [n, vocab] float DTensor, `Shard(-1)` (the head of `strategies.tensor_parallel.apply_tensor_parallel`).
+        logits: [n, vocab] float DTensor, `Shard(-1)` (the head of `strategies.parallel.tensor.apply_tensor_parallel`).
         targets: [n] int64 plain tensor of token ids, the same on every rank of the mesh.
 
     Returns:
@@ -423,7 +423,7 @@ class CausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
         full_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A context slice (`strategies.context_parallel.split_batch`): labels [B, L + 1] for input_ids
+        """A context slice (`strategies.parallel.context.split_batch`): labels [B, L + 1] for input_ids
         [B, L], every position scored against ``labels[:, 1:]``; attention over whole rows, causal or
         by ``full_position_ids`` (packed); ``attention_mask`` (the slice's padding) unused."""
         context = labels.size(1) == input_ids.size(1) + 1

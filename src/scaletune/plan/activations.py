@@ -30,7 +30,7 @@ The device mesh (tensor degree t, context degree c; `plan/mesh.py`):
   sequence split for a head split: attention runs on the whole sequence `s` for `a / (t c)` heads.
   An all-to-all keeps a rank's element count (`s/c x a/t = s x a/(t c)` head-positions), so Q, K,
   V and the output are `1/c` of the single-rank size, as is the fp32 logsumexp (`4 s b a / (t c)`
-  bytes). `strategies/context_parallel.py` always attends through sdpa, so there are no `s^2`
+  bytes). `strategies/parallel/context.py` always attends through sdpa, so there are no `s^2`
   scores even where the model was loaded `eager` (an eager kernel on a head subset would hold
   `2 (a / (t c)) s^2 b` bytes: the full `s^2` per head, not `(s/c)^2`).
 * Packed rows under sdpa, and every packed row under context parallelism, carry one dense bool
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scaletune.plan.reference import sequences_per_example
+from scaletune.plan.reference_model import sequences_per_example
 from scaletune.plan.shapes import ModelShape
 from scaletune.resolve import FLOAT_DTYPES
 
@@ -116,7 +116,7 @@ def activation_bytes(
     impl = cfg.model.attn_implementation or "sdpa"
     if impl == "eager" and context == 1:
         per_layer += 2 * shape.heads * s * s * b * p // ht  # scores (softmax output) and the attention over V
-    else:  # fused attention; context parallelism always runs sdpa (`strategies/context_parallel.py`)
+    else:  # fused attention; context parallelism always runs sdpa (`strategies/parallel/context.py`)
         per_layer += 4 * shape.heads * tokens // ht  # logsumexp per head, fp32
     lora = cfg.model.lora
     if lora is not None:

@@ -3,10 +3,10 @@ degrees for a sequence length.
 
 What one rank holds under `strategy: fsdp` with tensor degree t, context degree c and data degree
 d (FSDP2 shards over the flattened `data_shard x context` group of `dc = d x c` ranks,
-`strategies/mesh.py`, torchtitan's `dp_shard_cp`):
+`strategies/parallel/mesh.py`, torchtitan's `dp_shard_cp`):
 
 * Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053, section 3; by DTensor,
-  `strategies/tensor_parallel.py`, from the model's `base_model_tp_plan`, :class:`TensorLayout`): a
+  `strategies/parallel/tensor.py`, from the model's `base_model_tp_plan`, :class:`TensorLayout`): a
   column-wise projection (`colwise*` styles: Llama's q/k/v/gate/up) keeps the weight's `Shard(0)`,
   `[out / t, in]`, and its bias `[out / t]`; a row-wise one (`rowwise*`: o/down) keeps `Shard(1)`,
   `[out, in / t]`, and a whole bias; the output head `[V / t, h]` (vocab-parallel); a tied head and
@@ -57,7 +57,7 @@ def _ceil(n: int, k: int) -> int:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How `strategies/tensor_parallel.py` splits a model: its config's `base_model_tp_plan`
+    """How `strategies/parallel/tensor.py` splits a model: its config's `base_model_tp_plan`
     (module-name pattern -> transformers style name) and whether the head is tied to the embeddings
     (then both are the one vocab-parallel tensor)."""
 
@@ -73,7 +73,7 @@ class TensorLayout:
     def style(self, module_path: str) -> str | None:
         """The style of a module (its dotted name in the CausalLM or peft model), matched as the
         strategy matches the plan's keys, on the name's last parts."""
-        from scaletune.strategies.tensor_parallel import matches_plan_key
+        from scaletune.strategies.parallel.tensor import matches_plan_key
 
         parts = module_path.split(".")
         for pattern, style in self.plan.items():
@@ -154,11 +154,11 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 def first_stage(shape: ModelShape, pipeline: int) -> list[ParamInfo]:
     """The parameter tensors rank 0 holds with `pipeline` stages: the first stage's layers
-    (`strategies.pipeline_parallel.stage_layers`) and the input embeddings; the final norm and the
+    (`strategies.parallel.pipeline.stage_layers`) and the input embeddings; the final norm and the
     head are the last stage's. All of them without a pipeline."""
     if pipeline == 1:
         return list(shape.params)
-    from scaletune.strategies.pipeline_parallel import stage_layers
+    from scaletune.strategies.parallel.pipeline import stage_layers
 
     layers = stage_layers(shape.layers, 0, pipeline)
     out = []

@@ -1,5 +1,5 @@
 """Scale by simulation: the run's meta model sharded by THE FSDP2 sharding function
-(`strategies.fsdp.shard_model`) over PyTorch's fake process group of W ranks, in this one
+(`strategies.parallel.parallelize.shard_model`) over PyTorch's fake process group of W ranks, in this one
 process; rank 0's shard bytes are what the planner's fsdp entry predicts."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def simulate_fsdp(spec: RunSpec, world_size: int) -> dict:
 
     from scaletune.models import decoder_layer_classes
     from scaletune.plan.shapes import meta_model
-    from scaletune.strategies.fsdp import shard_model
+    from scaletune.strategies.parallel.parallelize import shard_model
 
     t0 = time.perf_counter()
     if dist.is_initialized():

@@ -10,7 +10,7 @@ from typing import Any
 from scaletune.errors import Problem
 from scaletune.resolve.spec import Mesh, RunSpec
 
-# What the model-parallel layouts are built for (strategies/tensor_parallel.py, context_parallel.py).
+# What the model-parallel layouts are built for (strategies/parallel/tensor.py, context.py, pipeline.py).
 MESH_STRATEGY = "fsdp"
 DEGREE_KEYS = ("tensor_parallel", "context_parallel", "pipeline_parallel")
 

@@ -29,7 +29,7 @@ from scaletune.strategies.devices import allow_tf32, check_devices
 from scaletune.strategies.memory import MemoryProbe
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
-from scaletune.strategies.reference import resident_whole
+from scaletune.strategies.frozen_reference import resident_whole
 
 __all__ = ["Strategy", "check_devices", "free_port", "init_process_group"]
 
@@ -163,7 +163,7 @@ class Strategy(MemoryProbe, ABC):
 
     def wrap_reference(self, model: nn.Module) -> nn.Module:
         """The frozen reference model (`preference.reference: model`) made resident as this engine keeps
-        the policy, without optimizer or gradient hooks (`strategies/reference.py`); here: whole on this
+        the policy, without optimizer or gradient hooks (`strategies/frozen_reference.py`); here: whole on this
         rank's device. Returns the `reference.FrozenReference` the loss calls under no_grad.
 
         Raises:
@@ -270,7 +270,7 @@ class Strategy(MemoryProbe, ABC):
         max_norm = self.training.max_grad_norm
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        norm = self.clip_grad_norm(params, max_norm if max_norm is not None else float("inf"))
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -281,6 +281,12 @@ class Strategy(MemoryProbe, ABC):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def clip_grad_norm(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The total gradient norm of `params` before clipping, their gradients scaled to at most
+        `max_norm` (inf: measured only): torch's `clip_grad_norm_`. An engine whose gradients lie on
+        several meshes or pipeline stages replaces it (`FSDPStrategy`: its step runner's)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def lr(self) -> float:
         assert self.optimizer is not None

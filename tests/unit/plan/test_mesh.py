@@ -46,8 +46,8 @@ def _torch_shards(spec, mesh: Mesh) -> dict[str, int]:
 
     from scaletune.models import decoder_layer_classes
     from scaletune.plan import meta_model
-    from scaletune.strategies.fsdp import shard_model
-    from scaletune.strategies.tensor_parallel import apply_tensor_parallel
+    from scaletune.strategies.parallel.parallelize import shard_model
+    from scaletune.strategies.parallel.tensor import apply_tensor_parallel
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=mesh.world_size)
     try:

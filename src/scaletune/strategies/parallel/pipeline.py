@@ -84,6 +84,9 @@ class PipelineStageModule(nn.Module):
         self.causal_lm = causal_lm
         self.stage_index, self.num_stages, self.chunk = stage_index, num_stages, chunk
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        #: The unsplit model's layers, embeddings, norm and head (a plain dict: not this stage's
+        #: submodules), set by `stages.split_into_stage` for the export's `stages.whole`.
+        self.unsplit: dict[str, Any] = {}
 
     def _mask(self, hidden: torch.Tensor, position_ids: torch.Tensor | None) -> Any:
         from transformers.masking_utils import create_causal_mask
@@ -321,7 +324,7 @@ class PipelineRunner:
 def pipeline_grad_norm(params: Iterable[torch.Tensor], pp_group: Any, norm_type: float = 2.0) -> torch.Tensor:
     """The total gradient norm over every pipeline stage (and every shard of each stage).
 
-    Each stage's norm comes from `tensor_parallel.grad_norm_and_clip` (DTensor gradients made whole
+    Each stage's norm comes from `tensor.grad_norm_and_clip` (DTensor gradients made whole
     over their data / tensor meshes by `full_tensor`); the stages' norms are combined over `pp_group`:
     ``sqrt(all_reduce_sum(norm_s ** 2))`` for p = 2, their maximum for p = inf.
 
@@ -336,7 +339,7 @@ def pipeline_grad_norm(params: Iterable[torch.Tensor], pp_group: Any, norm_type:
     Raises:
         ValueError: another norm type.
     """
-    from scaletune.strategies.tensor_parallel import grad_norm_and_clip
+    from scaletune.strategies.parallel.tensor import grad_norm_and_clip
 
     if norm_type not in (2.0, float("inf")):
         raise ValueError(f"pipeline gradient norm: p = {norm_type} is not supported (2 or inf)")
