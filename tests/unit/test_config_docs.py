@@ -8,7 +8,7 @@ import typing
 from pydantic import BaseModel
 
 from scaletune.config import Config
-from scaletune.config.reference import reference_markdown
+from scaletune.config.docs import reference_markdown
 from tests.helpers import REPO_ROOT
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scaletune.config import Config, ModelConfig
-from scaletune.config.references import call_checked, import_callable
+from scaletune.config.user_code import call_checked, import_callable
 from scaletune.env import DistributedEnv
 from scaletune.errors import UserError
 from scaletune.models.custom import CustomModelLoss, check_output

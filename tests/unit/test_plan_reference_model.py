@@ -50,7 +50,7 @@ def loaded_reference_bytes(spec) -> int:
     """The reference as `PretrainedSource.load_reference` loads it in one process (`single`: whole,
     on the CPU), its parameter bytes counted from the tensors (each storage once)."""
     from scaletune.strategies import memory
-    from scaletune.strategies.reference import reference_tensors
+    from scaletune.strategies.frozen_reference import reference_tensors
     from scaletune.strategies.single import SingleStrategy
     from scaletune.trainer.model_source import PretrainedSource
 
@@ -99,8 +99,8 @@ def test_model_reference_fsdp_is_the_real_shard(tiny_model_dir):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from scaletune.models import decoder_layer_classes
-    from scaletune.strategies.fsdp import shard_model
-    from scaletune.strategies.reference import freeze
+    from scaletune.strategies.parallel.parallelize import shard_model
+    from scaletune.strategies.frozen_reference import freeze
     from scaletune.strategies.single import SingleStrategy
     from scaletune.trainer.model_source import PretrainedSource
 
@@ -137,7 +137,7 @@ def test_no_second_model(tiny_model_dir, mode):
 
 @pytest.mark.parametrize("objective", ["sft", "orpo", "simpo"])
 def test_objectives_without_reference_hold_none(tiny_model_dir, objective):
-    from scaletune.plan.reference import stage_reference
+    from scaletune.plan.reference_model import stage_reference
 
     spec = spec_for(tiny_model_dir, "model", objective=objective)
     assert stage_reference(spec.stages[0].training, lora=False) == "none"

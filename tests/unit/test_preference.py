@@ -89,7 +89,7 @@ def test_pairs_without_a_trained_token_are_dropped_and_kto_pairs_the_previous_co
 
 def test_collator_puts_chosen_rows_before_rejected_rows(tmp_path, tokenizer):
     from scaletune.data.preference import PreferenceCollator
-    from scaletune.objectives.reference import attach_reference
+    from scaletune.objectives.precomputed import attach_reference
 
     records = [{"prompt": f"q{i}", "chosen": f"good answer {i}", "rejected": f"bad {i}"} for i in range(3)]
     ds = _build(tmp_path, tokenizer, records).train
@@ -151,7 +151,7 @@ def test_dpo_module_loss_is_the_papers_formula_on_the_models_log_probs(llama):
     ids, labels, mask = _batch(llama.config.vocab_size)
     ref = torch.tensor([-30.0, -31.0, -29.0, -35.0])
     module = PreferenceLoss(llama)
-    module.objective = objective_for("dpo", PreferenceConfig(beta=0.2))
+    module.start_stage(objective_for("dpo", PreferenceConfig(beta=0.2, reference="precomputed")))
     out = module(ids, labels, attention_mask=mask, position_ids=mask.cumsum(-1) - 1, ref_logps=ref)
     logp, _ = _control_logps(llama, ids, labels, mask)
     margin = (logp[:2] - ref[:2]) - (logp[2:] - ref[2:])

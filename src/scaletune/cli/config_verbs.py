@@ -131,6 +131,6 @@ def config_reference(
 ) -> None:
     """The config reference (every key, type, default and meaning), generated from the schema: the
     text of docs/config.md."""
-    from scaletune.config.reference import reference_markdown
+    from scaletune.config.docs import reference_markdown
 
     emit(reference_markdown(), output)

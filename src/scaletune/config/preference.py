@@ -1,8 +1,11 @@
 """The training objective and the preference-training settings (`training.objective`,
-`training.preference`); the losses themselves are in :mod:`scaletune.objectives`."""
+`training.preference`), and THE table of facts about each objective (`OBJECTIVES`) that resolve,
+data, the step, the metrics, the planner and evaluation read; the losses themselves are in
+:mod:`scaletune.objectives`."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import Field
@@ -10,9 +13,70 @@ from pydantic import Field
 from scaletune.config.strict import StrictModel
 
 Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo"]
-#: The objectives that train on preference data (`data.train.format: preference`, KTO: `kto`).
-PreferenceObjective = Literal["dpo", "ipo", "orpo", "kto", "simpo"]
 ReferenceMode = Literal["auto", "base", "precomputed", "model"]
+
+
+@dataclass(frozen=True)
+class ObjectiveFacts:
+    """What the rest of a run needs to know about one training objective.
+
+    Attributes:
+        name: the `training.objective` value.
+        formats: the `data.*.format` values it trains on (the first is the one a message suggests).
+        batch_counts: what `micro_batch_size` and `global_batch_size` count for it, in words.
+        units: what each component of its loss is averaged over, summed over the global batch
+            before dividing (the step's denominators, one per component).
+        reference: its loss compares with a reference model's log-probs
+            (`training.preference.reference` is read).
+        paired: a micro-batch of m examples is one forward over 2m sequences (chosen, then rejected).
+        metrics: the keys its metrics.jsonl lines add (``eval_`` prefixed on evaluation lines).
+        source: where the loss comes from.
+    """
+
+    name: str
+    formats: tuple[str, ...]
+    batch_counts: str
+    units: tuple[str, ...]
+    reference: bool
+    paired: bool
+    metrics: tuple[str, ...]
+    source: str
+
+
+_PAIR_METRICS = ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected")
+_PAIRS = "pairs (2 sequences each)"
+
+#: THE facts of every objective, in `Objective`'s order.
+OBJECTIVES: dict[str, ObjectiveFacts] = {
+    f.name: f
+    for f in (
+        ObjectiveFacts(
+            "sft", ("alpaca", "messages", "text"), "sequences", ("target tokens",), False, False, (),
+            "next-token cross-entropy on the answer's tokens",
+        ),
+        ObjectiveFacts(
+            "dpo", ("preference",), _PAIRS, ("pairs",), True, True, _PAIR_METRICS,
+            "Rafailov et al. 2023, Direct Preference Optimization",
+        ),
+        ObjectiveFacts(
+            "ipo", ("preference",), _PAIRS, ("pairs",), True, True, _PAIR_METRICS,
+            "Azar et al. 2023, A General Theoretical Paradigm to Understand Learning from Human Preferences",
+        ),
+        ObjectiveFacts(
+            "orpo", ("preference",), _PAIRS, ("chosen target tokens", "pairs"), False, True, _PAIR_METRICS,
+            "Hong et al. 2024, ORPO: Monolithic Preference Optimization without Reference Model",
+        ),
+        ObjectiveFacts(
+            "kto", ("kto",), "records", ("records",), True, False,
+            ("reward_margin", "logp_chosen", "logp_rejected", "kl"),
+            "Ethayarajh et al. 2024, KTO: Model Alignment as Prospect Theoretic Optimization",
+        ),
+        ObjectiveFacts(
+            "simpo", ("preference",), _PAIRS, ("pairs",), False, True, _PAIR_METRICS,
+            "Meng et al. 2024, SimPO: Simple Preference Optimization with a Reference-Free Reward",
+        ),
+    )
+}  # fmt: skip
 
 
 class PreferenceConfig(StrictModel):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from scaletune.config import DataConfig
-from scaletune.config.references import call_checked, import_callable
+from scaletune.config.user_code import call_checked, import_callable
 from scaletune.data.build import DataBundle
 from scaletune.data.sources import IGNORE_INDEX, split_records
 from scaletune.errors import Problem, UserError

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletune.config import Config, DataConfig, DataSource
+from scaletune.config.preference import OBJECTIVES
 from scaletune.errors import UserError
 from scaletune.inference.loading import LoadedModel, Target
 
@@ -74,9 +75,6 @@ def evaluate(loaded: LoadedModel, data_cfg: DataConfig, *, batch_size: int = 8) 
 
 
 # -- preference pairs (`--format preference`, issue 24) ---------------------------------------------
-
-#: Objectives whose rewards need no reference: beta times the average log-prob per completion token.
-REFERENCE_FREE_OBJECTIVES = ("simpo", "orpo")
 
 
 @dataclass(frozen=True)
@@ -144,7 +142,7 @@ def preference_plan(target: Target, reference: str | None, beta: float | None) -
         "max_seq_length": getattr(data, "max_seq_length", None),
         "chat_template": getattr(data, "chat_template", None),
     }
-    if objective in REFERENCE_FREE_OBJECTIVES:
+    if not OBJECTIVES[objective].reference:  # beta times the average log-prob per completion token
         if reference is not None:
             raise UserError(
                 f"--reference {reference}: this run trained {objective}, whose rewards use no reference model",

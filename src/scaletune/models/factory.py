@@ -2,7 +2,7 @@
 for FSDP2 / ZeRO-3 and for gradient checkpointing, exported and loaded back.
 
 The contract is docs/custom-models.md. Python comes only from the reference in your config
-(:mod:`scaletune.config.references`); weights only from safetensors files, which hold tensors and no code.
+(:mod:`scaletune.config.user_code`); weights only from safetensors files, which hold tensors and no code.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletune.config import ModelConfig
-from scaletune.config.references import call_checked, import_callable
+from scaletune.config.user_code import call_checked, import_callable
 from scaletune.errors import UserError
 from scaletune.models.introspection import decoder_layer_classes
 from scaletune.models.loading import torch_dtype

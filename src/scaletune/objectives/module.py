@@ -2,7 +2,8 @@
 unchanged) that, while a preference objective is set, returns that objective's loss components.
 
 The engine wraps this one module for the whole run (DDP, FSDP2, DeepSpeed), so an SFT stage and a
-DPO stage train the same wrapped parameters; the loop sets `objective` when a stage starts. In a
+DPO stage train the same wrapped parameters; `trainer.objectives.StageObjectives` sets the stage's
+objective (`start_stage`) when a stage starts, and nothing else sets state on it. In a
 preference forward the reference's log-probs come first, without grad, then the policy's with grad,
 so the last forward before backward is the policy's (FSDP2 and ZeRO-3 prefetch for the backward
 of the last forward they saw):
@@ -22,7 +23,7 @@ from torch import nn
 
 from scaletune.models.loss import CausalLMLoss
 from scaletune.objectives.logprobs import sequence_logps
-from scaletune.objectives.objective import KTO, Objective
+from scaletune.objectives.objective import Objective
 
 __all__ = ["PreferenceLoss", "kl_inputs", "preference_inputs"]
 
@@ -30,14 +31,16 @@ _ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 def preference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`objectives.module.PreferenceLoss.forward`'s tensors: the rows, precomputed reference
-    log-probs (KTO: of its completion rows only) and KTO's labels."""
+    """`objectives.module.PreferenceLoss.forward`'s inputs: the rows, precomputed reference
+    log-probs (KTO: of its completion rows only), KTO's labels and its step's reference point ``kl``
+    (a float the KL pass put in the micro-batch, `trainer.batches.kto_kl_pass`)."""
     out = {k: batch[k] for k in _ROWS}
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
         out["ref_logps"] = ref[: batch["input_ids"].size(0)]
-    if "desirable" in batch:
-        out["desirable"] = batch["desirable"]
+    for key in ("desirable", "kl"):
+        if key in batch:
+            out[key] = batch[key]
     return out
 
 
@@ -51,23 +54,30 @@ def kl_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class PreferenceLoss(CausalLMLoss):
     """forward(input_ids [R,T], labels [R,T], attention_mask, position_ids, ref_logps [R] | None,
-    desirable [m] | None) -> the objective's loss components [k] (float32 sums over the micro-batch);
-    with no objective set, `CausalLMLoss.forward` (the summed token loss).
+    desirable [m] | None, kl float | None, output) -> what `output` names:
 
-    Attributes set by the loop: `objective` (None: SFT), `reference_mode` (base | precomputed |
-    model), `pass_kind` ("loss"; "logps": the policy's per-row log-probs without grad, for the
-    precompute pass; "kl": KTO's KL sums), `kl` (KTO's reference point for this step). After each
-    forward `last_stats` holds the objective's detached stats sums.
+    - ``"loss"``: the objective's loss components [k] (float32 sums over the micro-batch); with no
+      objective set, `CausalLMLoss.forward` (the summed token loss);
+    - ``"logps"``: the policy's per-row summed log-probs [R] without grad (`reference.precompute`);
+    - ``"kl"``: KTO's KL sums [2] without grad: sum over the rows of (policy - reference) log-probs,
+      and the row count (`trainer.batches.kto_kl_pass`).
+
+    `output` is an argument, not a method, because every engine gathers sharded parameters inside
+    the wrapped module's forward (FSDP2's root unit, ZeRO-3's fetch trace): each pass enters there.
+    The stage's objective comes from `start_stage`, its reference mode from its settings
+    (base | precomputed | model). After each loss forward `last_stats` holds the objective's
+    detached stats sums, which the step adds up.
     """
 
     def __init__(self, causal_lm: nn.Module, **kwargs: Any) -> None:
         super().__init__(causal_lm, **kwargs)
         self.objective: Objective | None = None
-        self.reference_mode = "precomputed"
-        self.pass_kind = "loss"
-        self.kl: torch.Tensor | None = None
         self.last_stats: torch.Tensor | None = None
         self._reference: list[nn.Module] = []  # a list: not a registered submodule
+
+    def start_stage(self, objective: Objective | None) -> None:
+        """The objective the stage trains (None: SFT)."""
+        self.objective = objective
 
     def set_reference(self, model: nn.Module | None) -> None:
         """The frozen reference model of `reference: model` (None: none resident)."""
@@ -90,13 +100,15 @@ class PreferenceLoss(CausalLMLoss):
 
     def _reference_logps(self, inputs: dict[str, torch.Tensor], given: torch.Tensor | None) -> torch.Tensor | None:
         assert self.objective is not None
-        if not self.objective.uses_reference:
+        if not self.objective.facts.reference:
             return None
-        if self.reference_mode == "precomputed":
+        mode = self.objective.settings.reference
+        assert mode in ("precomputed", "model", "base"), f"reference {mode}: not decided (resolve decides auto)"
+        if mode == "precomputed":
             assert given is not None, "reference: precomputed, but the batch carries no ref_logps"
             return given.to(inputs["input_ids"].device, torch.float32)
         with torch.no_grad():
-            if self.reference_mode == "model":
+            if mode == "model":
                 assert self.reference is not None, "reference: model, but no reference model was set"
                 # `strategies.reference.FrozenReference`: fn runs inside its (engine-wrapped) forward.
                 return self.reference(lambda lm: self._logps(lm, inputs)[0])
@@ -114,8 +126,11 @@ class PreferenceLoss(CausalLMLoss):
         position_ids: torch.Tensor | None = None,
         ref_logps: torch.Tensor | None = None,
         desirable: torch.Tensor | None = None,
+        kl: float | None = None,
+        output: str = "loss",
     ) -> torch.Tensor:
         if self.objective is None:
+            assert output == "loss", f"output {output} without a preference objective"
             assert target_index is not None
             return super().forward(input_ids, labels, target_index, attention_mask, position_ids)
         inputs = {
@@ -124,20 +139,17 @@ class PreferenceLoss(CausalLMLoss):
             "attention_mask": attention_mask,
             "position_ids": position_ids,
         }
-        if self.pass_kind == "logps":
+        if output == "logps":
             with torch.no_grad():
                 return self._logps(self.causal_lm, inputs)[0]
         ref = self._reference_logps(inputs, ref_logps)
-        if self.pass_kind == "kl":
+        if output == "kl":
             with torch.no_grad():
                 logp = self._logps(self.causal_lm, inputs)[0]
             return torch.stack([(logp - ref).sum(), torch.tensor(float(logp.numel()), device=logp.device)])
         logp, tokens = self._logps(self.causal_lm, inputs)
-        batch = {"input_ids": input_ids, "labels": labels, "desirable": desirable}
-        if isinstance(self.objective, KTO):
-            assert self.kl is not None, "KTO's KL pass did not run before the loss"
-            components, stats = self.objective.loss(logp, tokens, ref, batch, kl=self.kl)
-        else:
-            components, stats = self.objective.loss(logp, tokens, ref, batch)
+        assert output == "loss", output
+        batch = {"input_ids": input_ids, "labels": labels, "desirable": desirable, "kl": kl}
+        components, stats = self.objective.loss(logp, tokens, ref, batch)
         self.last_stats = stats
         return components.to(input_ids.device)

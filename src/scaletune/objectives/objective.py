@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from scaletune.config.preference import PreferenceConfig
+from scaletune.config.preference import OBJECTIVES as FACTS
+from scaletune.config.preference import ObjectiveFacts, PreferenceConfig
 from scaletune.objectives import losses
 
 __all__ = ["OBJECTIVES", "Objective", "objective_for"]
@@ -29,13 +30,19 @@ class Objective:
     `loss` gets the policy's (logp [2m], tokens [2m]) and the reference's logp [2m] (None when the
     objective has none) and returns (components [k] float32, the summed loss of the micro-batch per
     unit kind; stats [5] float64, detached: pairs, reward-correct pairs, reward margin sum, chosen
-    logp sum, rejected logp sum).
+    logp sum, rejected logp sum). What the rest of the run knows about it (data format, units,
+    reference, metrics) is its row of `config.preference.OBJECTIVES`, `facts`.
     """
 
     name: ClassVar[str]
-    uses_reference: ClassVar[bool] = True
-    fmt: ClassVar[str] = "preference"
+    #: Each step first runs a no-grad pass over the KL rows of the global batch (KTO's reference
+    #: point, `trainer.batches.kto_kl_pass`), whose value every micro-batch's loss reads as ``kl``.
+    kl_pass: ClassVar[bool] = False
     settings: PreferenceConfig
+
+    @property
+    def facts(self) -> ObjectiveFacts:
+        return FACTS[self.name]
 
     def units(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         """This micro-batch's count of each unit the loss components are averaged over."""
@@ -64,6 +71,8 @@ class Objective:
         ).double()
 
     def loss(self, logp, tokens, ref, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch`: ``input_ids``, ``labels``, ``desirable`` (KTO) and ``kl`` (KTO: the step's
+        reference point, a float)."""
         raise NotImplementedError
 
     #: metrics.jsonl keys (without the eval_ prefix), from the global stats sums.
@@ -108,7 +117,6 @@ class SimPO(Objective):
     beta times the average log-prob per completion token (as TRL's CPOTrainer logs them)."""
 
     name = "simpo"
-    uses_reference: ClassVar[bool] = False
 
     def rewards(self, logp, tokens, ref):
         return self.split(self.settings.beta * logp.detach() / tokens.clamp(min=1))
@@ -149,7 +157,7 @@ class KTO(Objective):
     """
 
     name = "kto"
-    fmt: ClassVar[str] = "kto"
+    kl_pass: ClassVar[bool] = True
 
     def units(self, batch):
         return (batch["input_ids"].size(0),)
@@ -170,13 +178,14 @@ class KTO(Objective):
             ]
         ).double()
 
-    def loss(self, logp, tokens, ref, batch, kl=None):
+    def loss(self, logp, tokens, ref, batch):
         s = self.settings
+        assert batch.get("kl") is not None, "KTO's KL pass did not run before the loss"
         per = losses.kto(
             logp,
             ref,
             batch["desirable"],
-            kl,
+            torch.tensor(batch["kl"], dtype=torch.float32, device=logp.device),
             beta=s.beta,
             desirable_weight=s.desirable_weight,
             undesirable_weight=s.undesirable_weight,
@@ -193,6 +202,7 @@ class KTO(Objective):
 
 
 OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (DPO, IPO, SimPO, ORPO, KTO)}
+assert set(OBJECTIVES) == set(FACTS) - {"sft"}, "every preference objective has its row of facts and its loss"
 
 
 def objective_for(name: str, settings: PreferenceConfig) -> Objective | None:

@@ -14,7 +14,7 @@ class StrategyPlan:
 
     `per_rank_bytes` = device memory: params, grads, optimizer (with DeepSpeed's fp32 master
     partition), activations (as configured: with or without checkpointing), reference (the frozen
-    reference model of preference training, `plan/reference.py`), total (the five plus `margin`).
+    reference model of preference training, `plan/reference_model.py`), total (the five plus `margin`).
     Offloaded state is in `host_bytes` instead.
     """
 

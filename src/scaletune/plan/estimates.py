@@ -40,7 +40,7 @@ Activations: `activations.py` (per decoder layer after Korthikanti et al. 2022, 
 splits). The device mesh's per-rank bytes (tensor and context parallelism) and the degree
 recommendation: `mesh.py`.
 See also `simulate.py` (the meta model sharded by FSDP2 over a fake process group), and
-`reference.py` for the reference model of preference training (`reference` per rank, in the total).
+`reference_model.py` for the reference model of preference training (`reference` per rank, in the total).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 from scaletune.plan.activations import activation_bytes, residual_bytes
 from scaletune.plan.entry import GiB, StrategyPlan, assemble
 from scaletune.plan.mesh import mesh_entry
-from scaletune.plan.reference import ReferencePlan, reference_bytes, reference_plan
+from scaletune.plan.reference_model import ReferencePlan, reference_bytes, reference_plan
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
 from scaletune.resolve import FLOAT_DTYPES
 from scaletune.resolve.mesh import mesh_for

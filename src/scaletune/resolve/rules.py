@@ -3,6 +3,7 @@ returns the :class:`Problem` s it finds (the doctor shows the same problems as c
 
 from __future__ import annotations
 
+from scaletune.config.preference import OBJECTIVES
 from scaletune.resolve.mesh import mesh_problems
 from scaletune.resolve.precision import mixed_precision_problems
 from scaletune.resolve.spec import Problem, RunSpec, batch_problem
@@ -299,12 +300,6 @@ def _factory_rules(s: RunSpec) -> list[Problem]:
     return out
 
 
-#: The data format each objective trains on.
-OBJECTIVE_FORMATS = {"sft": ("alpaca", "messages", "text"), "kto": ("kto",)} | {
-    o: ("preference",) for o in ("dpo", "ipo", "orpo", "simpo")
-}
-
-
 def _objective_rules(s: RunSpec) -> list[Problem]:
     """A stage's objective and its data agree; preference objectives train a Hugging Face causal LM
     on unpacked pairs; `reference: base` needs adapters to disable."""
@@ -312,7 +307,8 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
     for stage in s.stages:
         where = "" if not cfg.stages else f"stages.{stage.index}."
         t, d = stage.training, stage.data
-        wanted = OBJECTIVE_FORMATS[t.objective]
+        facts = OBJECTIVES[t.objective]
+        wanted = facts.formats
         for split, source in (("train", d.train), ("eval", d.eval)):
             if source is not None and source.format not in wanted:
                 out.append(
@@ -353,7 +349,7 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                     "use model.name_or_path, or objective sft",
                 )
             )
-        if t.preference.reference == "base" and cfg.model.lora is None and t.objective in ("dpo", "ipo", "kto"):
+        if t.preference.reference == "base" and cfg.model.lora is None and facts.reference:
             out.append(
                 Problem(
                     "objective",

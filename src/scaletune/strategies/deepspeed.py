@@ -147,8 +147,8 @@ class DeepSpeedStrategy(Strategy):
         """ZeRO-3: the frozen reference partitioned by its own `deepspeed.initialize`, without an
         optimizer (TRL's `prepare_deepspeed`), the engine's module returned (the engine kept for its
         hooks); ZeRO-1/2: whole on the device, parameters in the compute dtype as DeepSpeed casts the
-        policy's (`strategies/reference.py`)."""
-        from scaletune.strategies import reference as ref
+        policy's (`strategies/frozen_reference.py`)."""
+        from scaletune.strategies import frozen_reference as ref
 
         if self.spec.zero_stage != 3:
             dtype = None if self.compute_dtype == torch.float32 else self.compute_dtype

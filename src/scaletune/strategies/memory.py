@@ -96,7 +96,7 @@ class MemoryProbe:
         the first optimizer step), `optimizer` (state and its own parameters, e.g. fp32 masters),
         `reference` (the frozen reference model's bytes here; 0 without one), `peak_device` (CUDA's
         peak allocated since `wrap`, summed over :meth:`memory_devices`; None on the CPU)."""
-        from scaletune.strategies.reference import reference_tensors
+        from scaletune.strategies.frozen_reference import reference_tensors
 
         seen: dict = {}
         p_bytes = count_bytes(self._param_tensors(), seen)

@@ -29,7 +29,7 @@ from torch import nn
 from scaletune.strategies.base import Strategy, check_devices
 from scaletune.strategies.ddp import DDPStrategy
 from scaletune.strategies.fsdp import FullyShardedState, refresh_units
-from scaletune.strategies.reference import resident_whole
+from scaletune.strategies.frozen_reference import resident_whole
 from scaletune.strategies.single import SingleStrategy
 
 

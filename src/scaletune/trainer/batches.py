@@ -46,42 +46,45 @@ class BatchKind:
     collects_stats: bool = False
     #: Runs before a step's (or an evaluation's) forwards, over its ``(micro_batch, counted)`` pairs:
     #: KTO's KL pass, whose global mean every micro-batch's loss needs.
-    before_step: Callable[[Any, list], None] | None = None
+    before_step: Callable[[Any, list], Any] | None = None
 
 
 TEXT = BatchKind(model_inputs, lambda b: count_target_tokens(b["labels"]), count_input_tokens)
 CUSTOM = BatchKind(custom_inputs, count_units, count_batch_tokens, checks_units=True)
 
 
-def kto_kl_pass(strategy: Any, batches: list) -> None:
+def kto_kl_pass(strategy: Any, batches: list) -> float:
     """KTO's reference point for one step: the mean over the global batch of (policy - reference)
     log-probs of the KL rows, clamped at 0 and detached (Ethayarajh et al. 2024, eq. 8; TRL takes it
-    per micro-batch, which makes it depend on the batching). Every rank runs the same forwards."""
+    per micro-batch, which makes it depend on the batching). Every rank runs the same forwards.
+
+    Each micro-batch of `batches` gets it as ``kl`` (the value of a float32, as a float: a float
+    tensor would be cast to the compute dtype by FSDP2's mixed-precision input cast), which
+    `objectives.module.preference_inputs` hands the loss. Returns it."""
     import torch
 
-    module = strategy.module
     total = torch.zeros(2, dtype=torch.float64, device=strategy.device)
-    module.pass_kind = "kl"
-    try:
-        with torch.no_grad():
-            for mb, counted in batches:
-                with strategy.forward_context():
-                    out = strategy.model(**strategy.move_batch(kl_inputs(mb)))
-                if counted:
-                    total += out.detach().to(total.device, torch.float64)
-    finally:
-        module.pass_kind = "loss"
+    with torch.no_grad():
+        for mb, counted in batches:
+            with strategy.forward_context():
+                out = strategy.model(**strategy.move_batch(kl_inputs(mb)), output="kl")
+            if counted:
+                total += out.detach().to(total.device, torch.float64)
     total = strategy.all_reduce_sum(total)
-    module.kl = (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
+    kl = float((total[0] / total[1].clamp(min=1)).clamp(min=0).float())
+    for mb, _ in batches:
+        mb["kl"] = kl
+    return kl
 
 
-def preference_kind(objective: Any) -> BatchKind:
+def preference_kind(objective: Any, kl_pass: Callable[[Any, list], Any] | None = None) -> BatchKind:
     """How the loop reads a micro-batch of `objective` (an `objectives.Objective`): its units, the
-    non-padding tokens of the rows trained on, its stats, KTO's KL pass."""
+    non-padding tokens of the rows trained on, its stats, KTO's KL pass (`kl_pass`, default
+    `kto_kl_pass`)."""
     return BatchKind(
         preference_inputs,
         objective.units,
         lambda b: int(b["attention_mask"].sum()),
         collects_stats=True,
-        before_step=kto_kl_pass if objective.fmt == "kto" else None,
+        before_step=(kl_pass or kto_kl_pass) if objective.kl_pass else None,
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scaletune.objectives.objective import KTO, Objective, objective_for
+from scaletune.objectives.objective import Objective, objective_for
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
@@ -28,6 +28,8 @@ class StageObjectives:
         self.any = any(o is not None for o in self.by_stage.values())
         self.current: Objective | None = None
         self.strategy: Any = None
+        #: KTO's reference point of the last KL pass (a step's, or an evaluation's), for the metrics.
+        self.kl: float | None = None
 
     def loss_module(self, loss: Any) -> Any:
         """The SFT loss module (`models.loss.CausalLMLoss`) as a `PreferenceLoss` with its settings."""
@@ -45,7 +47,7 @@ class StageObjectives:
         """`reference: model` in any stage: the frozen reference loaded and made resident like the policy."""
         self.strategy = strategy
         wanted = [
-            o for o in self.by_stage.values() if o is not None and o.uses_reference and o.settings.reference == "model"
+            o for o in self.by_stage.values() if o is not None and o.facts.reference and o.settings.reference == "model"
         ]
         if wanted:
             strategy.module.set_reference(source.load_reference(strategy))  # loaded and made resident
@@ -59,22 +61,28 @@ class StageObjectives:
         self.strategy = strategy
         if not self.any:
             return default
-        strategy.module.objective = objective
+        strategy.module.start_stage(objective)
+        self.kl = None
         if objective is None:
             return default
-        strategy.module.reference_mode = objective.settings.reference
-        if objective.uses_reference and objective.settings.reference == "precomputed":
-            from scaletune.objectives.reference import reference_tables
+        if objective.facts.reference and objective.settings.reference == "precomputed":
+            from scaletune.objectives.precomputed import reference_tables
             from scaletune.trainer.stages import stage_collator
 
             reference_tables(strategy, self.spec, plan, stage_collator(plan, tokenizer), resumed=resumed)
-        return preference_kind(objective)
+        return preference_kind(objective, self.kl_pass)
+
+    def kl_pass(self, strategy: Any, batches: list) -> None:
+        """KTO's KL pass (`trainer.batches.kto_kl_pass`), its value kept for the metrics."""
+        from scaletune.trainer.batches import kto_kl_pass
+
+        self.kl = kto_kl_pass(strategy, batches)
 
     def metrics(self, stats: Any) -> dict[str, float]:
         """The current objective's metrics from global stats sums (empty for SFT)."""
         if stats is None or self.current is None:
             return {}
         out = self.current.metrics(stats.tolist())
-        if isinstance(self.current, KTO) and self.strategy.module.kl is not None:
-            out["kl"] = float(self.strategy.module.kl)
+        if self.current.kl_pass and self.kl is not None:
+            out["kl"] = self.kl
         return out

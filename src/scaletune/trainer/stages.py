@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from scaletune.config.preference import OBJECTIVES
 from scaletune.env import print0
 from scaletune.errors import Problem, UserError, problems_of
 from scaletune.resolve import BatchArithmetic, RunSpec, Stage, steps_for
@@ -69,8 +70,7 @@ def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrat
 
 def _unit(stage: Stage) -> str:
     """What a stage's batch sizes count: sequences, or (preference objectives) pairs, KTO's records."""
-    objective = stage.training.objective
-    return "sequences" if objective == "sft" else "records" if objective == "kto" else "pairs (2 sequences each)"
+    return OBJECTIVES[stage.training.objective].batch_counts
 
 
 def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:

@@ -68,24 +68,23 @@ def precompute(strategy: Any, dataset: Any, collator: Any, micro_batch_size: int
     from scaletune.data.batching import EvalBatches
     from scaletune.objectives.module import kl_inputs, preference_inputs
 
-    env, module = strategy.env, strategy.module
+    env = strategy.env
     n = max(dataset["index"]) + 1
     table = torch.zeros(n, 2, dtype=torch.float64, device=strategy.device)
     strategy.train_mode(False)
-    module.pass_kind = "logps"
     try:
         for mb, counted in EvalBatches(dataset, collator, micro_batch_size, env.rank, env.world_size):
             with strategy.forward_context():
-                logp = strategy.model(**strategy.move_batch(preference_inputs(mb)))
+                logp = strategy.model(**strategy.move_batch(preference_inputs(mb)), output="logps")
                 if "kl_input_ids" in mb:  # kto: the completion rows, then the KL rows
-                    logp = torch.cat([logp, strategy.model(**strategy.move_batch(kl_inputs(mb)))])
+                    kl_rows = strategy.model(**strategy.move_batch(kl_inputs(mb)), output="logps")
+                    logp = torch.cat([logp, kl_rows])
             if counted:
                 m = mb["index"].numel()
                 index = mb["index"].to(table.device)
                 pair = logp.detach().to(table.device, torch.float64).reshape(2, m).t()
                 table.index_copy_(0, index, pair)
     finally:
-        module.pass_kind = "loss"
         strategy.train_mode(True)
     return strategy.all_reduce_sum(table).float().cpu()
 

@@ -5,7 +5,7 @@ and SimPO have none):
 
 * `model`: a frozen copy of `model.name_or_path` without adapters or quantization
   (`ModelSource.load_reference`), resident as the engine keeps the policy
-  (`strategies/reference.py`): its parameters in the dtype the engine stores the policy's in (the
+  (`strategies/frozen_reference.py`): its parameters in the dtype the engine stores the policy's in (the
   run's storage dtype under single, ddp and fsdp; DeepSpeed casts modules to the compute dtype),
   whole under single / ddp / ZeRO-1/2, sharded like the policy's parameters under fsdp (rank 0's
   `ceil(d0 / W)` rows of each tensor) and ZeRO-3 (`ceil(n / W)` elements of each, plus the
@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from scaletune.config.preference import OBJECTIVES
 from scaletune.resolve import FLOAT_DTYPES
 from scaletune.strategies.deepspeed_config import PERSISTENCE_THRESHOLD
 
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
     from scaletune.plan.shapes import ModelShape, ParamInfo
     from scaletune.resolve import RunSpec
 
-#: Objectives whose loss compares with a reference model's log-probabilities.
-REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
-#: Objectives whose micro-batch of m pairs is one forward over 2m sequences (chosen, then rejected).
-PAIRED_OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
 _COST = {"none": 0, "base": 1, "precomputed": 2, "model": 3}
 
 
@@ -57,7 +54,7 @@ def stage_reference(training: object, lora: bool) -> str:
     """A stage's reference mode: none (its objective has no reference), base, precomputed or model
     (`auto` decided: base under LoRA, else precomputed). Read with defaults, so a config without
     `training.objective` plans as SFT."""
-    if getattr(training, "objective", "sft") not in REFERENCE_OBJECTIVES:
+    if not OBJECTIVES[getattr(training, "objective", "sft")].reference:
         return "none"
     mode = getattr(getattr(training, "preference", None), "reference", "auto")
     if mode == "auto":
@@ -91,7 +88,7 @@ def reference_plan(spec: RunSpec) -> ReferencePlan:
 def sequences_per_example(spec: RunSpec) -> int:
     """Sequences in one forward per `micro_batch_size` unit, the most of any stage: 2 where a stage
     trains on pairs (`micro_batch_size` counts pairs), else 1 (SFT, KTO's records)."""
-    paired = any(getattr(s.training, "objective", "sft") in PAIRED_OBJECTIVES for s in spec.stages)
+    paired = any(OBJECTIVES[getattr(s.training, "objective", "sft")].paired for s in spec.stages)
     return 2 if paired else 1
 
 

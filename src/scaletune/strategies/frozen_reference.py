@@ -1,11 +1,11 @@
 """The frozen reference model of preference training (`training.preference.reference: model`,
 issue 24), made resident the way each engine keeps the policy, so it costs what the planner says
-(`plan/reference.py`) and no more:
+(`plan/reference_model.py`) and no more:
 
 * single / ddp: the whole model on the rank's device, outside DDP (nothing to all-reduce);
 * fsdp: sharded by THE FSDP2 sharding function with the policy's mixed-precision and offload
   policies, every unit resharded after its forward (the root too: no backward would ever reshard
-  it), filled from rank 0 as the policy is (`FSDPStrategy._shard_and_fill`);
+  it), filled from rank 0 as the policy is (`parallel.parallelize.parallelize`);
 * DeepSpeed ZeRO-3: partitioned by `deepspeed.initialize` without an optimizer (as TRL's
   `trl.models.utils.prepare_deepspeed` does for its reference model), the config from THE generator
   less its training-only blocks; ZeRO-1/2: the whole model on the device, its parameters cast to the
