@@ -99,8 +99,8 @@ def test_model_reference_fsdp_is_the_real_shard(tiny_model_dir):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from scaletune.models import decoder_layer_classes
-    from scaletune.strategies.parallel.parallelize import shard_model
     from scaletune.strategies.frozen_reference import freeze
+    from scaletune.strategies.parallel.parallelize import shard_model
     from scaletune.strategies.single import SingleStrategy
     from scaletune.trainer.model_source import PretrainedSource
 

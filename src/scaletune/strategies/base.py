@@ -26,10 +26,10 @@ from torch import nn
 
 from scaletune.models.loading import torch_dtype
 from scaletune.strategies.devices import allow_tf32, check_devices
+from scaletune.strategies.frozen_reference import resident_whole
 from scaletune.strategies.memory import MemoryProbe
 from scaletune.strategies.optim import apply_trainable, build_optimizer
 from scaletune.strategies.process_group import WaitGroup, free_port, init_process_group
-from scaletune.strategies.frozen_reference import resident_whole
 
 __all__ = ["Strategy", "check_devices", "free_port", "init_process_group"]
 

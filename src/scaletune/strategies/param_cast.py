@@ -28,8 +28,8 @@ from torch import nn
 
 from scaletune.strategies.base import Strategy, check_devices
 from scaletune.strategies.ddp import DDPStrategy
-from scaletune.strategies.fsdp import FullyShardedState, refresh_units
 from scaletune.strategies.frozen_reference import resident_whole
+from scaletune.strategies.fsdp import FullyShardedState, refresh_units
 from scaletune.strategies.single import SingleStrategy
 
 
