@@ -10,7 +10,7 @@ import tracemalloc
 import httpx
 import pytest
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.serve.serve_helpers import Server, client, plant_job
 
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from scaletune.serve.auth import create_token
-from scaletune.serve.policy import Policy
+from scaletune.serve.edge.auth import create_token
+from scaletune.serve.edge.policy import Policy
 from tests.helpers import make_config
 from tests.serve.serve_helpers import REPO_ROOT, TEST_POLICY, Server, client, free_port, plant_job
 
@@ -108,7 +108,7 @@ def test_run_area_confined(strict, tiny_model_dir, where):
         refused(post(strict, cfg), "output_dir")
     finally:
         with strict.svc.Session() as s:
-            from scaletune.serve.db import Job
+            from scaletune.serve.jobs.db import Job
 
             s.delete(s.get(Job, other))
             s.commit()

@@ -27,8 +27,8 @@ _DIES_AFTER_START = textwrap.dedent(
     from pathlib import Path
     import uvicorn
     from scaletune.serve.app import create_app
-    from scaletune.serve.dispatch import local
-    from scaletune.serve.jobs import JobService
+    from scaletune.serve.jobs.dispatch import local
+    from scaletune.serve.jobs.service import JobService
     from tests.serve.serve_helpers import TEST_POLICY
 
     start = local.LocalDispatcher.submit
@@ -109,7 +109,7 @@ def test_services_started_at_once_on_a_fresh_database(tmp_path):
     db = f"sqlite:///{tmp_path / 'db.sqlite'}"
     at = time.time() + 12  # the imports done by then, on a busy machine too
     code = (
-        "import sys, time\nfrom scaletune.serve.db import open_db\n"
+        "import sys, time\nfrom scaletune.serve.jobs.db import open_db\n"
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\nopen_db(sys.argv[1])\nprint('opened')\n"
     )
     procs = [

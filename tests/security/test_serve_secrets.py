@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from scaletune.serve.auth import create_token
-from scaletune.serve.dispatch.base import SERVICE_SECRETS
+from scaletune.serve.edge.auth import create_token
+from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
 from tests.helpers import make_config
 from tests.serve.serve_helpers import Server, client, read_events
 
@@ -74,8 +74,8 @@ def test_sbatch_gets_the_services_environment_without_its_secrets(tmp_path, monk
     controller's record): the service's environment less its own secrets, plus the job's. The
     `sbatch` here is a script standing in for SLURM's, recording the environment it was given;
     tests/system/test_serve_slurm.py runs the real one."""
-    from scaletune.serve.dispatch.base import JobFiles
-    from scaletune.serve.dispatch.slurm import SlurmDispatcher
+    from scaletune.serve.jobs.dispatch.base import JobFiles
+    from scaletune.serve.jobs.dispatch.slurm import SlurmDispatcher
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.serve.serve_helpers import Server, client, free_port, headless_chromium, plant_job
 
 
@@ -77,7 +77,7 @@ def test_reflected_script_in_compare_runs_nothing_in_chromium(tmp_path):
     chart draws it): no script of it runs; a real comparison still draws both series."""
     from selenium.webdriver.common.by import By
 
-    from scaletune.serve.db import Metric
+    from scaletune.serve.jobs.db import Metric
 
     srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
     victim = create_token(srv.svc.Session, "read")

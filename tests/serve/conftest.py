@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.helpers import wait_for
 from tests.serve.serve_helpers import PASSWORD, Server, free_port, headless_chromium
 

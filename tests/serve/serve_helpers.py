@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 
 from scaletune.serve.app import create_app
-from scaletune.serve.jobs import JobService
-from scaletune.serve.policy import Policy
+from scaletune.serve.edge.policy import Policy
+from scaletune.serve.jobs.service import JobService
 from tests.helpers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -184,8 +184,8 @@ def plant_job(svc: JobService, run_dir: Path, state: str = "succeeded", token: s
     for tests of what the API serves from a job's files. `token`: its report token."""
     import uuid
 
-    from scaletune.serve.auth import digest
-    from scaletune.serve.db import Job
+    from scaletune.serve.edge.auth import digest
+    from scaletune.serve.jobs.db import Job
 
     job_id = uuid.uuid4().hex[:12]
     job_dir = svc.home / job_id

@@ -24,15 +24,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from scaletune.serve.app import create_app
-from scaletune.serve.db import Job
-from scaletune.serve.dispatch.base import Dispatcher
-from scaletune.serve.jobs import JobService
+from scaletune.serve.jobs.db import Job
+from scaletune.serve.jobs.dispatch.base import Dispatcher
+from scaletune.serve.jobs.service import JobService
 from tests.serve.serve_helpers import TEST_POLICY, plant_job
 
 modal = pytest.importorskip("modal")
 from modal.types import FileEntry, FileEntryType  # noqa: E402
 
-from scaletune.serve.dispatch.modal import ModalDispatcher  # noqa: E402
+from scaletune.serve.jobs.dispatch.modal import ModalDispatcher  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3
 

@@ -13,9 +13,9 @@ import yaml
 from fastapi.testclient import TestClient
 
 from scaletune.serve.app import create_app
-from scaletune.serve.auth import COOKIE, bind_problems, create_token
-from scaletune.serve.db import Token
-from scaletune.serve.jobs import JobService
+from scaletune.serve.edge.auth import COOKIE, bind_problems, create_token
+from scaletune.serve.jobs.db import Token
+from scaletune.serve.jobs.service import JobService
 from tests.helpers import REPO_ROOT, make_config
 from tests.serve.serve_helpers import TEST_POLICY, plant_job
 

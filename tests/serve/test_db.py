@@ -13,7 +13,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from scaletune.serve.db import MIGRATIONS, database_url, redacted, scrubbed
+from scaletune.serve.jobs.db import MIGRATIONS, database_url, redacted, scrubbed
 from tests.helpers import REPO_ROOT, run_cli, subprocess_env
 from tests.serve.serve_helpers import PASSWORD, free_port
 
@@ -76,8 +76,8 @@ def test_tokens_made_before_names_are_named_by_the_upgrade(backend, request, tmp
     from alembic import command
     from alembic.config import Config as AlembicConfig
 
-    from scaletune.serve.auth import digest, identify, list_tokens
-    from scaletune.serve.db import open_db
+    from scaletune.serve.edge.auth import digest, identify, list_tokens
+    from scaletune.serve.jobs.db import open_db
 
     url = f"sqlite:///{tmp_path / 'old.db'}" if backend == "sqlite" else request.getfixturevalue("postgres")["url"]
     raw = database_url(url).render_as_string(hide_password=False)

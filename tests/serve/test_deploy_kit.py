@@ -37,7 +37,7 @@ import typer
 import yaml
 from sqlalchemy import create_engine, text
 
-from scaletune.serve.db import database_url
+from scaletune.serve.jobs.db import database_url
 from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
 from tests.serve.serve_helpers import NGINX, PASSWORD, PREFIX, Proxy, free_port, need
 
@@ -179,8 +179,8 @@ def test_the_build_context_builds_the_wheel(tmp_path):
 
     (wheel,) = (tmp_path / "w").glob("scaletune-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("scaletune/serve/templates/") for n in names), "the page's templates"
-    assert any(n.startswith("scaletune/serve/migrations/versions/") for n in names), "the migrations"
+    assert any(n.startswith("scaletune/serve/page/templates/") for n in names), "the page's templates"
+    assert any(n.startswith("scaletune/serve/jobs/migrations/versions/") for n in names), "the migrations"
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Provides-Extra: serve" in meta and "psycopg" in meta
 

@@ -8,8 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from scaletune.serve.dispatch.base import JobFiles, Status, start_mark
-from scaletune.serve.dispatch.local import LocalDispatcher, _exists, descendants
+from scaletune.serve.jobs.dispatch.base import JobFiles, Status, start_mark
+from scaletune.serve.jobs.dispatch.local import LocalDispatcher, _exists, descendants
 
 
 def test_descendants_finds_a_grandchild_in_another_session():

@@ -23,12 +23,12 @@ from fastapi.testclient import TestClient
 
 from scaletune.errors import UserError
 from scaletune.report import TOKEN_ENV, URL_ENV
-from scaletune.serve import states as S
 from scaletune.serve.app import create_app
-from scaletune.serve.db import Job
-from scaletune.serve.dispatch.base import Status
-from scaletune.serve.jobs import JobService
-from scaletune.serve.records import set_state
+from scaletune.serve.jobs import states as S
+from scaletune.serve.jobs.db import Job
+from scaletune.serve.jobs.dispatch.base import Status
+from scaletune.serve.jobs.records import set_state
+from scaletune.serve.jobs.service import JobService
 from tests.helpers import make_config
 from tests.serve.serve_helpers import TEST_POLICY, plant_job
 
@@ -36,7 +36,7 @@ modal = pytest.importorskip("modal")
 from modal._image import LATEST_IMAGE_BUILDER_VERSION  # noqa: E402
 from modal._utils.async_utils import synchronizer  # noqa: E402
 
-from scaletune.serve.dispatch import modal as modal_dispatch  # noqa: E402
+from scaletune.serve.jobs.dispatch import modal as modal_dispatch  # noqa: E402
 
 PUBLIC = "https://jobs.example.com/st"
 

@@ -26,8 +26,8 @@ import uvicorn
 import yaml
 
 from scaletune.serve.app import create_app
-from scaletune.serve.auth import create_token
-from scaletune.serve.jobs import JobService
+from scaletune.serve.edge.auth import create_token
+from scaletune.serve.jobs.service import JobService
 from tests.helpers import make_config, subprocess_env, wait_for
 from tests.serve.serve_helpers import NGINX, PREFIX, Proxy, Server, dom, free_port, headless_chromium, need
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import yaml
 from sse_starlette.sse import AppStatus
 
-from scaletune.serve.db import Job
+from scaletune.serve.jobs.db import Job
 from tests.helpers import make_config, wait_for
 from tests.serve.serve_helpers import client, dom, plant_job, wait_state
 

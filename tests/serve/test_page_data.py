@@ -17,10 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from scaletune.serve.auth import create_token
-from scaletune.serve.data_preview import MEASURED
-from scaletune.serve.datasets import SUFFIXES
-from scaletune.serve.policy import Policy, data_area
+from scaletune.serve.edge.auth import create_token
+from scaletune.serve.edge.policy import Policy, data_area
+from scaletune.serve.jobs.data_preview import MEASURED
+from scaletune.serve.jobs.datasets import SUFFIXES
 from tests.helpers import ALPACA_5000, make_config, wait_for
 from tests.serve.serve_helpers import SHARED_DATA, Server, client, dom, headless_chromium
 

@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from scaletune.config import read_config
-from scaletune.serve.auth import create_token
-from scaletune.serve.form import FIELDS
-from scaletune.serve.policy import Policy
+from scaletune.serve.edge.auth import create_token
+from scaletune.serve.edge.policy import Policy
+from scaletune.serve.page.form import FIELDS
 from tests.helpers import wait_for
 from tests.serve.serve_helpers import REPO_ROOT, Server, client, dom, headless_chromium
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.helpers import ALPACA_5000, LORA, make_config, run_cli, wait_for
 from tests.serve.serve_helpers import client, dom, headless_chromium, plant_job, wait_state
 
@@ -188,7 +188,7 @@ def test_chat_refusals(server, jobs, module_tmp_path):
         status, body = chat(c, running)
         assert status == 409 and "running" in body["problems"][0], body
         modal = plant_job(server.svc, module_tmp_path / "modal-run")
-        from scaletune.serve.db import Job
+        from scaletune.serve.jobs.db import Job
 
         with server.svc.Session() as s:
             s.get(Job, modal).target = "modal"

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.helpers import ALPACA_5000, make_config, wait_for
 from tests.serve.serve_helpers import (
     CHROMIUM,

@@ -286,8 +286,8 @@ def test_finite_divergence_rule(server, tmp_path, losses, flagged):
     """The rule of a run whose loss stays finite (records.loss_flag, docs/serve.md) on the record
     the service keeps, through the same `add_metric` a run's lines go through; the flag reaches
     the API's job summary."""
-    from scaletune.serve.db import Job
-    from scaletune.serve.records import add_metric
+    from scaletune.serve.jobs.db import Job
+    from scaletune.serve.jobs.records import add_metric
     from tests.serve.serve_helpers import plant_job
 
     job_id = plant_job(server.svc, tmp_path / "run", state="running")

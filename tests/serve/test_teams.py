@@ -12,7 +12,7 @@ import httpx
 import pytest
 import yaml
 
-from scaletune.serve.auth import install_env_admin
+from scaletune.serve.edge.auth import install_env_admin
 from tests.helpers import REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
 from tests.serve.serve_helpers import Server, client, dom, free_port, headless_chromium, wait_state
 

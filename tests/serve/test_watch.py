@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scaletune.serve.db import Job
+from scaletune.serve.jobs.db import Job
 from tests.helpers import make_config
 from tests.serve.serve_helpers import Server, client, read_events, wait_state
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scaletune.serve.dispatch.base import LOG_FILE
+from scaletune.serve.jobs.dispatch.base import LOG_FILE
 from tests.helpers import make_config, wait_for
 from tests.serve.serve_helpers import Server, client, dom, read_events, wait_state
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import yaml
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.helpers import make_config
 from tests.serve.serve_helpers import Server, client, plant_job
 

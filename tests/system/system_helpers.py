@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from scaletune.serve.dispatch.local import descendants
+from scaletune.serve.jobs.dispatch.local import descendants
 from tests.helpers import make_config, subprocess_env
 
 PAYLOAD = Path(__file__).resolve().parent / "payload_allreduce.py"

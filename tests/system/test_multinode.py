@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from scaletune.launch.commands import LaunchOptions, build_launch
-from scaletune.serve.dispatch.local import descendants
+from scaletune.serve.jobs.dispatch.local import descendants
 from scaletune.strategies.base import free_port
 from tests.helpers import wait_for
 from tests.system.system_helpers import (

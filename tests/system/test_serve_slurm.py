@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from scaletune.serve.auth import create_token
+from scaletune.serve.edge.auth import create_token
 from tests.serve.serve_helpers import Server, client, read_events
 from tests.system.system_helpers import MAX_STEPS, system_config
 

@@ -42,9 +42,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "scaletune.models.placement:resolve_device_map": "THE device_map rule: a 30-line docstring states every case",
     "scaletune.models.presets:init_model": "a 28-line docstring (how the weights are drawn); not yet split",
     "scaletune.plan.estimates:_strategy_plan": "the bytes of every strategy in one table of cases; not yet split",
-    "scaletune.serve.app:create_app": "the API's routes as closures over the app's state; not yet split by router",
-    "scaletune.serve.results:add_result_routes": "15 routes as closures over the app's scope check; not yet split",
-    "scaletune.serve.web:add_pages": "the page's routes as closures over the app; not yet split",
     "scaletune.strategies.deepspeed_config:deepspeed_json": "the one DeepSpeed generator, key by key, with a docstring per argument",
 }
 

@@ -106,8 +106,8 @@ def test_serve_reads_the_line_the_trainer_prints(tmp_path, capsys, monkeypatch):
     what the trainer posts for the same event is what the reader makes of its line. A restarted
     watcher reads on from the offsets kept on the record: no line is read twice."""
     import scaletune.trainer.loop as loop
-    from scaletune.serve.db import Event, Job, open_db
-    from scaletune.serve.watch import Watcher
+    from scaletune.serve.jobs.db import Event, Job, open_db
+    from scaletune.serve.jobs.watch import Watcher
 
     posted = []
     monkeypatch.setattr(loop, "reporter", lambda: SimpleNamespace(add=lambda k, d, flush: posted.append((k, d))))

@@ -92,10 +92,10 @@ def serve(
     import uvicorn
 
     from scaletune.serve.app import create_app
-    from scaletune.serve.auth import bind_problems, install_env_admin
-    from scaletune.serve.db import DatabaseUnavailable, database_url, default_url, redacted
-    from scaletune.serve.jobs import JobService
-    from scaletune.serve.policy import SAFE_ENV_PREFIXES, Policy
+    from scaletune.serve.edge.auth import bind_problems, install_env_admin
+    from scaletune.serve.edge.policy import SAFE_ENV_PREFIXES, Policy
+    from scaletune.serve.jobs.db import DatabaseUnavailable, database_url, default_url, redacted
+    from scaletune.serve.jobs.service import JobService
 
     problems: list[Problem] = []
     if max_concurrent < 1:
@@ -142,7 +142,7 @@ def serve(
 
 
 def _sessions(db: str | None):
-    from scaletune.serve.db import DatabaseUnavailable, default_url, open_db
+    from scaletune.serve.jobs.db import DatabaseUnavailable, default_url, open_db
 
     try:
         return open_db(db or default_url())[1]
@@ -160,15 +160,15 @@ def token_create(
     db: DbOpt = None,
 ) -> None:
     """Create an API token; it is printed once, as the last word (stored hashed)."""
-    from scaletune.serve.auth import create_token
-    from scaletune.serve.teams import record
+    from scaletune.serve.edge.auth import create_token
+    from scaletune.serve.edge.teams import record
 
     Session = _sessions(db)  # noqa: N806 - a sessionmaker
     try:
         token = create_token(Session, scope, name, created_by="cli")
     except ValueError as exc:
         raise UserError(str(exc), title="invalid arguments") from None
-    from scaletune.serve.auth import token_info
+    from scaletune.serve.edge.auth import token_info
 
     made = token_info(Session, token)
     record(Session, "cli", "token.create", detail=f"{made['name']} ({scope})")
@@ -178,7 +178,7 @@ def token_create(
 @token_app.command("list")
 def token_list(db: DbOpt = None) -> None:
     """Every token (never its value): name, scope, created, by whom, revoked."""
-    from scaletune.serve.auth import list_tokens
+    from scaletune.serve.edge.auth import list_tokens
 
     rows = list_tokens(_sessions(db))
     if not rows:
@@ -193,8 +193,8 @@ def token_revoke(
     name: Annotated[str, typer.Argument(help="The token's name (see `token list`).")], db: DbOpt = None
 ) -> None:
     """Revoke a token: from now on it authenticates nothing, the page logged in with it included."""
-    from scaletune.serve.auth import revoke_token
-    from scaletune.serve.teams import record
+    from scaletune.serve.edge.auth import revoke_token
+    from scaletune.serve.edge.teams import record
 
     Session = _sessions(db)  # noqa: N806
     if revoke_token(Session, name) is None:

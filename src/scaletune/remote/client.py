@@ -1,4 +1,4 @@
-"""The job API over HTTP (serve/app.py's routes): one :class:`Client` per service address.
+"""The job API over HTTP (serve/api/'s routes): one :class:`Client` per service address.
 
 The token comes from the environment (SCALETUNE_TOKEN), never from a command-line argument: a
 command line is readable by every user of the machine (`ps`) and stays in shell history. It is
@@ -26,7 +26,7 @@ from scaletune.errors import UserError
 
 URL_ENV, TOKEN_ENV = "SCALETUNE_URL", "SCALETUNE_TOKEN"
 TIMEOUT_S = 60.0  # one request; a submission runs the service's full preflight meanwhile
-# The event stream sends a heartbeat every 10 s (serve/app.py HEARTBEAT_S): a stream silent this
+# The event stream sends a heartbeat every 10 s (serve/api/jobs.py HEARTBEAT_S): a stream silent this
 # long is dead (a proxy dropped it, the service restarted) and is opened again.
 STREAM_READ_S = 45.0
 

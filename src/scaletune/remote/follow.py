@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from scaletune.errors import UserError
 from scaletune.remote.client import Client, RemoteError, Unavailable
-from scaletune.serve import states as S
+from scaletune.serve.jobs import states as S
 
 Say = Callable[[str], None]
 RETRY_S = 300.0  # how long a service that cannot be reached is asked again while waiting or following

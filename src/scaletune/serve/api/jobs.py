@@ -1,0 +1,227 @@
+"""The job routes: submit (or dry-run) a config, list and read jobs, their metrics, log and SSE
+events with replay (ending after a terminal state), stop / cancel / resume / clone, and the job's
+own reports (its report token, not an API token)."""
+
+# No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
+import asyncio
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials
+from sse_starlette.sse import EventSourceResponse
+
+from scaletune.errors import UserError
+from scaletune.serve.api.schemas import (
+    E409_422,
+    E422,
+    CloneRequest,
+    JobRequest,
+    JobSummary,
+    ReportRequest,
+    ResumeRequest,
+    Submitted,
+    refusal,
+)
+from scaletune.serve.edge import auth
+from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read
+from scaletune.serve.edge.teams import need_owner, record
+from scaletune.serve.jobs.db import Job
+from scaletune.serve.jobs.records import MAX_INT
+from scaletune.serve.jobs.service import JobNotFound, JobService
+from scaletune.serve.jobs.states import TERMINAL
+
+HEARTBEAT_S = 10.0
+MAX_LOG_BYTES = 8 << 20  # one /logs answer at most
+router = APIRouter()
+
+
+def job_or_404(svc: JobService, job_id: str) -> Job:
+    """The job; JobNotFound (the app answers 404) when there is none."""
+    job = svc.get(job_id)
+    if job is None:
+        raise JobNotFound(job_id)
+    return job
+
+
+def stored(svc: JobService, job_id: str, head: str) -> str:
+    """An audit row's detail: `head` and the job's overrides as stored, secret values taken out
+    at submission (the request's own overrides may hold them)."""
+    job = svc.get(job_id)
+    return " ".join([head, *(job.overrides if job is not None else [])])
+
+
+def bad(exc: UserError) -> JSONResponse:
+    return refusal(exc.title, exc.problems)
+
+
+@router.post(
+    "/api/jobs",
+    status_code=201,
+    response_model=Submitted,
+    response_model_exclude_unset=True,  # a queued job's answer has no `plan` key
+    responses={200: {"model": Submitted, "description": "dry run: the plan, nothing submitted"}, **E422},
+)
+def create_job(req: JobRequest, response: Response, c: Submitter, svc: Svc):
+    try:
+        out = svc.submit(req.config, req.overrides, req.target, req.resources, req.dry_run, owner=c.name)
+    except UserError as exc:
+        return bad(exc)
+    response.status_code = 200 if req.dry_run else 201
+    if not req.dry_run:
+        record(svc.Session, c.name, "job.submit", out["id"], stored(svc, out["id"], f"target {req.target}"))
+    return out
+
+
+@router.get("/api/jobs", dependencies=[read], response_model=list[JobSummary])
+def list_jobs(svc: Svc):
+    return [j.summary() for j in svc.list()]
+
+
+@router.get("/api/jobs/{job_id}", dependencies=[read], response_model=JobSummary, responses=E422)
+def get_job(job_id: str, svc: Svc):
+    return job_or_404(svc, job_id).summary()
+
+
+@router.get("/api/jobs/{job_id}/metrics", dependencies=[read], responses=E422)
+def get_metrics(job_id: str, svc: Svc, since_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
+    job_or_404(svc, job_id)
+    return svc.metrics(job_id, since_step)
+
+
+@router.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse, responses=E422)
+def get_logs(
+    job_id: str,
+    svc: Svc,
+    rank: Annotated[int | None, Query(ge=0, le=1 << 20, description="Refused: see below.")] = None,
+    offset: Annotated[int | None, Query(ge=0, le=MAX_INT, description="Bytes; default: the end.")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_LOG_BYTES, description="Bytes at most.")] = 1 << 20,
+):
+    """At most `limit` bytes of the job's log from `offset` (default: its last `limit` bytes).
+
+    `rank` is refused (422): the log does not separate ranks. Rank 0 prints for the run and the
+    other ranks stay quiet; torchrun runs without `--tee`, so only an uncaught error's traceback
+    is prefixed `[rankN]:`, and a filter would return nearly the whole log as if it were rank N's.
+    """
+    if rank is not None:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("query", "rank"),
+                    "msg": "ranks are not separated in this log (rank 0 prints for the run; only an uncaught "
+                    "error's traceback lines are prefixed [rankN]:), so it cannot be filtered by rank; "
+                    "leave out rank",
+                    "input": str(rank),
+                }
+            ]
+        )
+    job = job_or_404(svc, job_id)
+    # The log's bytes as written (not decoded and encoded again): a reader's next offset is its
+    # offset plus the bytes it got, invalid UTF-8 or a cut character included.
+    data = svc.dispatchers[job.target].log_bytes(svc.files(job), offset, limit)
+    return Response(data, media_type="text/plain; charset=utf-8")
+
+
+@router.get("/api/jobs/{job_id}/events", dependencies=[read], responses=E422)
+async def events(job_id: str, request: Request, svc: Svc):
+    job_or_404(svc, job_id)
+    last = request.headers.get("last-event-id") or request.query_params.get("last_event_id") or "0"
+    if not (last.isdigit() and len(last) <= 15):
+        raise HTTPException(400, "Last-Event-ID: an event id (a number below 10**15)")
+    return EventSourceResponse(event_stream(svc, job_id, int(last), request), ping=3600)
+
+
+async def event_stream(svc: JobService, job_id: str, cursor: int, request: Request):
+    """The job's events after `cursor` as server-sent events, polled until the client leaves or
+    the job has ended."""
+    quiet = 0.0
+    ended_polls = 0
+    while not await request.is_disconnected():
+        rows = await asyncio.to_thread(svc.events_after, job_id, cursor)
+        for eid, kind, data in rows:
+            cursor = eid
+            yield {"id": str(eid), "event": kind, "data": json.dumps(data)}
+        if rows:
+            quiet = 0.0
+        # The stream ends once the job's record is terminal and nothing came for two polls
+        # (the watcher stores a run's last log lines just after its end state), with an
+        # `end` event: a script's client stops there. A browser's EventSource reconnects
+        # after `retry` ms from the last id: a tab on a finished job asks every 10 s and
+        # sees a resume's events, instead of holding a connection open forever.
+        job = await asyncio.to_thread(svc.get, job_id)
+        ended_polls = ended_polls + 1 if not rows and (job is None or job.state in TERMINAL) else 0
+        if ended_polls >= 2:
+            state = job.state if job is not None else None
+            yield {"id": str(cursor), "event": "end", "data": json.dumps({"state": state}), "retry": 10_000}
+            return
+        await asyncio.sleep(0.3)
+        quiet += 0.3
+        if quiet >= HEARTBEAT_S:
+            quiet = 0.0
+            yield {"id": str(cursor), "event": "heartbeat", "data": "{}"}
+
+
+def control(svc: JobService, c: auth.Caller, verb: str, job_id: str):
+    need_owner(c, job_or_404(svc, job_id))
+    try:
+        done = getattr(svc, verb)(job_id).summary()
+    except UserError as exc:
+        return refusal(exc.title, exc.problems, 409)
+    record(svc.Session, c.name, f"job.{verb}", job_id)
+    return done
+
+
+@router.post("/api/jobs/{job_id}/stop", response_model=JobSummary, responses=E409_422)
+def stop(job_id: str, c: Submitter, svc: Svc):
+    return control(svc, c, "stop", job_id)
+
+
+@router.post("/api/jobs/{job_id}/cancel", response_model=JobSummary, responses=E409_422)
+def cancel(job_id: str, c: Submitter, svc: Svc):
+    return control(svc, c, "cancel", job_id)
+
+
+@router.post("/api/jobs/{job_id}/resume", response_model=JobSummary, responses=E422)
+def resume(job_id: str, c: Submitter, svc: Svc, req: ResumeRequest | None = None):
+    req = req or ResumeRequest()
+    need_owner(c, job_or_404(svc, job_id))
+    try:
+        done = svc.resume(job_id, req.checkpoint, req.target, req.resources, req.overrides).summary()
+    except UserError as exc:
+        return bad(exc)
+    record(svc.Session, c.name, "job.resume", job_id, stored(svc, job_id, f"from {req.checkpoint or 'latest'}"))
+    return done
+
+
+@router.post(
+    "/api/jobs/{job_id}/clone",
+    status_code=201,
+    response_model=Submitted,
+    response_model_exclude_unset=True,
+    responses=E422,
+)
+def clone(job_id: str, c: Submitter, svc: Svc, req: CloneRequest | None = None):
+    job_or_404(svc, job_id)
+    overrides = (req or CloneRequest()).overrides
+    try:
+        out = svc.clone(job_id, overrides, owner=c.name)
+    except UserError as exc:
+        return bad(exc)
+    record(svc.Session, c.name, "job.clone", out["id"], stored(svc, out["id"], f"of {job_id}"))
+    return out
+
+
+@router.post("/api/jobs/{job_id}/report", responses=E422)
+def report(
+    job_id: str,
+    req: ReportRequest,
+    svc: Svc,
+    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(JOB_BEARER)],
+):
+    token = bearer.credentials.strip() if bearer is not None else ""
+    if not token or not svc.check_job_token(job_id, token):
+        raise HTTPException(401, "this job's report token is required", headers={"WWW-Authenticate": "Bearer"})
+    return {"accepted": svc.ingest(job_id, [e.model_dump() for e in req.events])}

@@ -1,0 +1,162 @@
+"""The API's request and response bodies (pydantic models, so /openapi.json types every main route)
+and its one refusal shape: `{"detail": "<what was refused>", "problems": ["<each problem>", ...]}`,
+for a config the checks refuse and for a request FastAPI cannot read alike."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scaletune.config import error_messages
+from scaletune.serve.jobs.records import validated
+
+
+class JobRequest(BaseModel):
+    config: str = Field(description="The YAML config, as text.")
+    overrides: list[str] = Field(default_factory=list, description="Dotted overrides, as on the command line.")
+    target: str = Field("local", description="local | slurm | modal")
+    resources: dict[str, Any] = Field(default_factory=dict, description="Target resources (nodes, gpus_per_node, ...).")
+    dry_run: bool = Field(False, description="Return the resolved plan and what would be submitted; submit nothing.")
+
+
+class ResumeRequest(BaseModel):
+    checkpoint: str | None = Field(None, description="A checkpoints/step-N folder; default: the latest.")
+    target: str | None = Field(None, description="Another target; default: the job's.")
+    resources: dict[str, Any] | None = Field(None, description="Other resources (e.g. more ranks).")
+    overrides: list[str] = Field(default_factory=list, description="Added overrides, e.g. distributed.num_processes=2.")
+
+
+class CloneRequest(BaseModel):
+    overrides: list[str] = Field(default_factory=list)
+
+
+class ReportEvent(BaseModel):
+    kind: str = Field(max_length=32)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _fits(self) -> ReportEvent:
+        validated(self.kind, self.data)  # ValueError: a 422 naming what does not fit
+        return self
+
+
+class ReportRequest(BaseModel):
+    events: list[ReportEvent] = Field(max_length=1000)
+
+
+class PolicyUpdate(BaseModel):
+    """Admin settings to change (the others stay); see docs/serve.md."""
+
+    allow_factories: bool | None = None
+    allow_remote_code: bool | None = None
+    env_prefixes: list[str] | None = None
+    read_roots: list[str] | None = None
+    write_roots: list[str] | None = None
+    trusted_hosts: list[str] | None = None
+    trusted_origins: list[str] | None = None
+    max_upload_bytes: int | None = Field(None, ge=1, description="The largest data file POST /api/data takes")
+
+
+class JobSummary(BaseModel):
+    """A job as the API shows it (`db.Job.summary`)."""
+
+    # A field the record gains later (an owner, ...) is passed on, not dropped by this model.
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    name: str
+    state: str = Field(description="queued starting running stopping stopped succeeded failed cancelled")
+    phase: str | None = Field(None, description="loading data, loading model, training, checkpointing, exporting")
+    stage: str | None = None
+    step: int = 0
+    reason: str | None = Field(None, description="why it failed: bad input, out of memory, diverged, lost, ...")
+    message: str | None = None
+    target: str
+    target_id: str | None = Field(None, description="PID, SLURM job id or Modal call id")
+    run_dir: str
+    overrides: list[str] = Field(default_factory=list)
+    resources: dict[str, Any] = Field(default_factory=dict)
+    last_metrics: dict[str, Any] | None = None
+    exit_code: int | None = None
+    flag: str | None = Field(
+        None, description="why the run is flagged although it may have succeeded: a non-finite or diverged loss"
+    )
+    owner: str = Field("", description="the name of the token that submitted it (local on a token-less service)")
+    created: str = Field(description="ISO 8601, UTC")
+    updated: str = Field(description="ISO 8601, UTC")
+
+
+class Submitted(BaseModel):
+    """201: the job queued (`id`, `state`); a dry run (200): `id` null, `state` dry_run and the plan."""
+
+    id: str | None
+    state: str
+    plan: dict[str, Any] | None = Field(None, description="dry run only: the resolved plan and what would run")
+
+
+class TokenRequest(BaseModel):
+    name: str | None = Field(None, description="Who holds it (1-64 of A-Z a-z 0-9 _ . @ -); default SCOPE-N.")
+    scope: Literal["read", "submit", "admin"] = "read"
+
+
+class TokenInfo(BaseModel):
+    name: str
+    scope: str
+    created: str = Field(description="ISO 8601, UTC")
+    created_by: str = Field(description="the token name that made it; cli or environment outside the API")
+    revoked: str | None = Field(None, description="ISO 8601, UTC; a revoked token authenticates nothing")
+
+
+class TokenCreated(TokenInfo):
+    token: str = Field(description="The value, shown this once (stored hashed).")
+
+
+class AuditEntry(BaseModel):
+    id: int
+    at: str = Field(description="ISO 8601, UTC")
+    actor: str = Field(description="the token's name (local on a token-less service)")
+    action: str = Field(description="job.submit job.stop job.cancel job.resume job.clone token.create ...")
+    job_id: str | None = None
+    detail: str = ""
+
+
+class Whoami(BaseModel):
+    name: str
+    scope: str
+
+
+class Health(BaseModel):
+    status: str = Field(description="ok | unavailable")
+    detail: str | None = None
+
+
+class Problems(BaseModel):
+    """Every refusal of a request's content (422), or of an action in the job's state (409)."""
+
+    detail: str = Field(description="what was refused")
+    problems: list[str] = Field(description="every problem, one line each")
+
+
+def refusal(title: str, problems: list[str], status: int = 422) -> JSONResponse:
+    return JSONResponse({"detail": title, "problems": problems}, status_code=status)
+
+
+def validation_lines(exc: RequestValidationError) -> list[str]:
+    """FastAPI's per-field errors as lines `where: message` by the one pydantic formatter
+    (`config.error_messages`; FastAPI keeps pydantic's error dicts): a body field by its
+    name alone, as the config's problems name keys; `query.offset`, `path.job_id`."""
+    lines = [line.removeprefix("body.") for line in error_messages(exc)]  # type: ignore[arg-type]
+    return lines or ["the request could not be read"]
+
+
+def problems_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entries of the refusals a route answers (FastAPI's own 422 schema replaced)."""
+    what = {409: "refused in the job's state", 422: "invalid request or config: every problem"}
+    return {s: {"model": Problems, "description": what[s]} for s in statuses}
+
+
+E422 = problems_responses(422)  # FastAPI's own 422 schema replaced by the one refusal shape
+E409_422 = problems_responses(409, 422)

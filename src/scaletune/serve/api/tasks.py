@@ -1,0 +1,131 @@
+"""Evaluate and export a run's model as small tasks (`jobs/tasks.py`, on `app.state.tasks`): they
+write into the run's folder (eval/, exports/), so they need its owner or an admin, as stop and
+resume do; listing them needs a read token."""
+
+# No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+
+from scaletune.serve.api.jobs import job_or_404
+from scaletune.serve.api.results import Refused, model_target
+from scaletune.serve.api.schemas import E409_422, E422
+from scaletune.serve.edge import auth
+from scaletune.serve.edge import policy as P
+from scaletune.serve.edge.access import Reader, Submitter, Svc
+from scaletune.serve.edge.teams import need_owner, record
+from scaletune.serve.jobs.service import JobService
+from scaletune.serve.jobs.tasks import Busy, Task, Tasks, fresh, last_json, stamp
+
+router = APIRouter()
+
+
+class EvalRequest(BaseModel):
+    data: str = Field(
+        min_length=1, max_length=4096, description="A data file, folder or data set name (as data.train.path)."
+    )
+    checkpoint: str = Field("final", max_length=300)
+    format: Literal["alpaca", "messages", "text"] | None = Field(None, description="Default: the run's.")
+    max_seq_length: int | None = Field(None, ge=8, le=1 << 20)
+
+
+class ExportRequest(BaseModel):
+    checkpoint: str = Field(
+        "final", max_length=300, description="final (the run's last checkpoint) or checkpoints/step-N."
+    )
+    format: Literal["hf", "gguf"] = "hf"
+    merge_lora: bool = False
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    gguf_type: Literal["f16", "bf16", "q8_0", "f32"] | None = None
+
+
+def task_runner(request: Request) -> Tasks:
+    """The app's tasks (`app.state.tasks`)."""
+    return request.app.state.tasks
+
+
+Runner = Annotated[Tasks, Depends(task_runner)]
+
+
+@router.get("/api/jobs/{job_id}/tasks", tags=["results"], responses=E422)
+def list_tasks(job_id: str, c: Reader, svc: Svc, tasks: Runner):
+    """The job's evaluate and export tasks, newest first: state running, succeeded or failed
+    (with the tail of its output), and the result."""
+    job_or_404(svc, job_id)
+    return tasks.list(job_id)
+
+
+def start(svc: JobService, tasks: Tasks, c: auth.Caller, job, kind: str, what: str, args: list[str], finish) -> dict:
+    try:
+        task = tasks.start(svc.files(job), kind, what, args, finish)
+    except Busy as exc:
+        raise Refused("a task is running", [str(exc)]) from None
+    record(svc.Session, c.name, f"job.{kind}", job.id, what)
+    return task.public()
+
+
+@router.post("/api/jobs/{job_id}/tasks/eval", status_code=202, tags=["results"], responses=E409_422)
+def start_eval(job_id: str, req: EvalRequest, c: Submitter, svc: Svc, tasks: Runner):
+    """Evaluate a model of the job on a data set (`scaletune eval --data`: loss and perplexity
+    over the tokens training would train); the result is written to the run's
+    eval/data-TIME.json. The data path is checked as a submitted config's data."""
+    job = job_or_404(svc, job_id)
+    need_owner(c, job)
+    target, run_dir = model_target(job, req.checkpoint)
+    places = P.Places(jobs_home=svc.home, job_dir=Path(job.job_dir), db_file=svc.db_file, workdir=svc.workdir)
+    problems, _ = P.check({"data": {"train": {"path": req.data}}}, svc.policy, places)
+    if problems:
+        raise Refused("refused by the service's policy", [p.replace("data.train.path", "data") for p in problems], 422)
+    args = ["eval", str(target), "--data", req.data, "--json"]
+    args += ["--format", req.format] if req.format else []
+    args += ["--max-seq-length", str(req.max_seq_length)] if req.max_seq_length else []
+
+    def finish(task: Task, stdout: str) -> dict:
+        result = last_json(stdout)
+        out = fresh(run_dir / "eval" / f"data-{stamp()}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        written = {"format": "data", "data": req.data, "model": req.checkpoint, **result}
+        out.write_text(json.dumps(written, indent=2) + "\n")
+        return {**written, "file": f"eval/{out.name}"}
+
+    return start(svc, tasks, c, job, "eval", f"{req.checkpoint} on {req.data}", args, finish)
+
+
+@router.post("/api/jobs/{job_id}/tasks/export", status_code=202, tags=["results"], responses=E409_422)
+def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks: Runner):
+    """Export a checkpoint of the job (`scaletune export`; `final`: the run's last checkpoint)
+    into the run's exports/NAME: a Hugging Face folder (LoRA merged or not, a dtype) or a GGUF
+    file; then downloadable as an archive."""
+    from scaletune.checkpoint.save import latest_checkpoint
+
+    job = job_or_404(svc, job_id)
+    need_owner(c, job)
+    _, run_dir = model_target(job, req.checkpoint)
+    problems = []
+    if req.format == "gguf" and (req.dtype or req.merge_lora):
+        problems.append("a GGUF export is always merged; its weights type is gguf_type, not dtype")
+    if req.format == "hf" and req.gguf_type:
+        problems.append("gguf_type applies to format gguf")
+    if problems:
+        raise Refused("invalid request", problems, 422)
+    source = latest_checkpoint(run_dir) if req.checkpoint == "final" else run_dir / req.checkpoint
+    if source is None:
+        raise Refused(
+            "nothing to export",
+            ["this run kept no checkpoint; its final/ is a Hugging Face folder already: download it"],
+        )
+    kind = f"gguf-{req.gguf_type or 'f16'}" if req.format == "gguf" else ("merged" if req.merge_lora else "hf")
+    out = fresh(run_dir / "exports" / f"{source.name}-{kind}-{req.dtype or 'as-trained'}-{stamp()}")
+    args = ["export", str(source), "-o", str(out), "--format", req.format]
+    args += ["--merge-lora"] if req.merge_lora else []
+    args += ["--dtype", req.dtype] if req.dtype else []
+    args += ["--gguf-type", req.gguf_type] if req.gguf_type else []
+    rel = f"exports/{out.name}"
+
+    def finish(task: Task, stdout: str) -> dict:
+        return {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}"}
+
+    return start(svc, tasks, c, job, "export", f"{source.name} -> {rel}", args, finish)

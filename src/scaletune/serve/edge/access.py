@@ -1,0 +1,67 @@
+"""Who is calling, as FastAPI dependencies the API's routers and the page share: the bearer token,
+else the page's session cookie (with its CSRF token on an unsafe request), else the token-less
+mode; the scope checks (`need("read")`, ...); the app's job service. Everything they read is on
+`app.state` (`svc`, `csrf`), set by `app.create_app`."""
+
+# No `from __future__ import annotations`: FastAPI reads the Annotated[..., Depends(...)] below.
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from scaletune.serve.edge import auth
+from scaletune.serve.jobs.service import JobService
+
+# Declared in /openapi.json (Swagger's Authorize button); auto_error off: the page's session
+# cookie and the token-less mode authenticate too, and `caller` words the 401 itself.
+BEARER = HTTPBearer(scheme_name="token", description="An API token: scaletune serve token create", auto_error=False)
+JOB_BEARER = HTTPBearer(scheme_name="job token", description="The job's own report token", auto_error=False)
+
+
+def service(request: Request) -> JobService:
+    """The app's job service (`app.state.svc`)."""
+    return request.app.state.svc
+
+
+Svc = Annotated[JobService, Depends(service)]
+
+
+def caller(request: Request, bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> auth.Caller:
+    svc = request.app.state.svc
+    if bearer is not None:
+        found = auth.identify(svc.Session, bearer.credentials.strip())
+        if found is None:
+            raise HTTPException(401, "invalid token", headers={"WWW-Authenticate": "Bearer"})
+        return auth.Caller(found[1], found[0])
+    cookie = request.cookies.get(auth.COOKIE)
+    if cookie:
+        found = auth.identify(svc.Session, cookie)
+        if found is not None:
+            if request.method not in ("GET", "HEAD", "OPTIONS") and not request.app.state.csrf.valid(
+                cookie, request.headers.get("x-csrf-token")
+            ):
+                raise HTTPException(403, "missing or wrong CSRF token")
+            return auth.Caller(found[1], found[0], by_cookie=True, cookie=cookie)
+    if not auth.has_tokens(svc.Session):
+        return auth.Caller("admin")  # no tokens: loopback only (bind_problems)
+    raise HTTPException(
+        401, "a token is required (Authorization: Bearer TOKEN)", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+def need(scope: str):
+    """The dependency that lets a caller of `scope` or above through ("read", "submit", "admin")."""
+
+    def dep(c: Annotated[auth.Caller, Depends(caller)]) -> auth.Caller:
+        if not auth.allows(c.scope, scope):
+            raise HTTPException(403, f"this token's scope is {c.scope}; {scope} is needed")
+        return c
+
+    return dep
+
+
+Caller = Annotated[auth.Caller, Depends(caller)]
+Reader = Annotated[auth.Caller, Depends(need("read"))]
+Submitter = Annotated[auth.Caller, Depends(need("submit"))]
+Admin = Annotated[auth.Caller, Depends(need("admin"))]
+read, admin = Depends(need("read")), Depends(need("admin"))

@@ -1,0 +1,185 @@
+"""The data preview of the serve page: an uploaded file's records as training sees them.
+
+Nothing here renders or masks on its own: the records are read by the trainer's reader
+(`data.sources.load_records`), tokenized and masked by the encoder `data.build.build_datasets`
+uses (`data.build.sft_encoder`: the Alpaca prompt or the chat template, the eos, the assistant
+spans), and cut at max_seq_length by the same `cut` training applies. The tokenizer is the config
+model's (`models.load_tokenizer`, never with remote code), after the policy allowed its folder.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from scaletune.errors import UserError
+
+#: Records tokenized for the histogram and the counts (the first ones), at most; batches stop
+#: once BUDGET_S have passed (a chat template renders ~500 records a second on a busy CPU), so a
+#: click answers in seconds. The answer says how many were measured (`measured`).
+MEASURED = 5000
+BUDGET_S = 5.0
+BINS = 20
+_BATCH = 256
+_DATA_KEYS = ("max_seq_length", "chat_template")  # what of `data` shapes a record's tokens
+_SFT = ("alpaca", "messages", "text")
+
+
+def _sections(config: str, max_depth: int) -> tuple[dict, dict]:
+    """(model, data) of the config text, parsed as a submission is (nesting bounded)."""
+    from scaletune.serve.jobs import submission
+
+    data = submission.read(config, [], max_depth).data
+    model, section = data.get("model"), data.get("data")
+    problems = []
+    if not isinstance(model, dict) or not (model.get("name_or_path") or model.get("tokenizer")):
+        problems.append("model.name_or_path: the preview needs the model (its tokenizer): set model.name_or_path")
+    if section is not None and not isinstance(section, dict):
+        problems.append("data: a mapping (data.train, data.max_seq_length, ...)")
+    if problems:
+        raise UserError(problems, title="cannot preview")
+    return model, section or {}
+
+
+def _configs(model: dict, section: dict, path: Path) -> tuple[Any, Any]:
+    """(ModelConfig, DataConfig) with `data.train.path` set to the uploaded file."""
+    from scaletune.config import DataConfig, ModelConfig
+    from scaletune.config.loader import error_messages
+
+    problems = []
+    if model.get("trust_remote_code"):
+        problems.append("model.trust_remote_code: the preview runs no code from a model folder; set it false here")
+    if section.get("factory") is not None:
+        problems.append("data.factory: a data factory's records are not previewed (the preview reads data.train)")
+    train = section.get("train")
+    train = dict(train) if isinstance(train, dict) else {}
+    train.pop("max_samples", None)  # the preview measures the file, not a run's first N
+    train["path"] = str(path)
+    if train.get("format", "alpaca") not in _SFT:
+        problems.append(f"data.train.format: {train.get('format')}: the preview shows {', '.join(_SFT)} records")
+    keep = {k: section[k] for k in _DATA_KEYS if k in section}
+    m = d = None
+    try:
+        m = ModelConfig.model_validate({k: v for k, v in model.items() if k != "trust_remote_code"})
+    except ValidationError as exc:
+        problems += error_messages(exc, "model")
+    try:
+        d = DataConfig.model_validate({**keep, "train": train})
+    except ValidationError as exc:
+        problems += error_messages(exc, "data")
+    if problems:
+        raise UserError(problems, title="cannot preview")
+    return m, d
+
+
+def _allowed(svc, model: dict) -> None:
+    """The policy's rules on the model and tokenizer paths, as a submitted job's."""
+    from scaletune.serve.edge import policy as P
+
+    places = P.Places(svc.home, svc.home / ".preview", svc.db_file, [], svc.workdir)
+    reads = {k: model[k] for k in ("name_or_path", "tokenizer") if model.get(k) is not None}
+    problems, _ = P.check({"model": reads}, svc.policy, places)
+    if problems:
+        raise UserError(problems, title="refused by this service's policy")
+
+
+def _batches(records: list[dict]):
+    for i in range(0, len(records), _BATCH):
+        chunk = records[i : i + _BATCH]
+        yield i, {k: [r[k] for r in chunk] for k in chunk[0]}
+
+
+def _spans(tok, ids: list[int], mask: list[bool]) -> list[dict]:
+    """The text of each run of trained or untrained tokens, decoded as a run (a character split
+    over tokens stays whole inside a run)."""
+    out: list[dict] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            text = tok.decode(ids[start:i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            out.append({"text": text, "trained": mask[start]})
+            start = i
+    return out
+
+
+def histogram(lengths: list[int], max_len: int) -> dict:
+    """`BINS` equal bins of token lengths from 0 to the longer of the longest record and max_len."""
+    top = max([*lengths, max_len])
+    width = max(1, math.ceil((top + 1) / BINS))
+    counts = [0] * BINS
+    for n in lengths:
+        counts[min(n // width, BINS - 1)] += 1
+    return {"width": width, "counts": counts, "max_seq_length": max_len, "longest": max(lengths, default=0)}
+
+
+def preview(svc, path: Path, config: str, n: int) -> dict:
+    """The preview of the data file `path` under `config` (see the route's docstring).
+
+    Raises:
+        UserError: every problem of the config (each naming its key), the policy, the tokenizer
+            (`models.load_tokenizer`'s) or the records (`load_records`', naming file and record).
+    """
+    import jinja2
+
+    from scaletune.data.build import sft_encoder
+    from scaletune.data.sources import load_records
+    from scaletune.models import load_tokenizer
+
+    model, section = _sections(config, svc.policy.max_depth)
+    mcfg, dcfg = _configs(model, section, path)
+    _allowed(svc, model)
+    tok = load_tokenizer(mcfg.model_copy(update={"trust_remote_code": False}))
+    source = dcfg.train
+    records = load_records(source)
+    measured = records[:MEASURED]
+    encoder = sft_encoder(source, dcfg, tok)
+    pairs: list[tuple[list[int], list[int]]] = []
+    start = time.monotonic()
+    for first, batch in _batches(measured):
+        if pairs and time.monotonic() - start > BUDGET_S:
+            break
+        try:
+            pairs += encoder.pairs(batch)
+        except jinja2.TemplateError as exc:
+            raise UserError(
+                f"data.chat_template (else the tokenizer's): the chat template fails on a record from "
+                f"record {first + 1} on: {exc}",
+                title="cannot preview",
+            ) from None
+    max_len = dcfg.max_seq_length
+    cuts = [encoder.cut(ids, labels) for ids, labels in pairs]
+    shown = []
+    for i, ((ids, _), cut) in enumerate(zip(pairs[:n], cuts)):
+        kept, labels = (cut[0], cut[1]) if cut is not None else (ids[:max_len], [])
+        mask = [x != -100 for x in labels] if cut is not None else [False] * len(kept)
+        shown.append(
+            {
+                "index": i + 1,
+                "tokens": len(ids),
+                "kept": len(kept),
+                "truncated": len(ids) > max_len,
+                "dropped": cut is None,
+                "input_ids": kept,
+                "trained": [int(x) for x in mask],
+                "spans": _spans(tok, kept, mask),
+            }
+        )
+    lengths = [len(ids) for ids, _ in pairs]
+    return {
+        "file": path.name,
+        "path": str(path),
+        "format": source.format,
+        "template": "chat template" if encoder.template else ("alpaca prompt" if source.format == "alpaca" else "text"),
+        "max_seq_length": max_len,
+        "records_total": len(records),
+        "measured": len(pairs),
+        "records": shown,
+        "histogram": histogram(lengths, max_len),
+        "truncated": sum(1 for c in cuts if c is not None and c[2]),
+        "dropped": sum(1 for c in cuts if c is None),
+        "over_max_seq_length": sum(1 for n_ in lengths if n_ > max_len),
+    }

@@ -1,0 +1,203 @@
+"""Bring data: the service's data area, where an uploaded file is checked, stored and listed (the
+routes that upload and preview are `api/data.py`'s).
+
+The data area is `policy.data_area(jobs folder)` (`<jobs>/data`), made on the first upload. Every
+job's config may read it (policy.check), besides the admin's read roots. `POST /api/data?name=F`
+takes the file as the raw request body (the page sends the picked `File` as it is: no multipart
+parser, no copy in memory): the guard lets this one route through unread, and the route counts
+every byte against the policy's `max_upload_bytes` as it streams it to a hidden temporary file
+there. The file is then parsed as its suffix says (JSON, JSONL, CSV, Parquet; the JSON ones with
+the trainer's own readers) and linked to its name, never over another file: the same name with
+other bytes gets a suffix (`x-2.jsonl`), the same bytes again answer the file already there.
+The preview is `data_preview.preview`."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+from scaletune.errors import UserError
+from scaletune.serve.edge.policy import data_area
+
+SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+MAX_NAME = 128
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")  # kept out of a stored name: a config names it in plain YAML
+META = ".{}.meta.json"  # beside each upload: its record count and digest (dot files are never listed)
+
+
+def stored_name(raw: str) -> tuple[str | None, str | None]:
+    """(the name an upload is stored under, None) or (None, why it is refused). Refused: a path
+    (a separator, `..`), a NUL or control character, a dot file, no data suffix, over 128
+    characters; other characters outside letters, digits and `._+-` become `_`."""
+    if not raw or len(raw) > MAX_NAME:
+        return None, f"name: 1 to {MAX_NAME} characters, got {len(raw)}"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in raw):
+        return None, "name: contains a NUL or control character"
+    if "/" in raw or "\\" in raw or raw in (".", ".."):
+        return None, f"name {raw!r}: a file name, not a path (no / or \\)"
+    if raw.startswith("."):
+        return None, f"name {raw!r}: a dot file is not taken"
+    name = _UNSAFE.sub("_", raw)
+    if Path(name).suffix.lower() not in SUFFIXES or Path(name).stem in ("", "_"):
+        return None, f"name {raw!r}: a data file ends with {', '.join(SUFFIXES)}"
+    return name, None
+
+
+def area_file(home: Path, name: str) -> Path:
+    """The uploaded file `name` in the data area.
+
+    Raises:
+        UserError: the name is not one an upload is stored under, or no such file is there.
+    """
+    clean, why = stored_name(name)
+    if why or clean != name:
+        raise UserError(why or f"file {name!r}: not a name in the data area (see GET /api/data)", title="no such file")
+    path = data_area(home) / name
+    if not path.is_file():
+        raise UserError(
+            f"file {name!r}: not in the data area (upload it first; see GET /api/data)", title="no such file"
+        )
+    return path
+
+
+def check_file(path: Path, name: str) -> int:
+    """The number of records of the data file at `path`, read as the suffix of `name` says.
+
+    Raises:
+        DataError: it does not parse: the problems name the file and the line (JSON, JSONL, CSV)
+            or the row group (Parquet) where it fails; it holds no record.
+    """
+    from scaletune.data.sources import json_records, jsonl_records
+    from scaletune.errors import DataError
+
+    suffix = Path(name).suffix.lower()
+    problems: list[str] = []
+    if suffix == ".parquet":
+        n = _parquet_rows(path, name)
+    elif suffix == ".csv":
+        n = _csv_rows(path.read_bytes(), name)
+    elif suffix == ".jsonl":
+        n = 0
+        for where, rec in jsonl_records(path.read_bytes(), name, None, problems):
+            n += 1
+            if not isinstance(rec, dict):
+                problems.append(
+                    f"{where.rsplit(': record', 1)[0]}: a record is a JSON object, got {type(rec).__name__}"
+                )
+    else:
+        items = json_records(path.read_bytes(), name, None)
+        n = len(items)
+        problems += [
+            f"{name}: record {i}: a record is a JSON object, got {type(r).__name__}"
+            for i, r in enumerate(items, 1)
+            if not isinstance(r, dict)
+        ]
+    if problems:
+        raise DataError(problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else []))
+    if n == 0:
+        raise DataError(f"{name}: no records")
+    return n
+
+
+def _csv_rows(raw: bytes, name: str) -> int:
+    from scaletune.errors import DataError
+
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    try:
+        header = next(reader, None)
+        if not header or any(not h.strip() for h in header) or len(set(header)) != len(header):
+            raise DataError(f"{name}:1: the first line names the columns (each once, none empty): {header}")
+        n = 0
+        for row in reader:
+            if not row:
+                continue
+            n += 1
+            if len(row) != len(header):
+                raise DataError(
+                    f"{name}:{reader.line_num}: row {n} has {len(row)} fields, the header has {len(header)}"
+                )
+    except csv.Error as exc:
+        raise DataError(f"{name}:{reader.line_num}: not valid CSV: {exc}") from None
+    return n
+
+
+def _parquet_rows(path: Path, name: str) -> int:
+    import pyarrow.parquet as pq
+
+    from scaletune.errors import DataError
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise DataError(f"{name}: not a Parquet file: {exc}") from None
+    first = 0
+    for g in range(pf.num_row_groups):
+        rows = pf.metadata.row_group(g).num_rows
+        try:
+            pf.read_row_group(g)
+        except Exception as exc:  # noqa: BLE001
+            raise DataError(
+                f"{name}: rows {first + 1} to {first + rows} (row group {g + 1}): cannot be read: {exc}"
+            ) from None
+        first += rows
+    return pf.metadata.num_rows
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(path: Path) -> dict:
+    meta = path.with_name(META.format(path.name))
+    try:
+        info = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        info = {}
+    return {"name": path.name, "size": path.stat().st_size, "records": info.get("records"), "path": str(path)}
+
+
+def listing(home: Path) -> list[dict]:
+    """The data area's files (name, size in bytes, records, the path a config names), by name."""
+    area = data_area(home)
+    if not area.is_dir():
+        return []
+    return [
+        file_entry(p)
+        for p in sorted(area.iterdir())
+        if not p.name.startswith(".") and p.suffix.lower() in SUFFIXES and p.is_file() and not p.is_symlink()
+    ]
+
+
+def place(tmp: Path, name: str, digest: str) -> tuple[Path, bool]:
+    """Link the checked upload `tmp` to `name` in its folder, or to `stem-2.suffix`, `-3`, ...
+    when that name holds other bytes (a link never replaces a file); (the path, False) when a file
+    of that name already holds these bytes (`tmp` is then left for the caller to remove)."""
+    stem, suffix = Path(name).stem, Path(name).suffix
+    for i in range(1, 1000):
+        path = tmp.with_name(name if i == 1 else f"{stem}-{i}{suffix}")
+        try:
+            os.link(tmp, path)
+            return path, True
+        except FileExistsError:
+            meta = path.with_name(META.format(path.name))
+            try:
+                known = json.loads(meta.read_text()).get("sha256")
+            except (OSError, ValueError):
+                known = None
+            if (known or _digest(path)) == digest:
+                return path, False
+    raise UserError(f"name {name!r}: 999 files of this name are there already; rename it", title="upload refused")

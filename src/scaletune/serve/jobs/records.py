@@ -1,0 +1,255 @@
+"""Updates of a job's record in an open session: a state change, a metrics line, a reported
+event (posted by the run or read from its log), each with the event the API streams. Nothing here
+polls, reads files or holds state: the watcher and the job service call these."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from scaletune.config import error_messages
+from scaletune.report import EventKind
+from scaletune.serve.jobs import states as S
+from scaletune.serve.jobs.db import Event, Job, Metric
+
+# The job fields a state event carries.
+_STATE_FIELDS = ("reason", "message", "phase", "stage")
+
+# -- what a run may report: bounded, typed (a post and a log line alike) -------------------------
+MAX_INT = 2**53  # steps and counts: exact in JSON's doubles, far inside SQLite's 64 bits
+Count = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
+
+
+def _bounded(value: Any, depth: int = 0) -> Any:
+    """`value` if it is small JSON: numbers inside +-2**53 (or floats), strings up to 4,000
+    characters, lists and mappings of up to 256 such values, 3 levels deep."""
+    if value is None or isinstance(value, bool | float):
+        return value
+    if isinstance(value, int):
+        if abs(value) > MAX_INT:
+            raise ValueError(f"the integer {str(value)[:20]}... is out of range")
+        return value
+    if isinstance(value, str):
+        if len(value) > 4000:
+            raise ValueError("a string of over 4,000 characters")
+        return value
+    if depth < 3 and isinstance(value, list | dict) and len(value) <= 256:
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            _bounded(str(k) if isinstance(value, dict) else k, depth + 1)
+            _bounded(v, depth + 1)
+        return value
+    raise ValueError(f"a value of type {type(value).__name__} this report cannot hold")
+
+
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _small(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise ValueError("the event data must be a mapping")
+        return _bounded(data)
+
+
+class MetricData(_Data):
+    step: Count
+    loss: float | None = None
+
+
+class PhaseData(_Data):
+    phase: str = Field(max_length=64)
+    stage: str | None = Field(None, max_length=200)
+    step: Count | None = None
+
+
+class CheckpointData(_Data):
+    step: Count
+    path: str = Field(max_length=4096)
+
+
+class StoppedData(_Data):
+    step: Count | None = None
+
+
+_MODELS: dict[EventKind, type[_Data]] = {
+    EventKind.METRIC: MetricData,
+    EventKind.PHASE: PhaseData,
+    EventKind.CHECKPOINT: CheckpointData,
+    EventKind.STOPPED: StoppedData,
+}
+
+
+def validated(kind: str, data: Any) -> dict:
+    """A reported event's data checked for its kind (an unknown kind: bounded only).
+
+    Raises:
+        ValueError: the data does not fit (out-of-range integers, wrong types, huge values).
+    """
+    try:
+        model = _MODELS[EventKind.named(kind)]
+    except ValueError:
+        model = _Data
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError("; ".join(error_messages(exc, kind))) from None
+    return data  # as reported (the file's copy of a metrics line compares equal)
+
+
+def event(s: Session, job: Job, kind: str, data: dict) -> None:
+    """One event of the job's stream (`kind`: state, metric, log, checkpoint)."""
+    s.add(Event(job_id=job.id, kind=kind, data=data))
+
+
+def set_state(s: Session, job: Job, state: str, **fields: Any) -> None:
+    """The job's new state and fields (reason, message, phase, stage, ...), and its state event."""
+    job.state = state
+    if state in S.TERMINAL:
+        job.token_hash = ""  # the run's report token ends with the job
+        fields.setdefault("phase", None)  # an ended job does nothing: no phase (a cancel sets none)
+    for k, v in fields.items():
+        setattr(job, k, v)
+    event(s, job, "state", {"state": state, **{k: v for k, v in fields.items() if k in _STATE_FIELDS}})
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with each non-finite float spelled as JavaScript's `Number()` reads it back
+    ("NaN", "Infinity", "-Infinity"): strict JSON (a Postgres JSON column, the API's responses,
+    the page's JSON.parse) has no NaN, and a diverged run's last line has one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+#: The divergence rule of a run whose loss stays finite (docs/serve.md): with at least
+#: DIVERGE_MIN_LINES train losses logged, the mean of the last DIVERGE_LAST is above DIVERGE_OVER_FIRST
+#: times the first logged loss and DIVERGE_OVER_BEST times the lowest: training ended worse than it
+#: began and well above its best, which one noisy batch or a flat run does not do.
+DIVERGE_MIN_LINES, DIVERGE_LAST, DIVERGE_OVER_FIRST, DIVERGE_OVER_BEST = 4, 3, 1.1, 1.5
+
+
+def loss_flag(s: Session, job: Job, record: dict) -> str | None:
+    """The job's flag after the train line `record` (already added): "non-finite ..." once a loss
+    or gradient norm was NaN or infinite (kept: the run had it), else "diverged ..." while the
+    rule above holds, else None. Three indexed queries, on each train line only."""
+    if job.flag and job.flag.startswith("non-finite"):
+        return job.flag
+    bad = [k for k in ("loss", "grad_norm") if isinstance(record.get(k), str)]  # json_safe's spelling
+    if bad and not record.get("skipped"):  # a skipped fp16 step has an infinite norm by design
+        return f"non-finite {bad[0]} ({record[bad[0]]}) at step {record['step']}"
+    train = (Metric.job_id == job.id, Metric.kind == "train", Metric.loss.is_not(None))
+    n = s.scalar(select(func.count()).where(*train))
+    if not n or n < DIVERGE_MIN_LINES:
+        return None
+    first = s.scalar(select(Metric.loss).where(*train).order_by(Metric.step).limit(1))
+    best = s.scalar(select(func.min(Metric.loss)).where(*train))
+    last = list(s.scalars(select(Metric.loss).where(*train).order_by(Metric.step.desc()).limit(DIVERGE_LAST)))
+    recent = sum(last) / len(last)
+    if recent > DIVERGE_OVER_FIRST * first and recent > DIVERGE_OVER_BEST * best:
+        return f"diverged: the last {len(last)} losses average {recent:.4g}, first {first:.4g}, lowest {best:.4g}"
+    return None
+
+
+def add_metric(s: Session, job: Job, record: dict) -> bool:
+    """One metrics.jsonl record (posted or read); False when it has no int `step` or is known.
+
+    (job, step, train|eval) is unique, so the post and the file's copy of a line meet once. A
+    non-finite value is kept as its string (:func:`json_safe`) and sets the job's flag.
+    """
+    try:
+        validated(EventKind.METRIC.value, record)
+    except ValueError:
+        return False
+    record = json_safe(record)
+    kind = "eval" if "eval_loss" in record else "train"
+    exists = s.scalar(
+        select(Metric.id).where(Metric.job_id == job.id, Metric.step == record["step"], Metric.kind == kind)
+    )
+    if exists:
+        return False
+    try:
+        with s.begin_nested():
+            loss = record.get("loss")
+            s.add(
+                Metric(job_id=job.id, step=record["step"], kind=kind, loss=loss if _number(loss) else None, data=record)
+            )
+    except IntegrityError:
+        return False
+    job.step = max(job.step or 0, record["step"])
+    if kind == "train":
+        job.last_metrics = record
+        s.flush()
+        job.flag = loss_flag(s, job, record)
+        job.stage = record.get("stage", job.stage)
+        if job.state == S.STARTING:
+            set_state(s, job, S.RUNNING, phase="training")
+    event(s, job, "metric", record)
+    return True
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _checkpoint_known(s: Session, job: Job, *, path: str | None = None, step: int | None = None) -> bool:
+    """Whether the job's stream has the checkpoint saved in `path` (or at `step`)."""
+    s.flush()
+    known = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint"))
+    if path is not None:
+        return any(d.get("path") == path for d in known)
+    return step is not None and any(d.get("step") == step for d in known)
+
+
+def checkpoint_events(s: Session, job: Job) -> dict[str, dict]:
+    """Each checkpoint path of the job's stream -> its last event (`removed: true` once its folder
+    was found gone: see watch.sync_checkpoints)."""
+    s.flush()
+    rows = s.scalars(select(Event.data).where(Event.job_id == job.id, Event.kind == "checkpoint").order_by(Event.id))
+    return {d["path"]: d for d in rows if isinstance(d.get("path"), str)}
+
+
+def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
+    """One reported event (`report.EventKind`'s value, as posted or parsed from the log) applied to
+    the record; 1 when it was new, 0 when known or of a kind the record does not keep."""
+    try:
+        kind = EventKind.named(kind)
+        data = validated(kind.value, data)
+    except ValueError:
+        return 0  # a newer run's kind, or data that does not fit: the record unchanged
+    if kind is EventKind.METRIC:
+        return int(add_metric(s, job, data))
+    if kind is EventKind.PHASE:
+        if job.state in S.TERMINAL:
+            return 0  # read from the log of a job already ended (cancelled): it has no phase
+        if job.phase == data.get("phase") and job.stage == data.get("stage", job.stage):
+            return 0
+        if data.get("phase") == "checkpointing" and _checkpoint_known(s, job, step=data.get("step")):
+            return 0  # the log's copy of a posted phase whose checkpoint is already saved
+        job.phase = data.get("phase")
+        job.stage = data.get("stage", job.stage)
+        if job.state == S.STARTING:
+            job.state = S.RUNNING
+        event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
+        return 1
+    if kind is EventKind.CHECKPOINT:
+        if _checkpoint_known(s, job, path=data.get("path")):
+            return 0  # posted by the run and read from its log: once
+        event(s, job, "checkpoint", data)
+        if job.phase == "checkpointing" and job.state not in S.TERMINAL:
+            # The trainer reports the start of a save, not its end: the saved checkpoint is it,
+            # and the run goes back to training (a later phase, e.g. exporting, is reported).
+            job.phase = "training"
+            event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
+        return 1
+    return 0  # STOPPED: the job's end is settled from its exit (watch.Watcher.settle)

@@ -1,0 +1,355 @@
+"""The job service: the job records and what the API does with them (submit, stop, cancel,
+resume, clone, the run's reports, metrics and events). The watcher (`watch.Watcher`) runs the
+jobs; record updates are `records`'. One instance per `scaletune serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from scaletune.errors import UserError
+from scaletune.report import TOKEN_ENV, URL_ENV
+from scaletune.serve.edge import policy as P
+from scaletune.serve.edge.auth import digest
+from scaletune.serve.jobs import states as S
+from scaletune.serve.jobs import submission
+from scaletune.serve.jobs.db import Event, Job, Metric, open_db, sqlite_file
+from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, make_dispatchers
+from scaletune.serve.jobs.records import apply_report, set_state
+from scaletune.serve.jobs.watch import Watcher
+
+TARGETS = ("local", "slurm", "modal")
+
+
+class JobNotFound(LookupError):
+    """No job has this id (the API answers 404)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id}")
+        self.job_id = job_id
+
+
+class JobService:
+    """Args:
+    db_url: SQLAlchemy URL of the job records.
+    home: folder of the job folders (config, log, exit code, stop request).
+    base_url: how a local job reaches this service (its report endpoint), e.g. http://127.0.0.1:8000.
+    public_url: how a job on another machine reaches it (`--public-url`, e.g. https://jobs.example.com);
+        SLURM jobs use `base_url` without it, Modal jobs are refused (loopback is not reachable there).
+    max_concurrent: local jobs running at once.
+    policy: what a submitted config may do (the admin settings); default: `policy.Policy()`.
+    """
+
+    def __init__(
+        self,
+        db_url: str,
+        home: Path,
+        base_url: str,
+        max_concurrent: int = 1,
+        poll_s: float = 0.5,
+        policy: P.Policy | None = None,
+        public_url: str | None = None,
+    ) -> None:
+        self.engine, self.Session = open_db(db_url)
+        self.db_file = sqlite_file(db_url)
+        self.policy = policy or P.Policy()
+        self.home = home
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.base_url = base_url.rstrip("/")
+        self.public_url = public_url.rstrip("/") if public_url else None
+        self.workdir = Path.cwd()
+        self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
+        self.lock = threading.RLock()  # one writer at a time (SQLite)
+        self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
+        self._secrets: dict[str, dict[str, str]] = {}  # job id -> submitted secret values, in memory only
+        self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
+        self.watcher = Watcher(self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s)
+
+    # -- records ---------------------------------------------------------------------------
+    def files(self, job: Job) -> JobFiles:
+        """The job as its dispatcher sees it: the run directory the service assigned is always
+        the last override; secrets and the report token are in `env` (the process environment)."""
+        env = dict(self._secrets.get(job.id, {}))
+        token = self._tokens.get(job.id)
+        if token:
+            base = self.public_url if job.target != "local" and self.public_url else self.base_url
+            env |= {URL_ENV: f"{base}/api/jobs/{job.id}/report", TOKEN_ENV: token}
+        return JobFiles(
+            job_id=job.id,
+            job_dir=Path(job.job_dir),
+            config_path=Path(job.job_dir) / "config.yaml",
+            overrides=(*job.overrides, f"output_dir={json.dumps(job.run_dir)}"),
+            resources=dict(job.resources or {}),
+            workdir=self.workdir,
+            env=env,
+        )
+
+    def get(self, job_id: str) -> Job | None:
+        with self.Session() as s:
+            return s.get(Job, job_id)
+
+    def list(self) -> list[Job]:
+        with self.Session() as s:
+            return list(s.scalars(select(Job).order_by(Job.created.desc())))
+
+    # -- submit ----------------------------------------------------------------------------
+    def prepare_job(
+        self,
+        config: str,
+        overrides: list[str],
+        target: str,
+        resources: dict,
+        *,
+        job_id: str | None = None,
+        dry_run: bool = False,
+    ) -> tuple[Job, dict | None]:
+        """A job folder with the config written (secrets taken out), checked against the policy
+        on the raw mapping first, then as the CLI checks it (not yet stored); with `dry_run`, the
+        plan too.
+
+        Raises:
+            UserError: every problem of the request, the policy or the config (the API answers 422).
+        """
+        problems = []
+        if target not in TARGETS:
+            problems.append(f"target {target!r}: one of {', '.join(TARGETS)}")
+        if not isinstance(resources, dict):
+            problems.append("resources: must be a mapping")
+        if target == "modal" and not self.public_url:
+            problems.append(
+                "target modal: this service has no --public-url, the address a Modal job posts its reports to "
+                f"({self.base_url} cannot be reached from Modal); start it with --public-url https://..."
+            )
+        if problems:
+            raise UserError(problems, title="invalid job")
+        job_id = job_id or uuid.uuid4().hex[:12]
+        job_dir = self.home / job_id
+        sub = submission.read(config, overrides, self.policy.max_depth)
+        places = P.Places(self.home, job_dir, self.db_file, self._other_runs(job_id), self.workdir)
+        problems, run_dir = P.check(sub.data, self.policy, places)
+        if problems:
+            raise UserError(problems, title="refused by this service's policy")
+        assert run_dir is not None
+        fresh = not job_dir.exists()
+        job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _write_private(job_dir / "config.yaml", sub.text)
+        job = Job(
+            id=job_id,
+            name=run_dir.name,
+            state=S.QUEUED,
+            step=0,
+            target=target,
+            config_yaml=sub.text,
+            overrides=list(sub.overrides),
+            resources=dict(resources),
+            secret_refs=sub.secret_names,
+            job_dir=str(job_dir),
+            run_dir=str(run_dir),
+            token_hash="",
+            stop_requested=0,
+        )
+        from scaletune.serve.jobs.validate import check
+
+        files = self.files(job)
+        try:
+            plan = check(files, self.dispatchers[target], in_child=_names_code(sub.data), dry_run=dry_run)
+        except UserError:
+            if fresh:
+                _remove(job_dir)
+            raise
+        if sub.secrets:
+            self._secrets.setdefault(job_id, {}).update(sub.secrets)
+        return job, plan
+
+    def _other_runs(self, job_id: str) -> list[Path]:
+        with self.Session() as s:
+            return [Path(r) for r in s.scalars(select(Job.run_dir).where(Job.id != job_id))]
+
+    def submit(
+        self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False, owner: str = ""
+    ) -> dict:
+        """Check and queue a job owned by `owner` (the submitting token's name); a dry run returns
+        the plan and keeps nothing.
+
+        Raises:
+            UserError: every problem of the config, the policy or the target, at once.
+        """
+        job, plan = self.prepare_job(config, overrides, target, resources, dry_run=dry_run)
+        job.owner = owner
+        if dry_run:
+            self._secrets.pop(job.id, None)
+            _remove(Path(job.job_dir))
+            return {"id": None, "state": "dry_run", "plan": plan}
+        with self.lock, self.Session() as s:
+            s.add(job)
+            s.flush()
+            set_state(s, job, S.QUEUED)
+            s.commit()
+        self.kick()
+        return {"id": job.id, "state": job.state}
+
+    # -- control ---------------------------------------------------------------------------
+    def stop(self, job_id: str) -> Job:
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state == S.QUEUED:
+                set_state(s, job, S.STOPPED)
+            elif job.state in (S.STARTING, S.RUNNING):
+                job.stop_requested = 1
+                self._call(job, "stop")
+                set_state(s, job, S.STOPPING)
+            else:
+                raise UserError(f"job {job_id} is {job.state}: only a queued or running job can be stopped")
+            s.commit()
+            return job
+
+    def cancel(self, job_id: str) -> Job:
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state in S.TERMINAL:
+                raise UserError(f"job {job_id} is already {job.state}")
+            if job.state in S.ACTIVE and job.target_id:
+                self._call(job, "cancel")
+            set_state(s, job, S.CANCELLED)
+            s.commit()
+            return job
+
+    def _call(self, job: Job, verb: str) -> None:
+        """The target's stop or cancel of `job`: a slow target's (scancel, Modal) in a worker, off
+        the request and the lock (the record says stopping / cancelled at once; the watcher sees
+        the end); a local process's now."""
+        d, target_id, files = self.dispatchers[job.target], job.target_id or "", self.files(job)
+        call = getattr(d, verb)
+        if not d.slow or not self.watcher.later(lambda: call(target_id, files)):
+            call(target_id, files)
+
+    def resume(
+        self,
+        job_id: str,
+        checkpoint: str | None,
+        target: str | None,
+        resources: dict | None,
+        overrides: list[str] = (),  # type: ignore[assignment]
+    ) -> Job:
+        """Queue a stopped / failed / cancelled job again from `checkpoint` (default: its latest),
+        possibly on another target or world size (`resources`, or `overrides` such as
+        distributed.num_processes=2: the checkpoint is resharded as `scaletune train` does).
+
+        Raises:
+            UserError: the job is not resumable, or the resumed run does not pass the checks.
+        """
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            if job.state not in S.RESUMABLE:
+                raise UserError(f"job {job_id} is {job.state}: only a stopped, failed or cancelled job resumes")
+            added = list(overrides)
+            overrides = [o for o in job.overrides if not o.startswith("training.resume=")] + added
+            overrides.append(f"training.resume={checkpoint or 'auto'}")
+            again, _ = self.prepare_job(
+                job.config_yaml, overrides, target or job.target, resources or job.resources, job_id=job.id
+            )
+            job.run_dir = again.run_dir
+            job.overrides, job.target = again.overrides, target or job.target
+            job.resources = resources if resources is not None else job.resources
+            job.stop_requested, job.target_id, job.exit_code = 0, None, None
+            set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
+            s.commit()
+        self.kick()
+        return job
+
+    def clone(self, job_id: str, overrides: list[str], owner: str = "") -> dict:
+        job = self.get(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        base = [o for o in job.overrides if not o.startswith("training.resume=")]
+        return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources), owner=owner)
+
+    def _need(self, s: Any, job_id: str) -> Job:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    # -- reports from the run --------------------------------------------------------------
+    def check_job_token(self, job_id: str, token: str) -> bool:
+        """Whether `token` is the report token of `job_id` while the job runs (it ends with it)."""
+        job = self.get(job_id)
+        if job is None or job.state in S.TERMINAL:
+            self._tokens.pop(job_id, None)
+            return False
+        return bool(job.token_hash) and secrets.compare_digest(job.token_hash, digest(token))
+
+    def ingest(self, job_id: str, events: list[dict]) -> int:
+        """Store what a run reported (metric lines, phases, checkpoints); returns how many were new.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        with self.lock, self.Session() as s:
+            job = self._need(s, job_id)
+            n = sum(apply_report(s, job, e.get("kind", ""), e.get("data") or {}) for e in events)
+            s.commit()
+            self.posted[job_id] = self.posted.get(job_id, 0) + len(events)
+            return n
+
+    def metrics(self, job_id: str, since_step: int = 0) -> list[dict]:
+        """The job's metrics lines after `since_step` (a bounded integer: the API checks it)."""
+        with self.Session() as s:
+            rows = s.scalars(
+                select(Metric).where(Metric.job_id == job_id, Metric.step > since_step).order_by(Metric.step, Metric.id)
+            )
+            return [r.data for r in rows]
+
+    def events_after(self, job_id: str, last_id: int) -> list[tuple[int, str, dict]]:
+        with self.Session() as s:
+            rows = s.scalars(select(Event).where(Event.job_id == job_id, Event.id > last_id).order_by(Event.id))
+            return [(e.id, e.kind, e.data) for e in rows]
+
+    # -- the watcher -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the watcher (after re-attaching to the jobs a previous service left running)."""
+        self.watcher.start()
+
+    def shutdown(self) -> None:
+        self.watcher.shutdown()
+        self.engine.dispose()
+
+    def kick(self) -> None:
+        """One watcher tick now (a job was queued: start it without waiting for the next poll)."""
+        self.watcher.tick()
+
+    def new_token(self, job: Job) -> str:
+        token = "stj_" + secrets.token_urlsafe(24)
+        self._tokens[job.id] = token
+        job.token_hash = digest(token)
+        return token
+
+
+def _names_code(data: dict) -> bool:
+    """Whether a (policy-allowed) config names code the check would import: a factory or remote
+    code; such a job is checked in a child process, never in the service."""
+    return any(path and path[-1] in ("factory", "trust_remote_code") and v for path, v in P._walk(data))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` readable by the service's user only (0600), whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _remove(job_dir: Path) -> None:
+    """A job folder the service made for a check (its config, nothing the run wrote)."""
+    if not job_dir.is_dir() or any(job_dir.glob("*.log")):
+        return
+    for p in job_dir.iterdir():
+        p.unlink()
+    job_dir.rmdir()
