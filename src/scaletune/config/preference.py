@@ -78,6 +78,9 @@ OBJECTIVES: dict[str, ObjectiveFacts] = {
     )
 }  # fmt: skip
 
+#: Every key an objective's metrics.jsonl lines may add, in the table's order (the page's chart offers them).
+METRIC_KEYS: tuple[str, ...] = tuple(dict.fromkeys(k for f in OBJECTIVES.values() for k in f.metrics))
+
 
 class PreferenceConfig(StrictModel):
     """Preference training (DPO, IPO, ORPO, KTO, SimPO): the loss's temperature and where the

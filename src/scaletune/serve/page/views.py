@@ -18,6 +18,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
+from scaletune.config.preference import METRIC_KEYS
 from scaletune.serve.api.docs import root_of
 from scaletune.serve.edge import auth
 from scaletune.serve.edge.access import Svc, caller
@@ -111,7 +112,11 @@ def job_page(job_id: str, request: Request, svc: Svc):
     job = svc.get(job_id)
     if job is None:
         return HTMLResponse("no such job", status_code=404)
-    return page("job.html", request, job=job.summary(), times=run_times(svc, job), scope=c.scope, who=c)
+    # The objectives' metric keys the chart may offer (reward_accuracy has its own chart).
+    extra = [k for k in METRIC_KEYS if k != "reward_accuracy"]
+    return page(
+        "job.html", request, job=job.summary(), times=run_times(svc, job), scope=c.scope, who=c, objective_metrics=extra
+    )
 
 
 @router.get("/compare", response_class=HTMLResponse, include_in_schema=False)
