@@ -71,6 +71,17 @@ def test_factory_and_remote_code_refused_before_import(strict, tiny_model_dir, t
         "PATH",
         "BASH_ENV",
         "HF_DATASETS_TRUST_REMOTE_CODE",
+        # issue 34: where a job connects, caches, reads a token, or which plugin/library it loads
+        "HF_ENDPOINT",
+        "HF_HUB_CACHE",
+        "HF_HOME",
+        "HF_TOKEN_PATH",
+        "WANDB_BASE_URL",
+        "NCCL_NET_PLUGIN",
+        "NCCL_TUNER_PLUGIN",
+        "CUDA_INJECTION64_PATH",
+        "TORCH_EXTENSIONS_DIR",
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
     ],
 )
 def test_loader_variables_refused(strict, tiny_model_dir, name):
@@ -78,6 +89,25 @@ def test_loader_variables_refused(strict, tiny_model_dir, name):
     cfg["distributed"]["env"] = {name: "/tmp/evil", "NCCL_DEBUG": "WARN"}
     problems = refused(post(strict, cfg), f"distributed.env.{name}")
     assert not any("NCCL_DEBUG" in p for p in problems)  # the allow-list lets it through
+
+
+def test_every_listed_variable_passes_and_the_admin_adds_names(strict, tiny_model_dir):
+    """The names a job may set (JOB_ENV, each with its reason) pass the policy together; an admin's
+    --allow-env adds a name; nothing allows turning the restricted unpickler off."""
+    from scaletune.serve.edge.policy import JOB_ENV
+
+    cfg = make_config(tiny_model_dir, "runs/x")
+    cfg["distributed"]["env"] = dict.fromkeys(JOB_ENV, "1")
+    r = post(strict, cfg)
+    assert not any("distributed.env" in p for p in r.json().get("problems", [])), r.text
+    cfg["distributed"]["env"] = {"HF_ENDPOINT": "https://hub.example", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+    before = strict.svc.policy
+    strict.svc.policy = before.updated(env_prefixes=["HF_ENDPOINT", "TORCH_"])
+    try:
+        problems = refused(post(strict, cfg), "distributed.env.TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    finally:
+        strict.svc.policy = before
+    assert not any("HF_ENDPOINT" in p for p in problems), problems
 
 
 def test_reads_outside_the_roots_refused(strict, tmp_path):

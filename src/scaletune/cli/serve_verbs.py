@@ -49,7 +49,10 @@ def serve(
     ] = False,
     allow_remote_code: Annotated[bool, typer.Option(help="Let configs set trust_remote_code.")] = False,
     allow_env: Annotated[
-        list[str] | None, typer.Option(help="Another distributed.env name prefix jobs may set (repeatable).")
+        list[str] | None,
+        typer.Option(
+            help="A distributed.env name (or name prefix) jobs may set besides the built-in list (repeatable; docs/security.md)."
+        ),
     ] = None,
     read_root: Annotated[
         list[Path] | None,
@@ -93,7 +96,7 @@ def serve(
 
     from scaletune.serve.app import create_app
     from scaletune.serve.edge.auth import bind_problems, install_env_admin
-    from scaletune.serve.edge.policy import SAFE_ENV_PREFIXES, Policy
+    from scaletune.serve.edge.policy import Policy
     from scaletune.serve.jobs.db import DatabaseUnavailable, database_url, default_url, redacted
     from scaletune.serve.jobs.service import JobService
 
@@ -113,7 +116,7 @@ def serve(
     policy = Policy(
         allow_factories=allow_factories,
         allow_remote_code=allow_remote_code,
-        env_prefixes=(*SAFE_ENV_PREFIXES, *(allow_env or ())),
+        env_prefixes=tuple(allow_env or ()),
         read_roots=tuple(str(p.resolve()) for p in read_root) if read_root else None,
         write_roots=tuple(str(p.resolve()) for p in write_root or ()),
         trusted_hosts=tuple(trusted_host or ()),

@@ -21,24 +21,84 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# Variables a job may set: communication, threading, allocator and hub settings. An allow-list,
-# because the variables that load code are many (PYTHONPATH, PYTHONSTARTUP, LD_PRELOAD,
-# LD_LIBRARY_PATH, PATH, BASH_ENV, ENV, PERL5LIB, NODE_OPTIONS, ...) and new ones appear.
-SAFE_ENV_PREFIXES = (
-    "NCCL_",
-    "TORCH_",
-    "PYTORCH_",
-    "CUDA_",
-    "OMP_",
-    "MKL_",
-    "GLOO_",
-    "HF_",
-    "HUGGING_FACE_",
-    "TOKENIZERS_",
-    "WANDB_",
-)
-# Refused even under an allowed prefix: turns remote code on (HF_DATASETS_TRUST_REMOTE_CODE).
-_NEVER_ENV = ("TRUST_REMOTE_CODE",)
+# The variables a job may set in `distributed.env`, by name, each with why it is harmless: they
+# tune communication, threads, the allocator, logging, offline modes and a W&B run's name; none
+# chooses an endpoint, a cache, a token file, a plugin or a library (HF_ENDPOINT, HF_HUB_CACHE,
+# HF_TOKEN_PATH, WANDB_BASE_URL, NCCL_NET_PLUGIN, CUDA_INJECTION64_PATH, TORCH_EXTENSIONS_DIR,
+# TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD, PYTHONPATH, LD_PRELOAD, ... are refused), so no submitted setting
+# can redirect the service's network, secrets or caches. Names, not prefixes: every prefix family
+# holds one such variable, and new ones appear. An admin adds more with --allow-env.
+JOB_ENV: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "NCCL_DEBUG",
+            "NCCL_DEBUG_SUBSYS",
+            "NCCL_SOCKET_IFNAME",
+            "NCCL_SOCKET_NTHREADS",
+            "NCCL_NSOCKS_PERTHREAD",
+            "NCCL_IB_DISABLE",
+            "NCCL_IB_HCA",
+            "NCCL_IB_GID_INDEX",
+            "NCCL_IB_TIMEOUT",
+            "NCCL_IB_RETRY_CNT",
+            "NCCL_P2P_DISABLE",
+            "NCCL_P2P_LEVEL",
+            "NCCL_SHM_DISABLE",
+            "NCCL_NET_GDR_LEVEL",
+            "NCCL_CROSS_NIC",
+            "NCCL_ALGO",
+            "NCCL_PROTO",
+            "NCCL_BUFFSIZE",
+            "NCCL_NTHREADS",
+            "NCCL_MIN_NCHANNELS",
+            "NCCL_MAX_NCHANNELS",
+            "GLOO_SOCKET_IFNAME",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_BLOCKING_WAIT",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT",
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+            "TORCH_NCCL_ENABLE_MONITORING",
+            "TORCH_NCCL_TRACE_BUFFER_SIZE",
+            "TORCH_NCCL_AVOID_RECORD_STREAMS",
+        ),
+        "collective communication: interfaces, transports, timeouts, debugging",
+    ),
+    **dict.fromkeys(
+        ("TORCH_DISTRIBUTED_DEBUG", "TORCH_CPP_LOG_LEVEL", "TORCH_SHOW_CPP_STACKTRACES", "CUDA_LAUNCH_BLOCKING"),
+        "logging and error reports",
+    ),
+    **dict.fromkeys(
+        ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "CUDA_DEVICE_MAX_CONNECTIONS"),
+        "threads and streams",
+    ),
+    **dict.fromkeys(
+        ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING", "CUDA_MODULE_LOADING"),
+        "the CUDA allocator and module loading",
+    ),
+    **dict.fromkeys(
+        (
+            "HF_HUB_OFFLINE",
+            "HF_DATASETS_OFFLINE",
+            "TRANSFORMERS_OFFLINE",
+            "HF_HUB_DISABLE_PROGRESS_BARS",
+            "HF_HUB_DISABLE_TELEMETRY",
+            "HF_HUB_ETAG_TIMEOUT",
+            "HF_HUB_DOWNLOAD_TIMEOUT",
+        ),
+        "the Hugging Face hub's offline mode, timeouts and output (not where it connects or caches)",
+    ),
+    **dict.fromkeys(
+        ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME", "WANDB_MODE", "WANDB_TAGS", "WANDB_RUN_GROUP", "WANDB_NOTES"),
+        "the W&B run's name and mode (not where it connects)",
+    ),
+    **dict.fromkeys(
+        ("HF_TOKEN", "WANDB_API_KEY"),
+        "the job's own credential, a secret: kept out of every record and sent to the default endpoint only",
+    ),
+}
+# Refused even when an admin's --allow-env prefix covers it: turns remote code on
+# (HF_DATASETS_TRUST_REMOTE_CODE) or turns the restricted unpickler off (TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD).
+_NEVER_ENV = ("TRUST_REMOTE_CODE", "NO_WEIGHTS_ONLY")
 MAX_DEPTH = 64  # nesting of a config, aliases expanded (a real one has about 5)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 MAX_UPLOAD_BYTES = 256 * 1024 * 1024  # one data file uploaded to the data area (POST /api/data)
@@ -49,6 +109,8 @@ DATA_AREA = "data"  # the uploaded data files' folder, in the jobs folder (a job
 class Policy:
     """The admin settings.
 
+    env_prefixes: `distributed.env` names (a name, or a prefix of names) jobs may set besides
+        `JOB_ENV` (`--allow-env`); never one that turns remote code on or the restricted unpickler off.
     read_roots: folders local data, models and checkpoints may be read from; None: the service's
         working directory (relative paths are read from it).
     write_roots: folders a run directory may be in besides the job's own folder.
@@ -62,7 +124,7 @@ class Policy:
 
     allow_factories: bool = False
     allow_remote_code: bool = False
-    env_prefixes: tuple[str, ...] = SAFE_ENV_PREFIXES
+    env_prefixes: tuple[str, ...] = ()
     read_roots: tuple[str, ...] | None = None
     write_roots: tuple[str, ...] = ()
     trusted_hosts: tuple[str, ...] = ()
@@ -177,11 +239,16 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
     env = _get(data, "distributed", "env")
     for name in env if isinstance(env, dict) else {}:
         name = str(name)
-        if not name.startswith(tuple(policy.env_prefixes)) or any(w in name.upper() for w in _NEVER_ENV):
+        if any(w in name.upper() for w in _NEVER_ENV):
             problems.append(
-                f"policy: distributed.env.{name}: only variables starting with "
-                f"{', '.join(policy.env_prefixes)} may be set (none that loads code or turns remote "
-                "code on); admin setting: --allow-env PREFIX"
+                f"policy: distributed.env.{name}: turns remote code on or the restricted unpickler off; "
+                "no setting allows it"
+            )
+        elif name not in JOB_ENV and not name.startswith(tuple(policy.env_prefixes)):
+            problems.append(
+                f"policy: distributed.env.{name}: not among the variables a job may set here (those that "
+                "choose an endpoint, a cache, a token file, a plugin or a library are refused; the list is "
+                f"in docs/security.md); admin setting: --allow-env {name}"
             )
     own = [_real(places.job_dir)]
     run_dir, out_problem = _run_dir(data, policy, places)
