@@ -95,3 +95,44 @@ def test_sbatch_gets_the_services_environment_without_its_secrets(tmp_path, monk
     env = json.loads(seen.read_text())
     assert env["HF_TOKEN"] == "job-own" and env["PATH"].startswith(str(bin_dir))  # the job's, and the service's
     assert not SERVICE_SECRETS & set(env), sorted(SERVICE_SECRETS & set(env))
+
+
+SECRET = "hf_every_form_9d2b41"
+# Every form an override can set a `distributed.env` secret in (issue 34, case 4: the section
+# mapping used to skip the secret handling and show the value to read tokens and in the command).
+FORMS = {
+    "dotted": f"distributed.env.HF_TOKEN={SECRET}",
+    "env mapping": f"distributed.env={{HF_TOKEN: {SECRET}, NCCL_DEBUG: WARN}}",
+    "section mapping": f"distributed={{strategy: single, num_processes: 1, env: {{HF_TOKEN: {SECRET}}}}}",
+    "section as JSON": json.dumps({"distributed": {"strategy": "single", "env": {"HF_TOKEN": SECRET}}}).replace(
+        '{"distributed": ', "distributed=", 1
+    )[:-1],
+}
+
+
+def test_every_override_form_keeps_the_secret_out(tiny_model_dir, tmp_path):
+    """Through the one rule (`config.overrides.split_secret_override`): the service's dry run and
+    the command `scaletune launch --dry-run` writes show no secret, whatever the override's form,
+    and the submission still holds it for the job's environment (and not in its stored overrides)."""
+    from scaletune.serve.jobs.submission import read
+    from tests.helpers import run_cli
+
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
+    submit = create_token(srv.svc.Session, "submit")
+    cfg = make_config(tiny_model_dir, tmp_path / "run")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    try:
+        for form, override in FORMS.items():
+            body = {"config": yaml.safe_dump(cfg), "overrides": [override], "dry_run": True}
+            dry = client(srv, submit).post("/api/jobs", json=body)
+            assert dry.status_code == 200, (form, dry.text)
+            assert SECRET not in dry.text, (form, dry.text)
+            # what the service keeps for the job's environment, and what it stores
+            sub = read(yaml.safe_dump(cfg), [override], max_depth=64)
+            assert sub.secrets == {"HF_TOKEN": SECRET} and SECRET not in " ".join(sub.overrides), form
+            proc = run_cli(["launch", str(path), override, "--dry-run"])
+            assert proc.returncode == 0, (form, proc.stderr[-2000:])
+            assert SECRET not in proc.stdout + proc.stderr, (form, proc.stdout)
+    finally:
+        srv.stop()

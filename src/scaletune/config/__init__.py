@@ -5,10 +5,10 @@ from scaletune.config.loader import (
     dump_config,
     error_messages,
     load_config,
-    parse_override,
     read_config,
     redacted,
 )
+from scaletune.config.overrides import parse_override, public_overrides
 from scaletune.config.schema import (
     Config,
     DataConfig,
@@ -26,7 +26,7 @@ from scaletune.config.schema import (
     TrainingConfig,
     WandbConfig,
 )
-from scaletune.config.secrets import is_secret_name, public_overrides, secret_names
+from scaletune.config.secrets import is_secret_name, secret_names
 
 __all__ = [
     "Config",

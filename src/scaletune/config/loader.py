@@ -14,45 +14,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from scaletune.config import yamlfile
+from scaletune.config.overrides import parse_override, set_path
 from scaletune.config.schema import Config
 from scaletune.config.secrets import redacted_env
 from scaletune.errors import ConfigError
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`training.learning_rate=1e-4` -> (["training", "learning_rate"], 1e-4). Values are YAML
-    (read as a config file is: no duplicate keys, bounded aliases); a value that is not valid YAML
-    is taken as a string.
-
-    Raises:
-        ValueError: no `=`, an empty key part, or a YAML value that is refused (its reason).
-    """
-    if "=" not in item:
-        raise ValueError(f"override {item.split()[0][:40]!r}... is not of the form key.path=value")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if not all(parts):
-        raise ValueError(f"override for {key!r} has an empty key part")
-    if not raw.strip():
-        return parts, None
-    value, _, problems = yamlfile.parse(raw.encode(), f"override {key}")
-    if problems and any("not valid YAML" in p for p in problems):
-        return parts, raw
-    if problems:
-        raise ValueError("; ".join(problems))
-    return parts, value
-
-
-def set_path(data: dict, parts: list[str], value: Any) -> None:
-    """Set `data[parts[0]]...[parts[-1]] = value` in place, making (or replacing by) a mapping at each
-    key on the way: how an override (`parse_override`) applies, for the CLI, the page's form and a
-    submission to the service alike."""
-    node = data
-    for p in parts[:-1]:
-        if not isinstance(node.get(p), dict):
-            node[p] = {}
-        node = node[p]
-    node[parts[-1]] = value
 
 
 def _where(source: str, lines: dict[tuple, int], loc: tuple, override_keys: set[tuple] = frozenset()) -> str:

@@ -12,7 +12,7 @@ or when `distributed.secret_env` lists it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 REDACTED = "<redacted>"
@@ -66,21 +66,3 @@ def redacted_env(env: Mapping[str, Any], extra: Iterable[str] = ()) -> dict[str,
     """`env` with every secret value replaced by `<redacted>`."""
     extra = list(extra)
     return {k: (REDACTED if is_secret_name(k, extra) else v) for k, v in env.items()}
-
-
-def public_overrides(overrides: Sequence[str], extra: Iterable[str] = ()) -> list[str]:
-    """The command-line overrides without those that set a secret (`distributed.env.HF_TOKEN=...`,
-    or a whole `distributed.env={...}` mapping holding one): what may be written into a script, a
-    log or a job record. The secret values themselves reach the ranks through their environment."""
-    extra = list(extra)
-    out = []
-    for item in overrides:
-        key, _, value = item.partition("=")
-        parts = key.strip().split(".")
-        if parts[:2] == ["distributed", "env"]:
-            if len(parts) == 3 and is_secret_name(parts[2], extra):
-                continue
-            if len(parts) == 2 and any(is_secret_name(w, extra) for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", value)):
-                continue
-        out.append(item)
-    return out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from scaletune.config.secrets import public_overrides
+from scaletune.config.overrides import public_overrides
 from scaletune.errors import Problem, UserError
 from scaletune.launch.presets import env_name_problems, merged_env, preset_problems, split_secrets
 from scaletune.launch.shell import Raw, secret_passthrough_lines, shell_join

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from scaletune.config import is_secret_name, parse_override
-from scaletune.config.loader import set_path  # the CLI's own key setting
+from scaletune.config.overrides import set_path, split_secret_override  # the CLI's own rules
 from scaletune.config.yamlfile import depth_problem, parse
 from scaletune.errors import UserError
 
@@ -72,16 +72,11 @@ def read(text: str, overrides: list[str], max_depth: int) -> Submission:
             secrets[str(k)] = str(env.pop(k))
         text_out = yaml.safe_dump(raw, sort_keys=False, default_flow_style=False)
     public: list[str] = []
-    for item, parts, value in parsed:
-        if parts[:2] == ["distributed", "env"] and len(parts) == 3 and is_secret_name(parts[2], extra):
-            secrets[parts[2]] = str(value)
-            continue
-        if parts == ["distributed", "env"] and isinstance(value, dict):
-            hidden = [k for k in value if is_secret_name(str(k), extra)]
-            if hidden:
-                secrets.update({str(k): str(value.pop(k)) for k in hidden})
-                item = "distributed.env=" + json.dumps({str(k): v for k, v in value.items()})
-        public.append(item)
+    for item, _, _ in parsed:  # every form of override through the one rule (`config.overrides`)
+        kept, hidden = split_secret_override(item, extra)
+        secrets.update(hidden)
+        if kept is not None:
+            public.append(kept)
     return Submission(data=data, text=text_out, overrides=public, secrets=secrets)
 
 

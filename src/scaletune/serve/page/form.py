@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 
 from scaletune.config import DataConfig, ModelConfig, TrainingConfig, parse_override
-from scaletune.config.loader import plain_copy, set_path  # the CLI's own copy and key setting
+from scaletune.config.loader import plain_copy
+from scaletune.config.overrides import set_path  # the CLI's own key setting
 from scaletune.config.yamlfile import parse
 
 METHODS = ("full", "lora", "qlora")
