@@ -229,3 +229,19 @@ def test_allowed_factory_is_checked_in_a_child(tmp_path, monkeypatch, tiny_model
         assert os.getpid() not in pids and name not in sys.modules
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("builder", ["text", "json", "csv"])
+def test_a_builder_name_as_data_is_refused(strict, tiny_model_dir, builder):
+    """`data.train.path: text` is not a file: datasets' builder would read every *train* file under
+    the service's working directory, past the read roots (issue 34). Refused with 422, by name."""
+    cfg = make_config(tiny_model_dir, "runs/x")
+    cfg["data"]["train"] = {"path": builder, "format": "text"}
+    before = strict.svc.policy
+    strict.svc.policy = TEST_POLICY  # the model's folder readable: only the data is wrong
+    try:
+        r = post(strict, cfg)
+    finally:
+        strict.svc.policy = before
+    assert r.status_code == 422, r.text
+    assert any("names a datasets builder" in p and builder in p for p in r.json()["problems"]), r.text

@@ -251,9 +251,24 @@ def _load_files(source: DataSource) -> list[dict]:
     return records[: source.max_samples] if source.max_samples else records
 
 
+def _builder_names() -> set[str]:
+    """The `datasets` packaged builders (json, csv, text, parquet, arrow, imagefolder, ...)."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES  # no public list of them
+
+    return set(_PACKAGED_DATASETS_MODULES)
+
+
 def _load_hf(source: DataSource, path: str) -> list[dict]:
     import datasets
 
+    if not Path(path).exists() and path.lower() in _builder_names():
+        # load_dataset("text") builds from every *train* / *test* file under the working
+        # directory: files the config never named (past a service's read roots).
+        raise DataError(
+            f"{path}: names a datasets builder, not a data file, folder or Hub data set; "
+            "give the path of the file or folder to read",
+            title="invalid data",
+        )
     try:
         if Path(path).is_file():
             builder = Path(path).suffix.lower().lstrip(".")
