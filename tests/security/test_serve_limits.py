@@ -116,3 +116,16 @@ def test_logs_read_by_range(srv, tmp_path):
     assert peak < 24 * 2**20, f"{peak / 2**20:.0f} MiB held for one /logs request"
     head = c.get(f"/api/jobs/{job}/logs", params={"offset": 0, "limit": 100})
     assert head.content == line[:100]
+
+
+def test_form_fields_nested_too_deep_are_422(srv):
+    """`/api/config/apply` with a field nested 900 deep answered 500 (issue 34, S3): now 422, and
+    a field at an ordinary depth still applies (the control)."""
+    c = client(srv, srv.read)
+    deep: object = 1
+    for _ in range(900):
+        deep = {"k": deep}
+    r = c.post("/api/config/apply", json={"config": "seed: 1\n", "fields": {"data.train": deep}})
+    assert r.status_code == 422 and "nested" in r.text, (r.status_code, r.text[:300])
+    ok = c.post("/api/config/apply", json={"config": "seed: 1\n", "fields": {"seed": 7}})
+    assert ok.status_code == 200 and "seed: 7" in ok.json()["config"], ok.text[:300]

@@ -105,12 +105,30 @@ def config_fields(req: ConfigText, c: Reader):
 
 
 @router.post("/api/config/apply", response_model=Applied, tags=["form"], responses=E422)
-def config_apply(req: ApplyRequest, c: Reader):
+def config_apply(req: ApplyRequest, c: Reader, svc: Svc):
     """The YAML with the fields set, as the CLI's overrides set them (the overrides are in the
     answer), and the form's fields read back from it. Comments are not kept."""
+    limit = svc.policy.max_depth
+    deep = [k for k, v in req.fields.items() if _deeper_than(v, limit)]
+    if deep:  # bounded as a submitted config is (the YAML writer recurses)
+        return refusal("the fields cannot be set", [f"{k}: nested deeper than {limit} levels" for k in deep])
     try:
         text, data, overrides = apply_fields(req.config, req.fields, req.world_size)
     except FormProblem as exc:
         return refusal("the fields cannot be set", exc.problems)
     values = fields_of(data, req.world_size)
     return {"config": text, "overrides": overrides, "fields": values, "defaults": defaults_of(values)}
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """True when lists and mappings in `value` nest deeper than `limit` (read without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return False
