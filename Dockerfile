@@ -6,8 +6,10 @@
 #   docker build -t scaletune:cu128 \
 #     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
 #     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .
-# Run (the service binds 0.0.0.0 only once a token exists: SCALETUNE_ADMIN_TOKEN makes one at start):
-#   docker run -p 8000:8000 -v scaletune-data:/var/lib/scaletune --env-file scaletune.env scaletune
+# Run (the service binds 0.0.0.0 only once a token exists: SCALETUNE_ADMIN_TOKEN makes one at start).
+# Published on this host's loopback only: it speaks plain HTTP, so put a TLS proxy in front of it
+# (docs/deploy.md) rather than publishing it on every interface:
+#   docker run -p 127.0.0.1:8000:8000 -v scaletune-data:/var/lib/scaletune --env-file scaletune.env scaletune
 ARG BASE=python:3.11-slim
 FROM ${BASE}
 

@@ -133,6 +133,10 @@ def test_dockerfile_builds_what_the_cli_serves():
     assert params["host"] == "0.0.0.0" and dict(steps)["EXPOSE"] == str(params["port"])
     assert f"http://127.0.0.1:{params['port']}/healthz" in dict(steps)["HEALTHCHECK"]
     assert json.loads(dict(steps)["ENTRYPOINT"])[0] == "tini"  # reaps the jobs' orphaned children
+    # The documented `docker run` publishes on the host's loopback only (plain HTTP; a TLS proxy
+    # goes in front), as compose does.
+    runs_doc = [line for line in (REPO_ROOT / "Dockerfile").read_text().splitlines() if "docker run" in line]
+    assert runs_doc and all(re.search(r"-p 127\.0\.0\.1:\d+:\d+", line) for line in runs_doc), runs_doc
 
 
 def dockerignore_admits(rel: str, patterns: list[str]) -> bool:
