@@ -374,17 +374,24 @@ def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo) -
             digest.update(block)
     lora = "LoRA adapter merged into the base weights" if cfg.model.lora is not None else "full weights"
     source = checkpoint.resolve()
-    run = f"; run `{source.parent.parent}`" if source.parent.name == "checkpoints" else ""
+    # Folder names, never absolute paths: the README travels with the file to other machines.
+    run = f" of the run `{source.parent.parent.name}`" if source.parent.name == "checkpoints" else ""
     return (
         f"# {gguf_file.name}\n\n"
-        f"Exported by `scaletune export --format gguf` from the checkpoint `{source}` (step {step}{run}).\n\n"
-        f"- base model: `{cfg.model.name_or_path}` ({lora})\n"
+        f"Exported by `scaletune export --format gguf` from the checkpoint `{source.name}`{run} (step {step}).\n\n"
+        f"- base model: `{_shown(cfg.model.name_or_path)}` ({lora})\n"
         f"- architecture: `{info.architecture}` (GGUF `general.architecture`), context length {info.context_length}\n"
         f"- type: `{gguf_file.name.rsplit('.', 2)[-2]}` (norms and biases float32)\n"
-        f"- tokenizer: `{cfg.model.tokenizer or cfg.model.name_or_path}`, byte-level BPE (`gpt2`), "
+        f"- tokenizer: `{_shown(cfg.model.tokenizer or cfg.model.name_or_path)}`, byte-level BPE (`gpt2`), "
         f"pre-tokenizer `{info.tokenizer_pre}`, {info.vocab} tokens\n"
         f"- chat template: {info.chat_template_source} (`tokenizer.chat_template`)\n"
         f"- sha256: `{digest.hexdigest()}`\n\n"
         "Checked in scaletune's tests by loading it back with transformers' own GGUF loader; "
         "llama.cpp itself was not run.\n"
     )
+
+
+def _shown(name: str) -> str:
+    """A model or tokenizer as a README shows it: a hub id as it is, a local folder by its name."""
+    local = name.startswith(("/", ".", "~")) or Path(name).exists()
+    return f"{Path(name).name} (a local folder)" if local else name
