@@ -88,14 +88,15 @@ def serve(
 ) -> None:
     """Serve the job API (/api, OpenAPI at /docs) and the web page (/). What submitted configs may
     do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options.
-    SCALETUNE_ADMIN_TOKEN (at least 32 characters), when set, is an admin API token named
-    admin-env (for platforms whose secret store holds it: docs/deploy.md)."""
+    SCALETUNE_ADMIN_TOKEN (at least 32 characters, hard to guess), when set, is an admin API token
+    named admin-env (for platforms whose secret store holds it: docs/deploy.md); unset, that token
+    is revoked."""
     if ctx.invoked_subcommand is not None:
         return
     import uvicorn
 
     from scaletune.serve.app import create_app
-    from scaletune.serve.edge.auth import bind_problems, install_env_admin
+    from scaletune.serve.edge.auth import bind_problems, drop_env_admin, install_env_admin
     from scaletune.serve.edge.policy import Policy
     from scaletune.serve.jobs.db import DatabaseUnavailable, database_url, default_url, redacted
     from scaletune.serve.jobs.service import JobService
@@ -131,6 +132,8 @@ def serve(
         _unavailable(exc)
     if os.environ.get(ADMIN_ENV):
         problems += install_env_admin(svc.Session, os.environ[ADMIN_ENV])
+    elif drop_env_admin(svc.Session):
+        typer.echo(f"[scaletune] {ADMIN_ENV} is not set: the admin-env token it made is revoked", err=True)
     problems += bind_problems(host, svc.Session)
     if problems:
         raise UserError(problems, title="cannot serve")

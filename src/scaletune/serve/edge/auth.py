@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import math
 import re
 import secrets
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ def digest(token: str) -> str:
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 ENV_ADMIN = "admin-env"  # the name of the token SCALETUNE_ADMIN_TOKEN installs
 MIN_ENV_TOKEN = 32  # characters: an operator-chosen token guessable in fewer tries is refused
+MIN_ENV_BITS = 128  # `entropy_bits` of it: a long token of few distinct characters is refused too
 
 
 def create_token(Session, scope: str, name: str | None = None, created_by: str = "") -> str:  # noqa: N803
@@ -62,13 +64,24 @@ def install_env_admin(Session, value: str) -> list[Problem]:  # noqa: N803
     earlier value made: a platform's secret store holds it, rotating it there revokes the old one
     at the next start. Returns the problems (too short), naming the variable, never the value."""
     value = value.strip()
+    make = 'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))"'
     if len(value) < MIN_ENV_TOKEN:
         return [
             Problem(
                 "SCALETUNE_ADMIN_TOKEN",
                 None,
                 f"SCALETUNE_ADMIN_TOKEN holds {len(value)} characters: an admin token needs at least {MIN_ENV_TOKEN}",
-                'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))"',
+                make,
+            )
+        ]
+    if entropy_bits(value) < MIN_ENV_BITS:
+        return [
+            Problem(
+                "SCALETUNE_ADMIN_TOKEN",
+                None,
+                f"SCALETUNE_ADMIN_TOKEN repeats too few characters to be hard to guess (about "
+                f"{entropy_bits(value):.0f} bits; an admin token needs {MIN_ENV_BITS})",
+                make,
             )
         ]
     with Session() as s:
@@ -79,6 +92,27 @@ def install_env_admin(Session, value: str) -> list[Problem]:  # noqa: N803
             row.hash, row.scope, row.revoked = digest(value), "admin", None
         s.commit()
     return []
+
+
+def entropy_bits(value: str) -> float:
+    """An estimate of how hard `value` is to guess: its length times the Shannon entropy of its
+    characters' frequencies (bits). `secrets.token_urlsafe(32)` gives about 200; 40 characters
+    of one repeated letter and a short prefix about 60."""
+    counts = [value.count(c) for c in set(value)]
+    return len(value) * -sum(n / len(value) * math.log2(n / len(value)) for n in counts)
+
+
+def drop_env_admin(Session) -> bool:  # noqa: N803
+    """SCALETUNE_ADMIN_TOKEN is not set: revoke the `admin-env` token an earlier value made (a
+    variable removed from the platform's secret store takes its access with it). True when one was
+    in force."""
+    with Session() as s:
+        row = s.scalar(select(Token).where(Token.name == ENV_ADMIN, Token.revoked.is_(None)))
+        if row is None:
+            return False
+        row.revoked = now()
+        s.commit()
+    return True
 
 
 def list_tokens(Session) -> list[dict]:  # noqa: N803
