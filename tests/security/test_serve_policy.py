@@ -6,6 +6,7 @@ the admin, the check imports the factory in a child process, never in the servic
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -207,11 +208,17 @@ def test_default_cli_service_refuses_a_factory(tmp_path):
 
 def test_allowed_factory_is_checked_in_a_child(tmp_path, monkeypatch, tiny_model_dir):
     """With --allow-factories the factory is imported by the check, in a child process: the
-    module records the PID that imported it, and it is not the service's."""
+    module records the PID that imported it, and it is not the service's; and the environment it
+    sees, which holds none of the service's own secrets (issue 34: the check child inherited them)."""
+    from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
+
+    for secret in SERVICE_SECRETS:
+        monkeypatch.setenv(secret, f"service-own-{secret.lower()}-5c1e")
     name = f"planted_factory_{uuid.uuid4().hex[:8]}"
-    marker = tmp_path / "imported-by"
+    marker, seen = tmp_path / "imported-by", tmp_path / "environment"
     (tmp_path / f"{name}.py").write_text(
-        f"import os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        f"import json, os\nopen({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        f"open({str(seen)!r}, 'w').write(json.dumps(dict(os.environ)))\n"
         "def build(**kw):\n    raise ValueError('planted factory: no model')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -227,6 +234,10 @@ def test_allowed_factory_is_checked_in_a_child(tmp_path, monkeypatch, tiny_model
         assert marker.is_file(), "the check never imported the factory"
         pids = {int(x) for x in marker.read_text().split()}
         assert os.getpid() not in pids and name not in sys.modules
+        env = json.loads(seen.read_text())
+        assert not SERVICE_SECRETS & set(env), sorted(SERVICE_SECRETS & set(env))
+        assert not any("service-own-" in v for v in env.values())
+        assert env.get("PYTHONPATH")  # the control: the rest of the service's environment is there
     finally:
         srv.stop()
 

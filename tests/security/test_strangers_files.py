@@ -416,3 +416,26 @@ def test_a_cache_scaletune_built_verifies(tiny_model_dir, tmp_path, monkeypatch)
     assert {"README.md", "config.json", "model.safetensors"} <= set(recorded)
     assert cache_problems(folder, src) == []
     assert pretrained_path(name, fetch=False) == folder  # the next use verifies it again
+
+
+def test_the_template_worker_holds_none_of_its_parents_secrets(monkeypatch):
+    """The worker that runs untrusted chat templates starts with no secret of the process that
+    starts it (a service's tokens and database URL, a user's HF_TOKEN; issue 34), offline: read
+    back from the live worker's environment."""
+    import os
+
+    import psutil
+
+    from scaletune.data import render
+
+    monkeypatch.setenv("HF_TOKEN", "hf_parent_secret_1b2c")
+    monkeypatch.setenv("SCALETUNE_ADMIN_TOKEN", "service-admin-secret")
+    render._worker._stop()  # a fresh worker, started under this environment
+    try:
+        texts = render.render_bounded("{{ messages[0]['content'] }}", [[{"role": "user", "content": "hi"}]], False, {})
+        assert texts == ["hi"]  # the control: it renders
+        env = psutil.Process(render._worker.proc.pid).environ()
+        assert "HF_TOKEN" not in env and "SCALETUNE_ADMIN_TOKEN" not in env, sorted(env)
+        assert env["HF_HUB_OFFLINE"] == "1" and env.get("PATH") == os.environ.get("PATH")
+    finally:
+        render._worker._stop()

@@ -30,6 +30,13 @@ MEMORY_BYTES = 1 << 30
 _WORKER = Path(__file__).with_name("render_worker.py")
 
 
+def _worker_env() -> dict[str, str]:
+    """The worker renders untrusted templates and needs nothing of its parent's environment: none of
+    its secrets (a service's database URL and tokens, a user's HF_TOKEN), offline."""
+    kept = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
+    return {**kept, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
 def _inert(value: Any) -> str:
     # transformers replaces objects that are not plain JSON with such a placeholder as well.
     return f"<{type(value).__name__}>"
@@ -54,6 +61,7 @@ class _Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            env=_worker_env(),
         )
         self.pid = os.getpid()
         return self.proc

@@ -10,7 +10,6 @@ service's own process."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from scaletune.errors import UserError
 from scaletune.resolve import RunSpec
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles
+from scaletune.serve.jobs.dispatch.base import job_environment
 
 CHILD_TIMEOUT_S = 600
 REMOTE = ("slurm", "modal")  # targets whose jobs run on other machines
@@ -107,7 +107,7 @@ def _in_child(job: JobFiles, target: str, dry_run: bool) -> dict | None:
         "target": target,
         "dry_run": dry_run,
     }
-    env = {**os.environ, **job.env}
+    env = job_environment(job)  # the service's own secrets stay out of the check, as out of the job
     try:
         done = subprocess.run(
             [sys.executable, "-m", "scaletune.serve.jobs.validate"],
