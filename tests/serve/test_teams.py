@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ import yaml
 
 from scaletune.serve.edge.auth import install_env_admin
 from tests.helpers import REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
-from tests.serve.serve_helpers import Server, client, dom, free_port, headless_chromium, wait_state
+from tests.serve.serve_helpers import Server, client, dom, free_port, headless_chromium, plant_job, wait_state
 
 LONG = {"max_steps": 10000, "save_every": 0, "micro_batch_size": 8}
 
@@ -212,3 +213,34 @@ def test_log_out_in_the_browser(team):
         assert actions[:2] == [("alice", "logout"), ("alice", "login")], actions
     finally:
         driver.quit()
+
+
+def test_a_revoked_tokens_event_stream_ends(team, tmp_path):
+    """An event stream opened with a token ends within seconds of that token's revocation (issue
+    34: it kept flowing); the same stream with a live token keeps going (the control)."""
+    import threading
+
+    made = {name: token_of(run_cli(["serve", "token", "create", "--scope", "read", "--name", name, "--db", team.db]))
+            for name in ("dave", "erin")}  # fmt: skip
+    job = plant_job(team.svc, tmp_path / "run", state="running")
+    ended: dict[str, float] = {}
+
+    def follow(name: str) -> None:
+        with client(team, made[name]) as c, c.stream("GET", f"/api/jobs/{job}/events", timeout=30) as r:
+            assert r.status_code == 200
+            start = time.monotonic()
+            for _ in r.iter_lines():
+                if time.monotonic() - start > 12:
+                    return  # still flowing after 12 s
+            ended[name] = time.monotonic() - start
+
+    threads = [threading.Thread(target=follow, args=(n,), daemon=True) for n in made]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    with client(team, team.tokens["ops"]) as admin:
+        assert admin.delete("/api/tokens/dave").status_code == 200
+    for t in threads:
+        t.join(30)
+    assert "dave" in ended and ended["dave"] < 8, ended
+    assert "erin" not in ended, ended  # the live token's stream went on

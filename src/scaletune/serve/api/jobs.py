@@ -26,7 +26,7 @@ from scaletune.serve.api.schemas import (
     refusal,
 )
 from scaletune.serve.edge import auth
-from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read
+from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read, still_allowed
 from scaletune.serve.edge.teams import need_owner, record
 from scaletune.serve.jobs.db import Job
 from scaletune.serve.jobs.records import MAX_INT
@@ -134,12 +134,19 @@ async def events(job_id: str, request: Request, svc: Svc):
     return EventSourceResponse(event_stream(svc, job_id, int(last), request), ping=3600)
 
 
+REVOCATION_POLLS = 10  # the stream's token is checked every 10 polls (3 s)
+
+
 async def event_stream(svc: JobService, job_id: str, cursor: int, request: Request):
-    """The job's events after `cursor` as server-sent events, polled until the client leaves or
-    the job has ended."""
+    """The job's events after `cursor` as server-sent events, polled until the client leaves, the
+    job has ended, or the token the stream was opened with is revoked (checked every few seconds)."""
     quiet = 0.0
     ended_polls = 0
+    polls = 0
     while not await request.is_disconnected():
+        polls += 1
+        if polls % REVOCATION_POLLS == 0 and not await asyncio.to_thread(still_allowed, request):
+            return
         rows = await asyncio.to_thread(svc.events_after, job_id, cursor)
         for eid, kind, data in rows:
             cursor = eid

@@ -49,6 +49,18 @@ def caller(request: Request, bearer: Annotated[HTTPAuthorizationCredentials | No
     )
 
 
+def still_allowed(request: Request) -> bool:
+    """Whether the credential a request came with (its bearer token, else its session cookie) still
+    identifies a live token: a long response (an event stream) ends when its token is revoked.
+    Always true on a service without tokens (loopback only)."""
+    svc = request.app.state.svc
+    header = request.headers.get("authorization", "")
+    given = header[7:].strip() if header[:7].lower() == "bearer " else request.cookies.get(auth.COOKIE, "")
+    if given and auth.identify(svc.Session, given) is not None:
+        return True
+    return not auth.has_tokens(svc.Session)
+
+
 def need(scope: str):
     """The dependency that lets a caller of `scope` or above through ("read", "submit", "admin")."""
 
