@@ -129,3 +129,50 @@ def test_form_fields_nested_too_deep_are_422(srv):
     assert r.status_code == 422 and "nested" in r.text, (r.status_code, r.text[:300])
     ok = c.post("/api/config/apply", json={"config": "seed: 1\n", "fields": {"seed": 7}})
     assert ok.status_code == 200 and "seed: 7" in ok.json()["config"], ok.text[:300]
+
+
+def test_concurrent_first_previews_all_answer(tiny_model_dir, tmp_path):
+    """Twelve data previews at once on a freshly started `scaletune serve` (nothing of transformers
+    imported yet): every one answers 200 with the same preview (issue 34: 11 of 12 were 500, an
+    ImportError from a module another request thread was still importing)."""
+    import json
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, subprocess_env
+    from tests.serve.serve_helpers import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "scaletune", "serve", "--port", str(port), "--jobs-dir", str(tmp_path / "jobs")]
+    argv += ["--read-root", str(tmp_path), "--read-root", str(tiny_model_dir.parent)]
+    env = subprocess_env(SCALETUNE_DB=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the service did not start"
+            try:
+                httpx.get(url + "/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        records = json.loads(ALPACA_5000.read_text())[:50]
+        body = "".join(json.dumps(r) + "\n" for r in records).encode()
+        up = httpx.post(url + "/api/data", params={"name": "a.jsonl"}, content=body, timeout=120)
+        assert up.status_code in (200, 201), up.text
+        cfg = yaml.safe_dump(make_config(tiny_model_dir, "run"))
+
+        def preview(_):
+            return httpx.post(url + "/api/data/preview", json={"file": "a.jsonl", "config": cfg}, timeout=180)
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(preview, range(12)))
+        assert [r.status_code for r in answers] == [200] * 12, [r.text[:200] for r in answers if r.status_code != 200]
+        assert len({json.dumps(r.json(), sort_keys=True) for r in answers}) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

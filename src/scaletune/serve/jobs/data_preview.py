@@ -10,6 +10,7 @@ model's (`models.load_tokenizer`, never with remote code), after the policy allo
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ BINS = 20
 _BATCH = 256
 _DATA_KEYS = ("max_seq_length", "chat_template")  # what of `data` shapes a record's tokens
 _SFT = ("alpaca", "messages", "text")
+
+
+_LOADING = threading.Lock()  # see `preview`
 
 
 def _sections(config: str, max_depth: int) -> tuple[dict, dict]:
@@ -123,16 +127,20 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         UserError: every problem of the config (each naming its key), the policy, the tokenizer
             (`models.load_tokenizer`'s) or the records (`load_records`', naming file and record).
     """
-    import jinja2
-
-    from scaletune.data.build import sft_encoder
-    from scaletune.data.sources import load_records
-    from scaletune.models import load_tokenizer
-
     model, section = _sections(config, svc.policy.max_depth)
     mcfg, dcfg = _configs(model, section, path)
     _allowed(svc, model)
-    tok = load_tokenizer(mcfg.model_copy(update={"trust_remote_code": False}))
+    # One at a time: the first previews import transformers (and a tokenizer's class, lazily) from
+    # several request threads at once, and a module half-imported by one thread is an ImportError
+    # in another (12 concurrent first previews gave 11 x 500). Loading a tokenizer is the slow part.
+    with _LOADING:
+        import jinja2
+
+        from scaletune.data.build import sft_encoder
+        from scaletune.data.sources import load_records
+        from scaletune.models import load_tokenizer
+
+        tok = load_tokenizer(mcfg.model_copy(update={"trust_remote_code": False}))
     source = dcfg.train
     records = load_records(source)
     measured = records[:MEASURED]
