@@ -256,3 +256,24 @@ def test_a_builder_name_as_data_is_refused(strict, tiny_model_dir, builder):
         strict.svc.policy = before
     assert r.status_code == 422, r.text
     assert any("names a datasets builder" in p and builder in p for p in r.json()["problems"]), r.text
+
+
+def test_a_target_turned_off_is_refused(strict, tiny_model_dir):
+    """`--disable-target local` (a web-only deployment that sends every run elsewhere): a job for
+    it is 422 naming the setting, the other targets are still accepted (issue 34); an unknown name
+    is refused at start."""
+    from tests.helpers import run_cli
+
+    cfg = make_config(tiny_model_dir, "runs/x")
+    before = strict.svc.policy
+    strict.svc.policy = TEST_POLICY.updated(disabled_targets=["local"])
+    try:
+        body = {"config": yaml.safe_dump(cfg), "dry_run": True, "target": "local"}
+        r = client(strict, strict.submit).post("/api/jobs", json=body)
+        assert r.status_code == 422 and any("target local: turned off" in p for p in r.json()["problems"]), r.text
+        r = client(strict, strict.submit).post("/api/jobs", json={**body, "target": "slurm"})
+        assert not any("turned off" in p for p in r.json().get("problems", [])), r.text
+    finally:
+        strict.svc.policy = before
+    bad = run_cli(["serve", "--disable-target", "nowhere", "--port", "1"])
+    assert bad.returncode == 2 and "--disable-target 'nowhere'" in bad.stderr, bad.stderr

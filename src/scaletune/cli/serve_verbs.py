@@ -54,6 +54,12 @@ def serve(
             help="A distributed.env name (or name prefix) jobs may set besides the built-in list (repeatable; docs/security.md)."
         ),
     ] = None,
+    disable_target: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A target jobs may not be sent to: local, slurm or modal (repeatable; e.g. local on a web-only host)."
+        ),
+    ] = None,
     read_root: Annotated[
         list[Path] | None,
         typer.Option(help="A folder jobs may read data and models from (repeatable; default: the working directory)."),
@@ -104,6 +110,9 @@ def serve(
     problems: list[Problem] = []
     if max_concurrent < 1:
         problems.append(Problem("serve options", None, f"--max-concurrent must be 1 or more, got {max_concurrent}"))
+    for t in disable_target or ():
+        if t not in ("local", "slurm", "modal"):
+            problems.append(Problem("serve options", None, f"--disable-target {t!r}: one of local, slurm, modal"))
     root_path = root_path.rstrip("/")
     if root_path and (not root_path.startswith("/") or "//" in root_path or any(c in root_path for c in "?#%\\\"' <>")):
         problems.append(
@@ -118,6 +127,7 @@ def serve(
         allow_factories=allow_factories,
         allow_remote_code=allow_remote_code,
         env_prefixes=tuple(allow_env or ()),
+        disabled_targets=tuple(disable_target or ()),
         read_roots=tuple(str(p.resolve()) for p in read_root) if read_root else None,
         write_roots=tuple(str(p.resolve()) for p in write_root or ()),
         trusted_hosts=tuple(trusted_host or ()),
@@ -139,7 +149,7 @@ def serve(
         raise UserError(problems, title="cannot serve")
     # One line an operator (or a platform's log) sees at start; the password is never printed.
     typer.echo(
-        f"scaletune serve: {address} | database {redacted(database_url(db))} | targets {', '.join(svc.dispatchers)}"
+        f"scaletune serve: {address} | database {redacted(database_url(db))} | targets {', '.join(t for t in svc.dispatchers if t not in policy.disabled_targets)}"
         f" | at most {max_concurrent} local job{'s' if max_concurrent > 1 else ''} at once"
         + (f" | under {root_path}/ (--root-path)" if root_path else ""),
         err=True,

@@ -53,6 +53,9 @@ class PolicyUpdate(BaseModel):
     allow_factories: bool | None = None
     allow_remote_code: bool | None = None
     env_prefixes: list[str] | None = None
+    disabled_targets: list[Literal["local", "slurm", "modal"]] | None = Field(
+        None, description="Targets jobs may not be sent to"
+    )
     read_roots: list[str] | None = None
     write_roots: list[str] | None = None
     trusted_hosts: list[str] | None = None

@@ -109,6 +109,8 @@ DATA_AREA = "data"  # the uploaded data files' folder, in the jobs folder (a job
 class Policy:
     """The admin settings.
 
+    disabled_targets: targets jobs may not be sent to (`--disable-target`: `local` on a web-only
+        deployment that sends every run to Modal or SLURM).
     env_prefixes: `distributed.env` names (a name, or a prefix of names) jobs may set besides
         `JOB_ENV` (`--allow-env`); never one that turns remote code on or the restricted unpickler off.
     read_roots: folders local data, models and checkpoints may be read from; None: the service's
@@ -125,6 +127,7 @@ class Policy:
     allow_factories: bool = False
     allow_remote_code: bool = False
     env_prefixes: tuple[str, ...] = ()
+    disabled_targets: tuple[str, ...] = ()
     read_roots: tuple[str, ...] | None = None
     write_roots: tuple[str, ...] = ()
     trusted_hosts: tuple[str, ...] = ()

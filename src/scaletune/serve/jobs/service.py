@@ -120,6 +120,12 @@ class JobService:
         problems = []
         if target not in TARGETS:
             problems.append(f"target {target!r}: one of {', '.join(TARGETS)}")
+        elif target in self.policy.disabled_targets:
+            on = [t for t in TARGETS if t not in self.policy.disabled_targets]
+            problems.append(
+                f"target {target}: turned off on this service (admin setting --disable-target); "
+                f"targets here: {', '.join(on) or 'none'}"
+            )
         if not isinstance(resources, dict):
             problems.append("resources: must be a mapping")
         if target == "modal" and not self.public_url:

@@ -26,7 +26,7 @@ from scaletune.serve.edge.guard import NONCE_KEY
 from scaletune.serve.edge.teams import record
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs.db import Event, Job
-from scaletune.serve.jobs.service import JobService
+from scaletune.serve.jobs.service import TARGETS, JobService
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
@@ -101,7 +101,8 @@ def index(request: Request, svc: Svc):
     c = who(request)
     if c is None:
         return go(request, "login")
-    return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope, who=c)
+    targets = [t for t in TARGETS if t not in svc.policy.disabled_targets]  # the form offers these only
+    return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope, who=c, targets=targets)
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
