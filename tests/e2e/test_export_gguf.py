@@ -257,3 +257,26 @@ def test_a_tokenizer_or_rope_it_cannot_name_for_llama_cpp_is_refused_before_writ
     assert len(err.value.problems) == 2, err.value.problems
     assert "rope scaling 'llama3'" in str(err.value) and '"Whitespace"' in str(err.value)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_hostile_model_config_is_refused_before_anything_converts(llama_run, tmp_path):
+    """A checkpoint whose base model's config.json states impossible shapes (no heads, a
+    billion-token vocabulary: a stranger's folder, issue 34) is refused by `scaletune export
+    --format gguf` with exit 2 naming every such key, before any model loads; nothing is written."""
+    ckpt = llama_run / "checkpoints" / "step-2"
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    model = tmp_path / "hostile-model"
+    shutil.copytree(cfg["model"]["name_or_path"], model, symlinks=True)
+    config = json.loads((model / "config.json").read_text())
+    config |= {"num_attention_heads": 0, "vocab_size": 10**9}
+    (model / "config.json").write_text(json.dumps(config))
+    hostile = tmp_path / "hostile-checkpoint"
+    shutil.copytree(ckpt, hostile)  # a copy: a link inside a checkpoint is refused by itself
+    cfg["model"]["name_or_path"] = str(model)
+    (hostile / "config.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_cli(["export", str(hostile), "-o", str(tmp_path / "out"), "--format", "gguf"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "num_attention_heads 0 is not a positive integer" in proc.stderr, proc.stderr
+    assert "vocab_size 1000000000 is larger than any model's" in proc.stderr, proc.stderr
+    assert "symbolic link" not in proc.stderr  # refused for its shapes alone
+    assert not (tmp_path / "out").exists()

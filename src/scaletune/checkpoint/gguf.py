@@ -73,25 +73,69 @@ def architecture_problems(model_type: str | None, where: str) -> list[Problem]:
     ]
 
 
-def _checkpoint_model_type(checkpoint: Path) -> tuple[str | None, str]:
-    """The model_type of the model a checkpoint trained, read from its config without loading
-    weights (None where that cannot be told yet: the HF export's config.json is checked later)."""
+#: The largest vocabulary written (real ones are at most 262,144: Gemma 3); a config claiming more
+#: would have the tokenizer's table padded to it in memory.
+MAX_VOCAB = 2**22
+_SHAPE_KEYS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def shape_problems(config: dict, where: str) -> list[Problem]:
+    """Every shape a model config states that the GGUF writer cannot take (a stranger's config.json):
+    the counts positive integers, the heads dividing the width and the key-value heads the heads,
+    the vocabulary at most `MAX_VOCAB`. Found before anything is converted (exit 2, not a traceback)."""
+    out = []
+
+    def bad(key: str, why: str) -> None:
+        out.append(Problem("gguf config", "model.name_or_path", f"{where}: {key} {config.get(key)!r} {why}"))
+
+    for key in (*_SHAPE_KEYS, "vocab_size"):
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            bad(key, "is not a positive integer")
+    if isinstance(config.get("vocab_size"), int) and config["vocab_size"] > MAX_VOCAB:
+        bad("vocab_size", f"is larger than any model's ({MAX_VOCAB:,} at most)")
+    if out:
+        return out
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if not isinstance(kv, int) or kv < 1 or heads % kv:
+        bad("num_key_value_heads", f"does not divide num_attention_heads {heads}")
+    if not config.get("head_dim") and config["hidden_size"] % heads:
+        bad("hidden_size", f"is not a multiple of num_attention_heads {heads}")
+    eps = config.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+        bad("rms_norm_eps", "is not a number between 0 and 1")
+    return out
+
+
+def _checkpoint_model_type(checkpoint: Path) -> tuple[str | None, str, dict | None]:
+    """The model_type of the model a checkpoint trained, where it was read, and its config as a
+    mapping, read without loading weights (None where that cannot be told yet: the HF export's
+    config.json is checked later)."""
     from scaletune.config import read_config
 
     try:
         cfg = read_config(checkpoint / "config.yaml").config
     except Exception:  # noqa: BLE001 - a broken checkpoint is export_problems' to report
-        return None, str(checkpoint)
+        return None, str(checkpoint), None
     if cfg is None:
-        return None, str(checkpoint)
+        return None, str(checkpoint), None
     if cfg.model.factory is not None:
-        return f"factory:{cfg.model.factory}", f"{checkpoint / 'config.yaml'} model.factory"
+        return f"factory:{cfg.model.factory}", f"{checkpoint / 'config.yaml'} model.factory", None
+    where = str(cfg.model.name_or_path)
     try:
-        from transformers import AutoConfig
+        from transformers import PretrainedConfig
 
-        return AutoConfig.from_pretrained(cfg.model.name_or_path).model_type, str(cfg.model.name_or_path)
+        # The plain mapping (no model class built from it: a hostile one may not build).
+        config, _ = PretrainedConfig.get_config_dict(cfg.model.name_or_path)
     except Exception:  # noqa: BLE001 - e.g. remote code: the exported config.json says it later
-        return None, str(cfg.model.name_or_path)
+        return None, where, None
+    return config.get("model_type"), where, config
 
 
 def resolve_checkpoint(checkpoint: Path) -> Path:
@@ -112,8 +156,10 @@ def gguf_export_problems(checkpoint: Path, out_dir: Path, gguf_type: str | None)
     checkpoint = resolve_checkpoint(checkpoint)
     problems = export_problems(checkpoint, out_dir, "5GB") + gguf_type_problems(gguf_type)
     if (checkpoint / "config.yaml").is_file():
-        model_type, where = _checkpoint_model_type(checkpoint)
+        model_type, where, config = _checkpoint_model_type(checkpoint)
         problems += architecture_problems(model_type, where)
+        if config is not None and model_type in ARCHITECTURES:
+            problems += shape_problems(config, where)
     return problems
 
 
@@ -214,6 +260,8 @@ def convert_hf_to_gguf(hf_dir: Path, out_file: Path, gguf_type: str, *, data_cfg
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config.get("model_type")
     problems = gguf_type_problems(gguf_type) + architecture_problems(model_type, str(hf_dir / "config.json"))
+    if not problems:
+        problems += shape_problems(config, str(hf_dir / "config.json"))
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         problems.append(
