@@ -277,3 +277,57 @@ def test_a_target_turned_off_is_refused(strict, tiny_model_dir):
         strict.svc.policy = before
     bad = run_cli(["serve", "--disable-target", "nowhere", "--port", "1"])
     assert bad.returncode == 2 and "--disable-target 'nowhere'" in bad.stderr, bad.stderr
+
+
+def test_a_module_planted_in_the_working_directory_is_never_imported(tmp_path, tiny_model_dir):
+    """A `scaletune.py` written into the service's working directory (issue 34, case 1: a hostile
+    hub's download into a cache a job named there) is not what a job's processes import: they start
+    with PYTHONSAFEPATH (no working directory first on sys.path), and the job trains. The control:
+    a plain `python -m scaletune` in that directory imports the planted file."""
+    from tests.helpers import SHARED_DATA
+
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "scaletune.py").write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "src"), str(REPO_ROOT)])}
+    subprocess.run([sys.executable, "-m", "scaletune", "--help"], env=env, cwd=tmp_path, capture_output=True)
+    assert marker.is_file(), "the control: a plain `python -m scaletune` there imports the plant"
+    marker.unlink()
+    port = free_port()
+    roots = ["--read-root", str(tiny_model_dir.parent), "--read-root", str(SHARED_DATA)]
+    # The service itself started safely (-P), as an operator starts it outside a writable folder.
+    argv = [sys.executable, "-P", "-m", "scaletune", "serve", "--port", str(port), "--jobs-dir", str(tmp_path / "j")]
+    proc = subprocess.Popen(
+        [*argv, *roots],
+        env={**env, "SCALETUNE_DB": f"sqlite:///{tmp_path / 'serve.db'}"},
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the service did not start"
+            try:
+                httpx.get(url + "/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        cfg = make_config(tiny_model_dir, "x", training={"max_steps": 1, "save_every": 0})
+        r = httpx.post(url + "/api/jobs", json={"config": yaml.safe_dump(cfg)}, timeout=120)
+        assert r.status_code == 201, r.text
+        job = r.json()["id"]
+        deadline = time.monotonic() + 300
+        while (state := httpx.get(f"{url}/api/jobs/{job}", timeout=10).json()["state"]) not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+            "lost",
+        ):
+            assert time.monotonic() < deadline, state
+            time.sleep(1)
+        assert state == "succeeded", httpx.get(f"{url}/api/jobs/{job}/logs", timeout=10).text[-2000:]
+        assert not marker.exists(), "the job's processes imported the planted scaletune.py"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -24,11 +24,14 @@ SERVICE_SECRETS = frozenset(
 
 
 def job_environment(job: JobFiles, **extra: str) -> dict[str, str]:
-    """The environment a job's process (or sbatch) starts with: the service's, less
-    `SERVICE_SECRETS`, plus the job's own (report URL and token, secret values submitted with its
-    config) and `extra`."""
+    """The environment a job's process (or sbatch), its config check and its tasks start with: the
+    service's, less `SERVICE_SECRETS`, plus the job's own (report URL and token, secret values
+    submitted with its config) and `extra`, with PYTHONSAFEPATH set."""
     inherited = {k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS}
-    return {**inherited, **job.env, **extra}
+    # PYTHONSAFEPATH: `python -m scaletune` (and torchrun's workers) put no working directory first
+    # on sys.path, so a file written there (a hub download into a cache named by a job, an
+    # upload) is never imported in place of scaletune, torch or transformers.
+    return {**inherited, **job.env, **extra, "PYTHONSAFEPATH": "1"}
 
 
 @dataclass(frozen=True)
