@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from scaletune.serve.edge.auth import create_token
-from tests.serve.serve_helpers import Server, client, plant_job
+from tests.serve.serve_helpers import Server, client, free_port, plant_job, wait_serving
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,6 @@ def test_concurrent_first_previews_all_answer(tiny_model_dir, tmp_path):
     import yaml
 
     from tests.helpers import ALPACA_5000, REPO_ROOT, make_config, subprocess_env
-    from tests.serve.serve_helpers import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -152,14 +151,7 @@ def test_concurrent_first_previews_all_answer(tiny_model_dir, tmp_path):
     env = subprocess_env(SCALETUNE_DB=f"sqlite:///{tmp_path / 'db.sqlite'}")
     proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the service did not start"
-            try:
-                httpx.get(url + "/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_serving(proc, url)
         records = json.loads(ALPACA_5000.read_text())[:50]
         body = "".join(json.dumps(r) + "\n" for r in records).encode()
         up = httpx.post(url + "/api/data", params={"name": "a.jsonl"}, content=body, timeout=120)

@@ -20,7 +20,16 @@ import yaml
 from scaletune.serve.edge.auth import create_token
 from scaletune.serve.edge.policy import Policy
 from tests.helpers import make_config
-from tests.serve.serve_helpers import REPO_ROOT, TEST_POLICY, Server, client, free_port, plant_job
+from tests.serve.serve_helpers import (
+    REPO_ROOT,
+    TEST_POLICY,
+    Server,
+    client,
+    free_port,
+    plant_job,
+    wait_serving,
+    wait_state,
+)
 
 
 @pytest.fixture(scope="module")
@@ -185,14 +194,7 @@ def test_default_cli_service_refuses_a_factory(tmp_path):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            try:
-                httpx.get(url + "/api/jobs", timeout=2)
-                break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_serving(proc, url)
         cfg = {
             "output_dir": "x",
             "model": {"factory": "os:system", "factory_kwargs": {"command": f"touch {marker}"}},
@@ -305,28 +307,13 @@ def test_a_module_planted_in_the_working_directory_is_never_imported(tmp_path, t
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the service did not start"
-            try:
-                httpx.get(url + "/healthz", timeout=2)
-                break
-            except httpx.TransportError:
-                time.sleep(0.3)
+        wait_serving(proc, url)
         cfg = make_config(tiny_model_dir, "x", training={"max_steps": 1, "save_every": 0})
-        r = httpx.post(url + "/api/jobs", json={"config": yaml.safe_dump(cfg)}, timeout=120)
-        assert r.status_code == 201, r.text
-        job = r.json()["id"]
-        deadline = time.monotonic() + 300
-        while (state := httpx.get(f"{url}/api/jobs/{job}", timeout=10).json()["state"]) not in (
-            "succeeded",
-            "failed",
-            "cancelled",
-            "lost",
-        ):
-            assert time.monotonic() < deadline, state
-            time.sleep(1)
-        assert state == "succeeded", httpx.get(f"{url}/api/jobs/{job}/logs", timeout=10).text[-2000:]
+        with httpx.Client(base_url=url, timeout=120) as c:
+            r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)})
+            assert r.status_code == 201, r.text
+            job = wait_state(c, r.json()["id"], {"succeeded", "failed", "cancelled", "lost"}, timeout=300)
+            assert job["state"] == "succeeded", c.get(f"/api/jobs/{job['id']}/logs").text[-2000:]
         assert not marker.exists(), "the job's processes imported the planted scaletune.py"
     finally:
         proc.terminate()

@@ -168,6 +168,21 @@ def read_events(c: httpx.Client, job_id: str, until, *, last_id: str | None = No
     return out
 
 
+def wait_serving(proc: subprocess.Popen, url: str, timeout: float = 90) -> None:
+    """Until the `scaletune serve` process `proc` answers /healthz at `url`; it must not exit first
+    (its stderr, when piped, is in the failure)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
+            raise AssertionError(f"the service did not start (exit {proc.poll()}): {err}")
+        try:
+            httpx.get(url + "/healthz", timeout=2)
+            return
+        except httpx.TransportError:
+            time.sleep(0.3)
+
+
 def wait_state(c: httpx.Client, job_id: str, states: set[str], timeout: float = 180) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
