@@ -77,14 +77,14 @@ def kto_kl_pass(strategy: Any, batches: list) -> float:
     return kl
 
 
-def preference_kind(objective: Any, kl_pass: Callable[[Any, list], Any] | None = None) -> BatchKind:
+def preference_kind(objective: Any, kl_pass: Callable[[Any, list], Any]) -> BatchKind:
     """How the loop reads a micro-batch of `objective` (an `objectives.Objective`): its units, the
-    non-padding tokens of the rows trained on, its stats, KTO's KL pass (`kl_pass`, default
-    `kto_kl_pass`)."""
+    non-padding tokens of the rows trained on, its stats, and `kl_pass` before each step where the
+    objective has one (KTO's, `kto_kl_pass` through `trainer.objectives.StageObjectives.kl_pass`)."""
     return BatchKind(
         preference_inputs,
         objective.units,
         lambda b: int(b["attention_mask"].sum()),
         collects_stats=True,
-        before_step=(kl_pass or kto_kl_pass) if objective.kl_pass else None,
+        before_step=kl_pass if objective.kl_pass else None,
     )

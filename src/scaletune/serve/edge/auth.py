@@ -74,13 +74,14 @@ def install_env_admin(Session, value: str) -> list[Problem]:  # noqa: N803
                 make,
             )
         ]
-    if entropy_bits(value) < MIN_ENV_BITS:
+    bits = entropy_bits(value)
+    if bits < MIN_ENV_BITS:
         return [
             Problem(
                 "SCALETUNE_ADMIN_TOKEN",
                 None,
                 f"SCALETUNE_ADMIN_TOKEN repeats too few characters to be hard to guess (about "
-                f"{entropy_bits(value):.0f} bits; an admin token needs {MIN_ENV_BITS})",
+                f"{bits:.0f} bits; an admin token needs {MIN_ENV_BITS})",
                 make,
             )
         ]
