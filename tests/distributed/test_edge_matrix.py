@@ -1,8 +1,8 @@
-"""The edges a user meets after the even-shard parity runs, under ddp, fsdp, ZeRO-2 and ZeRO-3 at
-world sizes 2 and 3, each started as users start it (`scaletune train CONFIG key=value ...
+"""The edges a user meets after the even-shard parity runs, under ddp, fsdp, ZeRO-1, ZeRO-2 and
+ZeRO-3 at world sizes 2 and 3, each started as users start it (`scaletune train CONFIG key=value ...
 distributed.num_processes=N`, which re-executes under torchrun, or `torchrun -m scaletune train`)
-and compared with the single-process run of the same config (fp32: loss, grad_norm and eval_loss
-of metrics.jsonl within 1e-5, relative; the sample answers equal).
+and compared with the single-process run of the same config (fp32: loss, grad_norm, lr and
+eval_loss of metrics.jsonl within 1e-5, relative; the sample answers equal).
 
 One config holds every edge, so each (strategy, world size) is one run:
 
@@ -13,13 +13,24 @@ One config holds every edge, so each (strategy, world size) is one run:
   crosses an epoch boundary;
 * an eval before the first step, every 2 steps and at each stage end (a stage boundary with an
   eval), `sample_prompts` answered before and after training;
-* a checkpoint at step 4, written right after the step-4 eval, and a second run resumed from it.
+* a curriculum boundary (issue 35): stage `b` continues stage `a`'s schedule and freezes the
+  adapters of layer 0, which stage `a` trained (the engine is re-targeted at the boundary);
+* checkpoints at stage `a`'s end (step 6) and inside stage `b` (step 8, with layer 0 frozen),
+  each written right after an eval.
+
+**The stage-boundary matrix** rides on those runs: every (strategy, world size) run is resumed
+twice, once from stage `a`'s end and once from inside stage `b`; one of the two on the same world
+size, the other on the other one (2 -> 3, 3 -> 2). So each engine is resumed {at a stage's end,
+mid-stage} x {same world size, another world size}, and every resumed step (loss, grad norm, lr,
+eval) equals the single-process run (1e-5 on the same world size, 1e-4 resharded), and the frozen
+adapters end bit-identical to the run resumed from. LoRA dropout is 0 here, since dropout masks are
+drawn per rank and cannot equal one process's; the RNG restored at a stage's end is
+tests/e2e/test_curriculum.py's, and per rank tests/distributed/test_resume.py's.
 
 Also: a dataset smaller than one global batch (exit 2, one message, no traceback) and your own
 model (`model.factory`, examples/digits) across two processes through the real command.
 
-Every engine runs at world sizes 2 and 3, half of the resumed runs started through torchrun and half
-through the plain command.
+Half of the same-world-size resumes start through torchrun and half through the plain command.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.helpers import BUNDLED_ALPACA, REPO_ROOT, metrics, run_cli, run_torchrun
@@ -37,32 +49,41 @@ from tests.helpers import BUNDLED_ALPACA, REPO_ROOT, metrics, run_cli, run_torch
 pytestmark = pytest.mark.distributed
 
 REL = 1e-5
+RESHARD_REL = 1e-4  # resumed on another world size: the optimizer state is re-cut (issue 35's bound)
 TIMEOUT = 600  # per run; a run of this size takes 20-60 s on two busy cores, a hang the whole timeout
 STRATEGIES = {
     "ddp": ["distributed.strategy=ddp"],
     "fsdp": ["distributed.strategy=fsdp"],
+    "zero1": ["distributed.strategy=deepspeed", "distributed.zero_stage=1"],
     "zero2": ["distributed.strategy=deepspeed", "distributed.zero_stage=2"],
     "zero3": ["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
 }
-# (strategy, world size, how the resumed run starts): every engine at world sizes 2 and 3, the resumed
-# run started through torchrun or the plain command; resuming onto another world size is
-# tests/distributed/test_resume.py's. The cases are spread over the test workers one by one
-# (tests/conftest.py SPREAD): about a minute each on 2 busy cores.
+# (strategy, world size, how the same-world-size resume starts): every engine at world sizes 2 and
+# 3. The cases are spread over the test workers one by one (tests/conftest.py SPREAD): about two
+# minutes each on 2 busy cores.
 CASES = [
     ("fsdp", 2, "torchrun"),
     ("zero3", 3, "torchrun"),
     ("ddp", 3, "scaletune"),
     ("zero2", 2, "scaletune"),
+    ("zero1", 3, "torchrun"),
     ("fsdp", 3, "scaletune"),
     ("zero3", 2, "scaletune"),
     ("ddp", 2, "torchrun"),
     ("zero2", 3, "torchrun"),
+    ("zero1", 2, "scaletune"),
 ]
-RESUME_STEP = 4
+STAGE_END = 6  # stage a's last step: a stage-end checkpoint (stage_complete)
+MID_STAGE = 8  # stage b's second of four steps, layer 0 frozen
+# Which checkpoint a run of world size W resumes on W (the other on the other world size): with two
+# runs an engine, each engine meets all four cells of {stage end, mid-stage} x {same, other}.
+SAME_WORLD = {2: STAGE_END, 3: MID_STAGE}
+OTHER_WORLD = {2: 3, 3: 2}
 # LoRA: the head stays frozen. A full fine-tune's gradient norm agrees across engines only to a few
 # 1e-4 (the float32 norm of the head's 6.4M gradient values, summed in another order: GRAD_REL in
 # tests/helpers.py); the adapters' norm agrees to 1e-5 like the loss.
 LORA = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}
+FROZEN_IN_B = "*layers.0.*"  # layer 0's adapters: trained in stage a, frozen in stage b
 
 
 def eval_source(records: int) -> dict:
@@ -75,7 +96,8 @@ def edge_config(model: Path, out: Path) -> dict:
 
     58 training rows (64 records, 6 empty after truncation) in global batches of 12 (micro 2:
     accumulation 6, 3 and 2 at world sizes 1, 2 and 3); eval sets of 13 rows (16 records) and 1 row
-    (2 records). Stage `a`: 1.5 epochs = 6 steps; stage `b`: 2 steps."""
+    (2 records). Stage `a`: 1.5 epochs = 6 steps; stage `b`: 4 steps on the same cosine (10 in all),
+    layer 0's adapters frozen."""
     return {
         "output_dir": str(out),
         "seed": 1234,
@@ -92,7 +114,7 @@ def edge_config(model: Path, out: Path) -> dict:
             "warmup_steps": 1,
             "eval_every": 2,
             "eval_on_start": True,
-            "save_every": RESUME_STEP,
+            "save_every": 4,
             "keep_last": 5,
             "sample_prompts": ["Name a colour."],
             "sample_max_new_tokens": 4,
@@ -102,7 +124,13 @@ def edge_config(model: Path, out: Path) -> dict:
         "logging": {"tensorboard": False},
         "stages": [
             {"name": "a", "training": {"epochs": 1.5}},
-            {"name": "b", "data": {"eval": eval_source(2)}, "training": {"max_steps": 2}},
+            {
+                "name": "b",
+                "data": {"eval": eval_source(2)},
+                "training": {"max_steps": 4},
+                "continue_schedule": True,
+                "frozen": [FROZEN_IN_B],
+            },
         ],
     }
 
@@ -127,7 +155,7 @@ def worst(got: list[float], ref: list[float]) -> float:
 
 
 def agreement(run: Path, ref: Path, after: int = -1) -> dict[str, float]:
-    """The worst relative difference of loss, grad_norm and eval_loss between `run` and `ref`'s
+    """The worst relative difference of loss, grad_norm, lr and eval_loss between `run` and `ref`'s
     lines after step `after`, asserting both logged the same steps and evals."""
     got = [m for m in metrics(run) if m["step"] > after]
     exp = [m for m in metrics(ref) if m["step"] > after]
@@ -136,7 +164,7 @@ def agreement(run: Path, ref: Path, after: int = -1) -> dict[str, float]:
         return [(m["step"], m["stage"]) for m in ms if key in m]
 
     out = {}
-    for key in ("loss", "grad_norm", "eval_loss"):
+    for key in ("loss", "grad_norm", "lr", "eval_loss"):
         assert lines(got, key) == lines(exp, key), f"{key} lines: {lines(got, key)} vs {lines(exp, key)}"
         out[key] = worst([m[key] for m in got if key in m], [m[key] for m in exp if key in m])
     return out
@@ -156,15 +184,45 @@ def reference(module_tmp_path, edge_yaml) -> Path:
     trained(scaletune_train(edge_yaml, f"output_dir={run}"), "the single-process reference")
     evals = [(m["step"], m["stage"]) for m in metrics(run) if "eval_loss" in m]
     # The config does what the docstring says: step-0 eval, every 2 steps, at each stage end.
-    assert evals == [(0, "a"), (2, "a"), (4, "a"), (6, "a"), (8, "b")], evals
-    assert (run / "checkpoints" / f"step-{RESUME_STEP}").is_dir()
+    assert evals == [(0, "a"), (2, "a"), (4, "a"), (6, "a"), (8, "b"), (10, "b")], evals
+    progress = {s: json.loads((run / "checkpoints" / f"step-{s}" / "progress.json").read_text()) for s in (6, 8)}
+    assert progress[STAGE_END]["stage_name"] == "a" and progress[STAGE_END]["stage_complete"] is True
+    assert progress[MID_STAGE]["stage_name"] == "b" and not progress[MID_STAGE]["stage_complete"]
+    lrs = [m["lr"] for m in metrics(run) if "loss" in m]
+    assert lrs[6] > 0 and lrs[6] < lrs[5]  # stage b goes on down stage a's cosine (no new warmup)
     return run
+
+
+def frozen_adapters(run: Path) -> dict:
+    """Layer 0's adapter tensors in the run's exported adapter, by name."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(run / "final" / "adapter_model.safetensors"))
+    return {k: v for k, v in tensors.items() if ".layers.0." in k}
+
+
+def resume(edge_yaml: Path, run: Path, out: Path, step: int, strategy: str, world: int, via: str) -> str:
+    """Resume `run`'s step-`step` checkpoint into `out` on `world` processes; its output."""
+    checkpoint = run / "checkpoints" / f"step-{step}"
+    proc = scaletune_train(
+        edge_yaml,
+        f"output_dir={out}",
+        f"training.resume={checkpoint}",
+        *STRATEGIES[strategy],
+        nproc=world,
+        via=via,
+    )
+    trained(proc, f"{strategy} resumed from step {step} on {world} processes")
+    assert min(m["step"] for m in metrics(out)) == step + 1
+    return proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(("strategy", "world", "resume_via"), CASES)
 def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_path, edge_yaml, reference):
-    """Every logged step and eval of the run, and of a run resumed from the checkpoint written
-    right after the step-4 eval, equals the single process within 1e-5; the sample answers too."""
+    """Every logged step and eval of the run equals the single process within 1e-5, the sample
+    answers too. Its two resumes (at stage a's end and inside stage b; one on this world size, one on
+    the other) go on exactly as the single process did, and the adapters stage b freezes end
+    bit-identical to this run's."""
     run = module_tmp_path / f"{strategy}-{world}"
     start = time.monotonic()
     proc = scaletune_train(edge_yaml, f"output_dir={run}", *STRATEGIES[strategy], nproc=world)
@@ -173,30 +231,42 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
     full = agreement(run, reference)
     samples, expected = ([json.loads(line) for line in (r / "samples.jsonl").open()] for r in (run, reference))
     assert samples == expected and all("trained" in s for s in samples)
+    frozen = frozen_adapters(run)
+    assert len(frozen) >= 2 and any(bool(t.any()) for k, t in frozen.items() if "lora_B" in k), (
+        "stage a trained layer 0"
+    )
 
-    resumed = module_tmp_path / f"{strategy}-{world}-resumed"
-    checkpoint = run / "checkpoints" / f"step-{RESUME_STEP}"
-    start = time.monotonic()
-    proc = scaletune_train(
-        edge_yaml,
-        f"output_dir={resumed}",
-        f"training.resume={checkpoint}",
-        *STRATEGIES[strategy],
-        nproc=world,
-        via=resume_via,
-    )
-    trained(proc, f"{strategy} at world size {world}, resumed from step {RESUME_STEP}")
-    took_resumed = time.monotonic() - start
-    assert f"resumed from {checkpoint}" in proc.stdout + proc.stderr
-    assert min(m["step"] for m in metrics(resumed)) == RESUME_STEP + 1
-    after = agreement(resumed, reference, after=RESUME_STEP)
+    cells = [
+        (SAME_WORLD[world], world, resume_via, REL),
+        ({STAGE_END: MID_STAGE, MID_STAGE: STAGE_END}[SAME_WORLD[world]], OTHER_WORLD[world], "scaletune", RESHARD_REL),
+    ]
+    report = {}
+    for step, on, via, rel in cells:
+        out = module_tmp_path / f"{strategy}-{world}-from-{step}-on-{on}"
+        start = time.monotonic()
+        said = resume(edge_yaml, run, out, step, strategy, on, via)
+        name = f"step {step} on {on} ({via}, {time.monotonic() - start:.0f} s)"
+        if step == STAGE_END:
+            assert "resumed at the end of stage a (step 6): stage b starts, its schedule continued" in said, said[
+                -3000:
+            ]
+        if on != world:
+            assert f"resharded step-{step}: written by {world} rank(s)" in said, said[-3000:]
+        else:
+            assert f"resumed from {run / 'checkpoints' / f'step-{step}'}" in said, said[-3000:]
+        report[name] = agreement(out, reference, after=step)
+        got = frozen_adapters(out)
+        assert got.keys() == frozen.keys()
+        for key, tensor in frozen.items():
+            assert torch.equal(got[key], tensor), f"{strategy} x{world} -> {name}: frozen {key} changed"
+        for key, diff in report[name].items():
+            assert diff <= rel, f"{strategy} x{world} resumed from {name}: {key} differs by {diff:.2e} relative"
     print(
-        f"\n[edge] {strategy} x{world}: {took:.0f} s, resumed ({resume_via}) {took_resumed:.0f} s; "
-        f"worst relative difference: {json.dumps(full)}; resumed: {json.dumps(after)}"
+        f"\n[edge] {strategy} x{world}: {took:.0f} s; worst relative difference: {json.dumps(full)}; "
+        f"resumed: {json.dumps(report)}"
     )
-    for what, diffs in (("run", full), ("resumed run", after)):
-        for key, diff in diffs.items():
-            assert diff <= REL, f"{strategy} x{world} {what}: {key} differs by {diff:.2e} relative"
+    for key, diff in full.items():
+        assert diff <= REL, f"{strategy} x{world}: {key} differs by {diff:.2e} relative"
 
 
 def test_data_smaller_than_one_global_batch_exits_2_once(module_tmp_path, edge_yaml):

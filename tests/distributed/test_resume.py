@@ -186,47 +186,48 @@ def test_interrupted_save_keeps_latest_on_previous_checkpoint(tiny_model_dir, tm
     )
 
 
-FROZEN_IN_STAGE_2 = ["model.layers.0.mlp.*", "lm_head.*"]
+FROZEN_IN_STAGE_2 = ["model.embed_tokens.*", "model.layers.0.mlp.*", "lm_head.*"]
 
 
-def _two_stages(tiny_model_dir, out, dist, **training):
-    """Stage 1 trains every weight for 2 steps; stage 2 freezes layer 0's MLP and the head for 2."""
-    cfg = make_config(tiny_model_dir, out, distributed=dist, training={"max_steps": 2, "save_every": 3, **training})
+def _two_stages(model_dir, out, dist, **training):
+    """Stage 1 trains every weight for 2 steps; stage 2 freezes the embeddings, the head and layer
+    0's MLP for 2."""
+    cfg = make_config(model_dir, out, distributed=dist, training={"max_steps": 2, "save_every": 3, **training})
     cfg["stages"] = [
         {"name": "all"},
-        {"name": "frozen-mlp-and-head", "frozen": FROZEN_IN_STAGE_2, "training": {"max_steps": 2}},
+        {"name": "frozen-ends-and-mlp", "frozen": FROZEN_IN_STAGE_2, "training": {"max_steps": 2}},
     ]
     return cfg
 
 
-@pytest.mark.parametrize("case", ["zero2", "zero3"])
-def test_weights_an_earlier_stage_trained_survive_a_reshard(case, run_once, tiny_model_dir, tmp_path):
-    """Stage 2 re-targets to freeze what stage 1 trained (the head among it). The two-rank run equals
-    the single-process run step by step (under ZeRO-3 its first stage-2 step used to crash: the new
-    engine's backward reported to the old one's parameter coordinator). Resumed on one rank from a
-    checkpoint inside stage 2 (written by two), the frozen weights stay what stage 1 made them, bit
-    for bit (DeepSpeed's universal load used to return them to the loaded model's values), and the
-    resumed steps follow the uninterrupted run."""
+def test_weights_an_earlier_stage_trained_survive_a_zero3_reshard(tiny_llama_dir, tmp_path):
+    """A full fine-tune's stage 2 re-targets ZeRO-3 to freeze what stage 1 trained: the
+    embeddings, the head and layer 0's MLP. The two-rank run equals the single-process run step by
+    step (its first stage-2 step used to crash: the new engine's backward reported to the old one's
+    parameter coordinator). Resumed on one rank from a checkpoint inside stage 2 (written by two),
+    the frozen weights stay what stage 1 made them, bit for bit (DeepSpeed's universal load used to
+    return them to the loaded model's values), and the resumed steps follow the uninterrupted run.
+    The LoRA form of both, under every engine and at world sizes 2 and 3, is the stage-boundary
+    matrix of tests/distributed/test_edge_matrix.py."""
     from safetensors.torch import load_file
 
-    sections = {k: v for k, v in _two_stages(tiny_model_dir, "", SINGLE).items() if k != "output_dir"}
-    single = run_once("single-frozen-in-stage-2", **sections)[0]
-    train(_two_stages(tiny_model_dir, tmp_path / "run", STRATEGIES[case]), tmp_path)
-    assert_same_steps(tmp_path / "run", single, 1e-5, f"{case}: two stages on 2 ranks", grad_rel=GRAD_REL)
+    train(_two_stages(tiny_llama_dir, tmp_path / "single", SINGLE), tmp_path, name="single.yaml")
+    train(_two_stages(tiny_llama_dir, tmp_path / "run", STRATEGIES["zero3"]), tmp_path)
+    assert_same_steps(tmp_path / "run", tmp_path / "single", 1e-5, "zero3: two stages on 2 ranks", grad_rel=GRAD_REL)
     ckpt = tmp_path / "run" / "checkpoints" / "step-3"
-    assert json.loads((ckpt / "progress.json").read_text())["stage_name"] == "frozen-mlp-and-head"
-    one = {**STRATEGIES[case], "num_processes": 1}
-    cfg = _two_stages(tiny_model_dir, tmp_path / "resumed", one, resume=str(ckpt))
+    assert json.loads((ckpt / "progress.json").read_text())["stage_name"] == "frozen-ends-and-mlp"
+    one = {**STRATEGIES["zero3"], "num_processes": 1}
+    cfg = _two_stages(tiny_llama_dir, tmp_path / "resumed", one, resume=str(ckpt))
     proc = train(cfg, tmp_path, name="resumed.yaml")
     assert "resharded step-3: written by 2 rank(s)" in proc.stderr
-    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    start = load_file(str(tiny_llama_dir / "model.safetensors"))
     want = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
     got = load_file(str(tmp_path / "resumed" / "final" / "model.safetensors"))
-    frozen = [k for k in want if k.startswith(("model.layers.0.mlp.", "lm_head."))]
-    assert len(frozen) == 4
+    frozen = [k for k in want if k.startswith(("model.layers.0.mlp.", "model.embed_tokens.", "lm_head."))]
+    assert len(frozen) == 5
     for key in frozen:
         assert not torch.equal(want[key], start[key].to(want[key].dtype)), f"{key} did not train in stage 1"
-        assert torch.equal(got[key], want[key]), f"{case}: {key} changed by the reshard"
+        assert torch.equal(got[key], want[key]), f"zero3: {key} changed by the reshard"
     assert_same_steps(
-        tmp_path / "resumed", tmp_path / "run", 1e-4, f"{case}: 2 -> 1 in stage 2", first=3, grad_rel=GRAD_REL
+        tmp_path / "resumed", tmp_path / "run", 1e-4, "zero3: 2 -> 1 in stage 2", first=3, grad_rel=GRAD_REL
     )
