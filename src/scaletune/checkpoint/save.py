@@ -159,9 +159,12 @@ def save_checkpoint(
     try:
         return _save(strategy, root, progress, cfg, scheduler_state, keep_last, fail_after_state)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not _disk_full(exc, root):
+        full = None
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            full = _disk_full(exc, root, root / f".tmp-step-{progress.step}", strategy.env.is_main)
+        if full is None:
             raise
-        raise _disk_full_error(root, root / f".tmp-step-{progress.step}", strategy.env.is_main) from exc
+        raise full from exc
 
 
 def _save(
@@ -206,10 +209,8 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _disk_full(exc: BaseException, root: Path) -> bool:
-    """True when `exc` (or what caused it) says the disk is full, or the disk holding `root` now has
-    less room than a checkpoint takes (torch's zip writer reports a short write as `unexpected pos`
-    with no errno)."""
+def _says_disk_full(exc: BaseException) -> bool:
+    """True when `exc`, or what caused it, is the OS saying the disk is full."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -217,18 +218,24 @@ def _disk_full(exc: BaseException, root: Path) -> bool:
         if "No space left on device" in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _disk_full(exc: BaseException, root: Path, tmp: Path, is_main: bool) -> DiskFull | None:
+    """The error to end the run with when `exc` came from a full disk, else None.
+
+    A full disk is what `exc` says, or the disk holding `root` having less room than a checkpoint
+    takes (the intact `latest`, measured once; 1 MiB without one): torch's zip writer reports a short
+    write as `unexpected pos` with no errno. Rank 0 removes the partial folder `tmp` first, so the
+    message gives the room there is after it."""
     latest = latest_checkpoint(root.parent)
     needed = _tree_bytes(latest) if latest is not None else 1 << 20
-    return shutil.disk_usage(root).free < needed
-
-
-def _disk_full_error(root: Path, tmp: Path, is_main: bool) -> DiskFull:
-    """The message of a checkpoint the disk had no room for; the partial folder removed (rank 0)."""
-    latest = latest_checkpoint(root.parent)
+    if not _says_disk_full(exc) and shutil.disk_usage(root).free >= needed:
+        return None
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     free = shutil.disk_usage(root).free
-    need = f"a checkpoint takes {_tree_bytes(latest) / 2**20:.1f} MiB ({latest.name}), " if latest else ""
+    need = f"a checkpoint takes {needed / 2**20:.1f} MiB ({latest.name}), " if latest else ""
     intact = (
         f"the last intact checkpoint is {latest} (resume from it with training.resume: auto once there is room)"
         if latest

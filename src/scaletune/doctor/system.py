@@ -136,7 +136,12 @@ def _existing_parent(path: Path) -> Path:
 
 
 def check_disk(spec: RunSpec | None) -> Check:
-    """Free disk at output_dir against the checkpoints the run keeps (real `shutil.disk_usage`)."""
+    """Free disk at output_dir against the checkpoints the run keeps (real `shutil.disk_usage`).
+
+    FAIL (fatal) below the final model plus one checkpoint; WARN below the peak: `keep_last`
+    checkpoints plus the larger of the one being written and the final model. Sizes: a checkpoint is
+    12 bytes per trainable parameter (fp32 weights and Adam's two moments), the final model 2 or 4
+    per parameter (4 per adapter parameter under LoRA)."""
     name = "free disk"
     if spec is None:
         return ok(name, "no config")
@@ -158,13 +163,17 @@ def check_disk(spec: RunSpec | None) -> Check:
     ckpt = 4 * trainable * 3  # fp32 weights + Adam's two moments
     keep = cfg.training.keep_last if cfg.training.save_every else 0
     need_min = final + (ckpt if keep else 0)
-    need = final + keep * ckpt
+    # The peak: a new checkpoint is written beside the `keep` intact ones and the oldest pruned only
+    # once it is complete (checkpoint/save.py), and the final model is written beside the kept ones.
+    need = keep * ckpt + max(ckpt if keep else 0, final)
     where = _existing_parent(Path(cfg.output_dir))
     free = shutil.disk_usage(where).free
     gb = 1e9
     msg = (
-        f"{free / gb:,.1f} GB free at {where}; the run writes ~{need / gb:,.1f} GB "
-        f"({keep} checkpoint(s) of ~{ckpt / gb:,.1f} GB and a final model of ~{final / gb:,.1f} GB)"
+        f"{free / gb:,.1f} GB free at {where}; the run needs ~{need / gb:,.1f} GB at its peak "
+        f"({keep} checkpoint(s) of ~{ckpt / gb:,.1f} GB kept, "
+        + ("one more while the next is written, " if keep else "")
+        + f"a final model of ~{final / gb:,.1f} GB)"
     )
     if free < need_min:
         return Check(name, "FAIL", msg, "free disk space or point output_dir at a larger disk", fatal=True)
