@@ -188,6 +188,19 @@ def test_tied_tensor_trains_if_any_of_its_names_does():
     assert model.head.weight.requires_grad and not model.head.bias.requires_grad
 
 
+def test_a_frozen_pattern_freezes_a_tied_tensor_under_either_name():
+    """`frozen: [head.*]` on a head tied to `tail`: the tensor is frozen under both names (the
+    tied name kept it training before); `trainable: [tail.*]` trains it under both."""
+    model = TinyRegressor()
+    model.tail = torch.nn.Linear(8, 1)
+    model.tail.weight = model.head.weight  # tied
+    frozen, chosen = trainable_sets(model, [stage(0, frozen=["head.*"]), stage(1, ["tail.*"])])
+    assert "head.weight" not in frozen and "tail.weight" not in frozen and "tail.bias" in frozen
+    assert {"head.weight", "tail.weight", "tail.bias"} <= chosen and "head.bias" not in chosen
+    apply_trainable(model, frozen)
+    assert not model.head.weight.requires_grad and model.tail.bias.requires_grad
+
+
 def rules_for(model: dict, data: dict | None = None, stages: list | None = None) -> list[str]:
     cfg = Config.model_validate(
         {"model": model, "data": data or {"factory": "tests.custom_factories:build_data"}, "stages": stages or []}

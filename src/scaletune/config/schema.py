@@ -298,7 +298,8 @@ class StageConfig(StrictModel):
     parameters that train by default (all; the adapters under LoRA). Each pattern must match."""
     frozen: list[str] | None = Field(None, min_length=1)
     """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
-    set). Each pattern must match. The optimizer is rebuilt when a stage trains another set."""
+    set). Each pattern must match. A tied tensor is frozen under whichever of its names a pattern
+    names (the embeddings freeze a tied head). The optimizer is rebuilt when a stage trains another set."""
 
 
 class WandbConfig(StrictModel):

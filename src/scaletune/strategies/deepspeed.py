@@ -343,7 +343,7 @@ class DeepSpeedStrategy(Strategy):
         if not self.checkpointed_frozen:
             return
         names = sorted(self.checkpointed_frozen)
-        params = dict(self.module.named_parameters())
+        params = dict(self.module.named_parameters(remove_duplicate=False))  # a tied tensor under each name
         saved: dict[str, torch.Tensor] = {}
         if self.spec.zero_stage != 3:
             from scaletune.safe_load import restricted_load
@@ -367,7 +367,8 @@ class DeepSpeedStrategy(Strategy):
         if self.spec.zero_stage == 3:
             import deepspeed
 
-            gathered = deepspeed.zero.GatheredParameters([params[n] for n in names], modifier_rank=0)
+            unique = list({id(params[n]): params[n] for n in names}.values())
+            gathered = deepspeed.zero.GatheredParameters(unique, modifier_rank=0)
         with gathered, torch.no_grad():
             for name in names if saved else ():
                 params[name].copy_(saved[name].to(params[name].device, params[name].dtype))

@@ -4,14 +4,17 @@ parameters that train in each stage, checked against the model's parameter names
 Patterns are `fnmatch` globs over the names `model.named_parameters()` gives (your module's own
 names; peft's under LoRA): `*` also crosses dots, so `projector.*` is every parameter of
 `projector`. A stage without patterns trains what trains by default (everything; the adapters
-under LoRA). A tensor shared under several names (tied embeddings) trains if any of its names does.
+under LoRA). A tensor shared under several names (tied embeddings) is one parameter: a `trainable`
+pattern that names it under any name trains it, a `frozen` pattern that names it under any name
+freezes it (so `frozen: [model.embed_tokens.*]` freezes a tied head too; the tied name used to keep
+it training, silently).
 The engines re-target the optimizer when the set changes (`Strategy.retarget`, which applies the
 set with `strategies.optim.apply_trainable`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 
 from torch import nn
@@ -27,14 +30,25 @@ def _matching(names: Sequence[str], pattern: str) -> set[str]:
     return {n for n in names if fnmatchcase(n, pattern)}
 
 
-def stage_trainable(names: Sequence[str], default: set[str], stage: Stage, key: str) -> tuple[set[str], list[str]]:
+def stage_trainable(
+    names: Sequence[str],
+    default: set[str],
+    stage: Stage,
+    key: str,
+    aliases: Mapping[str, frozenset[str]] | None = None,
+) -> tuple[set[str], list[str]]:
     """The names that train in `stage`, and the problems of its patterns.
 
     Args:
         names: every parameter name of the model (shared tensors under each of their names).
         default: the names that train without patterns.
         key: the config key of the stage (`stages.1`), for messages.
+        aliases: for a name of a shared tensor, all of its names (absent: a tensor of one name).
     """
+
+    def every_name(hit: set[str]) -> set[str]:
+        return set().union(*(aliases.get(n, {n}) for n in hit)) if aliases else set(hit)
+
     problems: list[str] = []
     chosen = set(default)
     if stage.trainable is not None:
@@ -43,12 +57,12 @@ def stage_trainable(names: Sequence[str], default: set[str], stage: Stage, key: 
             hit = _matching(names, pattern)
             if not hit:
                 problems.append(f"{key}.trainable: {pattern!r} matches no parameter")
-            chosen |= hit
+            chosen |= every_name(hit)
     for pattern in stage.frozen or ():
         hit = _matching(names, pattern)
         if not hit:
             problems.append(f"{key}.frozen: {pattern!r} matches no parameter")
-        chosen -= hit
+        chosen -= every_name(hit)
     if not chosen and not problems:
         problems.append(f"{key} ({stage.name}): trainable / frozen leave no parameter to train")
     return chosen, problems
@@ -72,9 +86,14 @@ def trainable_sets(model: nn.Module, stages: Sequence[Stage], *, prefix: str = "
         return []
     names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     default = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    by_tensor: dict[int, set[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), set()).add(n)
+    aliases = {n: frozenset(group) for group in by_tensor.values() if len(group) > 1 for n in group}
     out, problems = [], []
     for stage in stages:
-        chosen, found = stage_trainable(names, default, stage, f"stages.{stage.index}" if numbered else "stage")
+        key = f"stages.{stage.index}" if numbered else "stage"
+        chosen, found = stage_trainable(names, default, stage, key, aliases)
         problems += found
         out.append(frozenset(prefix + n for n in chosen))
     if problems:
