@@ -41,31 +41,56 @@ def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
 
 
 DROPOUT_LORA = {"lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": "auto"}}
-# How far a resume without the RNG lands from the uninterrupted run, at the worst of steps 5-8
-# (relative; measured: loss 9.6e-5, grad_norm 1.6e-2): well above the 1e-5 of an exact resume.
+# How far a resume without the RNG lands from the uninterrupted run, at the worst of the resumed
+# steps (relative; measured on one process: loss 9.6e-5, grad_norm 1.6e-2): well above the 1e-5 of
+# an exact resume.
 LOSS_GAP, NORM_GAP = 3e-5, 3e-3
 
 
-def test_exact_resume_with_dropout_restores_the_rng(run_once, tiny_model_dir, tmp_path):
-    """LoRA dropout 0.1 draws a mask from the torch RNG at every forward, so restoring the RNG is
-    observable: a run resumed from step 4 gives steps 5-8 of the uninterrupted run within 1e-5,
-    and the control, the same resume from a copy of the checkpoint without its rng/ folder
-    (the loader then leaves the RNG as seeding and loading left it), draws other masks and
-    diverges by far more than that tolerance."""
+def _dropout_stages(tiny_model_dir, out, **training):
+    """Two ranks (ddp), LoRA dropout 0.1, two stages of 4 steps on one continuing cosine; a
+    checkpoint at stage one's end (step 4) and inside stage two (step 6)."""
+    cfg = make_config(
+        tiny_model_dir,
+        out,
+        model=DROPOUT_LORA,
+        distributed=STRATEGIES["ddp"],
+        training={"max_steps": 4, "save_every": 6, "keep_last": 3, **training},
+    )
+    cfg["stages"] = [{"name": "one"}, {"name": "two", "continue_schedule": True, "training": {"max_steps": 4}}]
+    return cfg
+
+
+def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_path):
+    """LoRA dropout 0.1 draws a mask from each rank's torch RNG at every forward, so restoring each
+    rank's RNG is observable. On two ranks, resumed at stage one's end (a stage-end checkpoint:
+    stage two starts from the checkpoint's RNG and goes on down the schedule) and inside stage two,
+    every resumed step equals the uninterrupted two-rank run within 1e-5 (loss, grad norm, lr). The
+    control, the mid-stage resume from a copy of the checkpoint without its rng/ folder (the loader
+    then leaves the RNG as seeding and loading left it), draws other masks and diverges by far more
+    than that tolerance. (Dropout masks are drawn per rank, so these runs equal the uninterrupted
+    run of their world size, not one process's; the stage-boundary matrix without dropout is
+    tests/distributed/test_edge_matrix.py's.)"""
     import shutil
 
-    full, _ = run_once("single-lora-dropout", model=DROPOUT_LORA, distributed=SINGLE)
-    ckpt = full / "checkpoints" / "step-4"
-    assert (ckpt / "rng" / "rank-0.pt").is_file()
-    run, _ = resume_run(tiny_model_dir, tmp_path, ckpt, SINGLE, model=DROPOUT_LORA)
-    assert_same_steps(run, full, 1e-5, "LoRA dropout 0.1: resumed steps 5-8", first=4)
+    train(_dropout_stages(tiny_model_dir, tmp_path / "run"), tmp_path)
+    full = tmp_path / "run"
+    for step in (4, 6):
+        assert (full / "checkpoints" / f"step-{step}" / "rng" / "rank-1.pt").is_file()
+    for step in (4, 6):
+        ckpt = full / "checkpoints" / f"step-{step}"
+        cfg = _dropout_stages(tiny_model_dir, tmp_path / f"from-{step}", resume=str(ckpt))
+        train(cfg, tmp_path, name=f"from-{step}.yaml")
+        assert_same_steps(tmp_path / f"from-{step}", full, 1e-5, f"dropout 0.1, 2 ranks: from step {step}", first=step)
+        got, want = steps(tmp_path / f"from-{step}"), steps(full)[step:]
+        assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in want], rel=1e-7)
     no_rng = tmp_path / "no-rng"
-    shutil.copytree(ckpt, no_rng)
+    shutil.copytree(full / "checkpoints" / "step-6", no_rng)
     shutil.rmtree(no_rng / "rng")
-    control, _ = resume_run(tiny_model_dir, tmp_path, no_rng, SINGLE, "control", model=DROPOUT_LORA)
-    got, want = steps(control), steps(full)[4:]
-    assert [m["step"] for m in got] == [m["step"] for m in want] == [5, 6, 7, 8]
-    assert got[0]["loss"] != want[0]["loss"]  # step 5 already runs on other dropout masks
+    train(_dropout_stages(tiny_model_dir, tmp_path / "control", resume=str(no_rng)), tmp_path, name="control.yaml")
+    got, want = steps(tmp_path / "control"), steps(full)[6:]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [7, 8]
+    assert got[0]["loss"] != want[0]["loss"]  # step 7 already runs on other dropout masks
     loss_gap = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(got, want))
     norm_gap = max(abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"] for a, b in zip(got, want))
     assert loss_gap > LOSS_GAP and norm_gap > NORM_GAP, (
