@@ -263,7 +263,7 @@ def test_a_builder_name_as_data_is_refused(strict, tiny_model_dir, builder):
 def test_a_target_turned_off_is_refused(strict, tiny_model_dir):
     """`--disable-target local` (a web-only deployment that sends every run elsewhere): a job for
     it is 422 naming the setting, the other targets are still accepted (issue 34); an unknown name
-    is refused at start."""
+    is refused at start, with every bad `--job-secret` in the same message."""
     from tests.helpers import run_cli
 
     cfg = make_config(tiny_model_dir, "runs/x")
@@ -277,8 +277,29 @@ def test_a_target_turned_off_is_refused(strict, tiny_model_dir):
         assert not any("turned off" in p for p in r.json().get("problems", [])), r.text
     finally:
         strict.svc.policy = before
-    bad = run_cli(["serve", "--disable-target", "nowhere", "--port", "1"])
-    assert bad.returncode == 2 and "--disable-target 'nowhere'" in bad.stderr, bad.stderr
+    # The start's refusals in one call: an unknown target, and every kind of bad --job-secret (the
+    # form, the service's own secret handed on, a variable the service lacks).
+    bad = run_cli(
+        ["serve", "--disable-target", "nowhere", "--port", "1"]
+        + [
+            "--job-secret",
+            "no-form",
+            "--job-secret",
+            "*:X=SCALETUNE_ADMIN_TOKEN",
+            "--job-secret",
+            "bob:Y=UNSET_VAR_9F",
+        ],
+        env={"SCALETUNE_ADMIN_TOKEN": "x" * 40},
+    )
+    assert bad.returncode == 2, bad.stderr
+    for said in (
+        "--disable-target 'nowhere'",
+        "--job-secret 'no-form': expected OWNER:NAME=VAR",
+        "--job-secret '*:X=SCALETUNE_ADMIN_TOKEN': SCALETUNE_ADMIN_TOKEN is the service's own secret",
+        "--job-secret 'bob:Y=UNSET_VAR_9F': the service's environment has no UNSET_VAR_9F",
+    ):
+        assert said in bad.stderr, bad.stderr
+    assert "x" * 40 not in bad.stdout + bad.stderr
 
 
 def test_a_module_planted_in_the_working_directory_is_never_imported(tmp_path, tiny_model_dir):

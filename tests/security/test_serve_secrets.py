@@ -16,19 +16,32 @@ import yaml
 from scaletune.serve.edge.auth import create_token
 from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
 from tests.helpers import make_config
-from tests.serve.serve_helpers import Server, client, read_events
+from tests.serve.serve_helpers import TEST_POLICY, Server, client, read_events
 
 IN_CONFIG, IN_OVERRIDE = "hf_in_config_5ec4e7", "wandb_in_override_77a1c0"
 
 
+# Credentials the service's environment holds besides its own secrets (issue 34, case 2: a job
+# inherited them, so a hub or W&B call made for any user went out with the service's identity).
+SERVICE_CREDENTIALS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_SECRET_ACCESS_KEY", "OPENAI_API_KEY")
+# What the operator maps by reference (`scaletune serve --job-secret`): alice's jobs get TEAM_COMET_KEY
+# as COMET_API_KEY, every job SHARED_READ_TOKEN as HF_READ_TOKEN, bob's jobs BOB_KEY as BOB_API_KEY.
+MAPPED = {"TEAM_COMET_KEY": "comet-for-alice-41d2", "SHARED_READ_TOKEN": "shared-read-8c01", "BOB_KEY": "bob-only-d3"}
+JOB_SECRETS = ["alice:COMET_API_KEY=TEAM_COMET_KEY", "*:HF_READ_TOKEN=SHARED_READ_TOKEN", "bob:BOB_API_KEY=BOB_KEY"]
+
+
 def test_secrets_by_reference_only(tiny_model_dir, tmp_path, monkeypatch):
-    # The service's own secrets, in its environment as a deployment sets them: its jobs inherit
-    # its environment without them (a non-secret variable of the service passes: the control).
+    # The service's own secrets and credentials, in its environment as a deployment sets them: its
+    # jobs inherit its environment without them (a non-secret variable of the service passes: the
+    # control), and get only what the operator maps to their owner.
     service_own = {name: f"service-own-{i}-0f3a" for i, name in enumerate(sorted(SERVICE_SECRETS))}
-    for name, value in {**service_own, "SCALETUNE_TEST_PASSTHROUGH": "kept"}.items():
+    service_own |= {name: f"service-credential-{i}-77b9" for i, name in enumerate(SERVICE_CREDENTIALS)}
+    for name, value in {**service_own, **MAPPED, "SCALETUNE_TEST_PASSTHROUGH": "kept"}.items():
         monkeypatch.setenv(name, value)
-    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
-    submit, read = create_token(srv.svc.Session, "submit"), create_token(srv.svc.Session, "read")
+    srv = Server(
+        f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", policy=TEST_POLICY.updated(job_secrets=JOB_SECRETS)
+    )
+    submit, read = create_token(srv.svc.Session, "submit", name="alice"), create_token(srv.svc.Session, "read")
     cfg = make_config(tiny_model_dir, tmp_path / "run")
     cfg["training"].update(max_steps=400, save_every=0, micro_batch_size=8)
     cfg["distributed"]["env"] = {"HF_TOKEN": IN_CONFIG, "NCCL_DEBUG": "WARN"}
@@ -55,6 +68,13 @@ def test_secrets_by_reference_only(tiny_model_dir, tmp_path, monkeypatch):
         assert all(e.get("SCALETUNE_TEST_PASSTHROUGH") == "kept" for e in envs)
         leaked = sorted({k for e in envs for k, v in e.items() if v in service_own.values()})
         assert not leaked, f"the service's own secrets reached its job: {leaked}"
+        # Mapped by reference: alice's and everyone's under their job names; bob's and the
+        # service's variables under their own names nowhere.
+        rank = next(e for e in envs if e.get("HF_TOKEN") == IN_CONFIG)
+        assert rank.get("COMET_API_KEY") == MAPPED["TEAM_COMET_KEY"], sorted(rank)
+        assert rank.get("HF_READ_TOKEN") == MAPPED["SHARED_READ_TOKEN"], sorted(rank)
+        assert not {"BOB_API_KEY", *MAPPED} & {k for e in envs for k in e}
+        assert MAPPED["BOB_KEY"] not in {v for e in envs for v in e.values()}
         # Stored files: the job's config without them and private; the database without them.
         job_dir = srv.home / job_id
         assert stat.S_IMODE((job_dir / "config.yaml").stat().st_mode) == 0o600
@@ -86,7 +106,7 @@ def test_sbatch_gets_the_services_environment_without_its_secrets(tmp_path, monk
     )
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    for name in SERVICE_SECRETS:
+    for name in (*SERVICE_SECRETS, *SERVICE_CREDENTIALS):
         monkeypatch.setenv(name, "service-own-secret")
     job_dir = tmp_path / "job"
     job_dir.mkdir()
@@ -95,6 +115,7 @@ def test_sbatch_gets_the_services_environment_without_its_secrets(tmp_path, monk
     env = json.loads(seen.read_text())
     assert env["HF_TOKEN"] == "job-own" and env["PATH"].startswith(str(bin_dir))  # the job's, and the service's
     assert not SERVICE_SECRETS & set(env), sorted(SERVICE_SECRETS & set(env))
+    assert "service-own-secret" not in env.values(), sorted(k for k, v in env.items() if v == "service-own-secret")
 
 
 SECRET = "hf_every_form_9d2b41"

@@ -60,6 +60,14 @@ def serve(
             help="A target jobs may not be sent to: local, slurm or modal (repeatable; e.g. local on a web-only host)."
         ),
     ] = None,
+    job_secret: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="OWNER:NAME=VAR: jobs of the token named OWNER (* for every job) get this service's "
+            "variable VAR as NAME (repeatable; e.g. '*:HF_TOKEN=HF_TOKEN'). No other credential of the "
+            "service reaches a job."
+        ),
+    ] = None,
     read_root: Annotated[
         list[Path] | None,
         typer.Option(help="A folder jobs may read data and models from (repeatable; default: the working directory)."),
@@ -103,13 +111,14 @@ def serve(
 
     from scaletune.serve.app import create_app
     from scaletune.serve.edge.auth import bind_problems, drop_env_admin, install_env_admin
-    from scaletune.serve.edge.policy import Policy
+    from scaletune.serve.edge.policy import Policy, job_secret_problems
     from scaletune.serve.jobs.db import DatabaseUnavailable, database_url, default_url, redacted
     from scaletune.serve.jobs.service import JobService
 
     problems: list[Problem] = []
     if max_concurrent < 1:
         problems.append(Problem("serve options", None, f"--max-concurrent must be 1 or more, got {max_concurrent}"))
+    problems += job_secret_problems(job_secret or (), os.environ)
     for t in disable_target or ():
         if t not in ("local", "slurm", "modal"):
             problems.append(Problem("serve options", None, f"--disable-target {t!r}: one of local, slurm, modal"))
@@ -128,6 +137,7 @@ def serve(
         allow_remote_code=allow_remote_code,
         env_prefixes=tuple(allow_env or ()),
         disabled_targets=tuple(disable_target or ()),
+        job_secrets=tuple(job_secret or ()),
         read_roots=tuple(str(p.resolve()) for p in read_root) if read_root else None,
         write_roots=tuple(str(p.resolve()) for p in write_root or ()),
         trusted_hosts=tuple(trusted_host or ()),

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import posixpath
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from scaletune.errors import Problem
 
 # The variables a job may set in `distributed.env`, by name, each with why it is harmless: they
 # tune communication, threads, the allocator, logging, offline modes and a W&B run's name; none
@@ -122,6 +125,9 @@ class Policy:
         service's own.
     max_upload_bytes: the largest data file `POST /api/data` takes into the data area (the other
         routes keep max_request_bytes).
+    job_secrets: `OWNER:NAME=VAR` (`--job-secret`): the jobs the API token named OWNER submits
+        (`*`: every job) get the service's variable VAR as NAME. A job inherits none of the
+        service's other credentials (any variable the secret rule of `config/secrets.py` names).
     """
 
     allow_factories: bool = False
@@ -135,6 +141,7 @@ class Policy:
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_depth: int = MAX_DEPTH
+    job_secrets: tuple[str, ...] = ()
 
     def public(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -157,6 +164,46 @@ class Places:
     @property
     def data_area(self) -> Path:
         return data_area(self.jobs_home)
+
+
+_JOB_SECRET = re.compile(
+    r"(?P<owner>\*|[A-Za-z0-9_.@-]{1,64}):(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<var>[A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+def job_secret_problems(specs: Iterable[str], environ: Mapping[str, str]) -> list[Problem]:
+    """Every problem of `--job-secret` values: the form, a service secret handed on (the admin
+    token, the database URL, Modal's credentials: `SERVICE_SECRETS`), a variable the service does
+    not have, a name that turns remote code on or the restricted unpickler off."""
+    from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
+
+    problems: list[str] = []
+    for spec in specs:
+        m = _JOB_SECRET.fullmatch(spec)
+        if m is None:
+            problems.append(f"--job-secret {spec!r}: expected OWNER:NAME=VAR (OWNER a token's name or *)")
+            continue
+        if m["var"] in SERVICE_SECRETS or m["name"] in SERVICE_SECRETS:
+            problems.append(f"--job-secret {spec!r}: {m['var']} is the service's own secret, never a job's")
+        elif m["var"] not in environ:
+            problems.append(f"--job-secret {spec!r}: the service's environment has no {m['var']}")
+        if any(w in m["name"] for w in _NEVER_ENV):
+            problems.append(f"--job-secret {spec!r}: {m['name']} is never set for a job")
+    return [Problem("serve options", None, m) for m in problems]
+
+
+def job_secrets_for(policy: Policy, owner: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The service's variables mapped to a job of `owner` (`--job-secret`), by their job names;
+    a mapping for that owner wins over one for `*`."""
+    out: dict[str, str] = {}
+    for exact in (False, True):
+        for spec in policy.job_secrets:
+            m = _JOB_SECRET.fullmatch(spec)
+            if m is None or (m["owner"] != owner if exact else m["owner"] != "*"):
+                continue
+            if m["var"] in environ:
+                out[m["name"]] = environ[m["var"]]
+    return out
 
 
 def data_area(jobs_home: Path) -> Path:

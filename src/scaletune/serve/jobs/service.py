@@ -75,8 +75,9 @@ class JobService:
     # -- records ---------------------------------------------------------------------------
     def files(self, job: Job) -> JobFiles:
         """The job as its dispatcher sees it: the run directory the service assigned is always
-        the last override; secrets and the report token are in `env` (the process environment)."""
-        env = dict(self._secrets.get(job.id, {}))
+        the last override; secrets (the job's own, and the service's variables the operator maps to
+        its owner) and the report token are in `env` (the process environment)."""
+        env = {**P.job_secrets_for(self.policy, job.owner, os.environ), **self._secrets.get(job.id, {})}
         token = self._tokens.get(job.id)
         if token:
             base = self.public_url if job.target != "local" and self.public_url else self.base_url

@@ -15,9 +15,12 @@ EXIT_FILE = "exit-code"  # written by the wrapper when the run's process ends
 LOG_FILE = "train.log"
 # The service's own secrets, read from its environment to run it: the database URL (password
 # included), the admin token, a client token, Modal's credentials. A job inherits the service's
-# environment (PATH, HF_HOME, CUDA and NCCL settings, a job's secret references such as HF_TOKEN)
-# except these: a submitted config's code (an allowed factory, remote code) and SLURM's record of
-# the job (`sbatch --export=ALL`) would otherwise hold them.
+# environment (PATH, HF_HOME, CUDA and NCCL settings) except these and every other credential the
+# service holds (a variable the secret rule of `config/secrets.py` names: HF_TOKEN, WANDB_API_KEY,
+# AWS_SECRET_ACCESS_KEY, ...): a submitted config's code (an allowed factory, remote code), a hub
+# or W&B call made for one user, and SLURM's record of the job (`sbatch --export=ALL`) would
+# otherwise hold them. A job's credentials are its own (submitted as secrets) or mapped to its
+# owner by the operator (`scaletune serve --job-secret`).
 SERVICE_SECRETS = frozenset(
     {"SCALETUNE_ADMIN_TOKEN", "SCALETUNE_DB", "DATABASE_URL", "SCALETUNE_TOKEN", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"}
 )
@@ -25,9 +28,12 @@ SERVICE_SECRETS = frozenset(
 
 def job_environment(job: JobFiles, **extra: str) -> dict[str, str]:
     """The environment a job's process (or sbatch), its config check and its tasks start with: the
-    service's, less `SERVICE_SECRETS`, plus the job's own (report URL and token, secret values
-    submitted with its config) and `extra`, with PYTHONSAFEPATH set."""
-    inherited = {k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS}
+    service's, less `SERVICE_SECRETS` and every secret-named variable, plus the job's own (report
+    URL and token, secret values submitted with its config or mapped to its owner) and `extra`,
+    with PYTHONSAFEPATH set."""
+    from scaletune.config.secrets import is_secret_name
+
+    inherited = {k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS and not is_secret_name(k)}
     # PYTHONSAFEPATH: `python -m scaletune` (and torchrun's workers) put no working directory first
     # on sys.path, so a file written there (a hub download into a cache named by a job, an
     # upload) is never imported in place of scaletune, torch or transformers.
