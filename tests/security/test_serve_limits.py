@@ -4,6 +4,7 @@ job, and logs read by range."""
 
 from __future__ import annotations
 
+import socket
 import time
 import tracemalloc
 
@@ -62,6 +63,45 @@ def test_request_size_and_nesting(srv):
     assert r.status_code == 422 and "nested" in r.text, r.text[:300]
     r = c.post("/api/jobs", json={"config": "x: 1", "overrides": ["model.x=" + "[" * 3000], "dry_run": True})
     assert r.status_code == 422, r.text[:300]
+
+
+def _post_headers_only(srv, path: str, token: str | None, length: int = 4 * 2**20) -> tuple[socket.socket, bytes]:
+    """Send an unsafe request's headers (a 4 MiB body announced, none of it sent) and read for 3 s:
+    what the service answered before the body, and the open socket."""
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=3)
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    sock.sendall(head.encode())
+    try:
+        answer = sock.recv(4096)
+    except TimeoutError:
+        answer = b""
+    return sock, answer
+
+
+def test_an_unsafe_request_without_a_credential_is_refused_before_its_body(srv, tmp_path):
+    """Issue 34 (S3): a body was read into memory before the route checked the token, so 60
+    token-less requests of 4 MiB held 250 MB. Now one without a token, or with a wrong one (API or
+    report token), is answered 401 before a byte of its body is sent. The control: with a live
+    submit token the service waits for the body (no answer in 3 s), and answers once it comes."""
+    job = plant_job(srv.svc, tmp_path / "run")
+    for path, token in (
+        ("/api/jobs", None),
+        ("/api/jobs", "not-a-token"),
+        ("/api/data/preview", "st_" + "0" * 40),
+        (f"/api/jobs/{job}/report", "wrong-report-token"),
+    ):
+        sock, answer = _post_headers_only(srv, path, token)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 401"), (path, token, answer[:200])
+    sock, answer = _post_headers_only(srv, "/api/jobs", srv.submit, length=2)
+    try:
+        assert answer == b"", answer[:200]  # waiting for the body
+        sock.sendall(b"{}")
+        sock.settimeout(30)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 422")  # read, then refused for what it holds
+    finally:
+        sock.close()
 
 
 def test_integers_bounded_and_reports_validated(srv, tmp_path):

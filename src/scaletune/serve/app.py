@@ -13,7 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from scaletune.serve.api import artifacts, chat, config, data, docs, jobs, results, service, tasks, teams
 from scaletune.serve.api.results import Refused, refused
 from scaletune.serve.api.schemas import refusal, validation_lines
-from scaletune.serve.edge import auth
+from scaletune.serve.edge import access, auth
 from scaletune.serve.edge.guard import Guard
 from scaletune.serve.jobs.chatting import ModelSlot
 from scaletune.serve.jobs.db import kept_key
@@ -73,7 +73,13 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
         except SQLAlchemyError:
             return True
 
-    app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=open_mode)
+    def may_send_body(conn, path: str) -> bool:
+        try:
+            return access.may_send_body(svc, conn, path)
+        except SQLAlchemyError:
+            return True  # the route answers the database's failure (503), as before
+
+    app.add_middleware(Guard, policy=lambda: svc.policy, open_mode=open_mode, may_send_body=may_send_body)
     app.add_exception_handler(JobNotFound, not_found)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(Refused, refused)

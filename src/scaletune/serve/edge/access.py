@@ -4,10 +4,12 @@ mode; the scope checks (`need("read")`, ...); the app's job service. Everything 
 `app.state` (`svc`, `csrf`), set by `app.create_app`."""
 
 # No `from __future__ import annotations`: FastAPI reads the Annotated[..., Depends(...)] below.
+import re
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.requests import HTTPConnection
 
 from scaletune.serve.edge import auth
 from scaletune.serve.jobs.service import JobService
@@ -53,12 +55,38 @@ def still_allowed(request: Request) -> bool:
     """Whether the credential a request came with (its bearer token, else its session cookie) still
     identifies a live token: a long response (an event stream) ends when its token is revoked.
     Always true on a service without tokens (loopback only)."""
-    svc = request.app.state.svc
-    header = request.headers.get("authorization", "")
-    given = header[7:].strip() if header[:7].lower() == "bearer " else request.cookies.get(auth.COOKIE, "")
+    return live_credential(request.app.state.svc, request)
+
+
+def live_credential(svc: JobService, conn: HTTPConnection) -> bool:
+    """Whether `conn` (a request, before or after its body is read) holds a live API token: its
+    bearer token, else its session cookie; true on a service without tokens (loopback only)."""
+    header = conn.headers.get("authorization", "")
+    given = header[7:].strip() if header[:7].lower() == "bearer " else conn.cookies.get(auth.COOKIE, "")
     if given and auth.identify(svc.Session, given) is not None:
         return True
     return not auth.has_tokens(svc.Session)
+
+
+# The unsafe routes a request without an API token may reach: the login form (its body is the
+# token) and logout, and a job's report (its own report token).
+_TOKENLESS = ("/login", "/logout")
+_REPORT = re.compile(r"/api/jobs/(?P<job>[^/]+)/report")
+
+
+def may_send_body(svc: JobService, conn: HTTPConnection, path: str) -> bool:
+    """Whether an unsafe request to the route `path` may have its body read: it holds a live API
+    token (`live_credential`), or the route takes another credential (login, a job's report with
+    that job's report token). The guard asks before it reads a byte of the body, so a caller without
+    a credential holds no server memory with one (a route would refuse it only after FastAPI read it)."""
+    if path in _TOKENLESS:
+        return True
+    report = _REPORT.fullmatch(path)
+    if report is not None:
+        header = conn.headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        return bool(token) and svc.check_job_token(report["job"], token)
+    return live_credential(svc, conn)
 
 
 def need(scope: str):

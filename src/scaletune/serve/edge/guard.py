@@ -3,8 +3,9 @@ every unsafe request (cross-site forms and scripts, login included), the size of
 and the headers every answer carries (nosniff, a Content-Security-Policy with a per-request
 script nonce, no framing, no referrer to other sites).
 
-A plain ASGI middleware: the body is counted as it arrives and refused (413) at the limit, before
-the rest is read or anything parses it. One route is let through unread: the data upload
+A plain ASGI middleware: an unsafe request without a credential its route takes is refused (401)
+before a byte of its body is read (`may_send_body`); the body is counted as it arrives and refused
+(413) at the limit, before the rest is read or anything parses it. One route is let through unread: the data upload
 (`POST /api/data`, :data:`UPLOAD_PATH`), whose file may be far larger than a request; it is refused
 here only when it declares more than the policy's `max_upload_bytes`, and the route streams it to
 disk counting every byte against that limit itself (api/data.py).
@@ -12,11 +13,13 @@ disk counting every byte against that limit itself (api/data.py).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
+from starlette.requests import HTTPConnection
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -49,10 +52,18 @@ class Guard:
     app: the app behind.
     policy: a callable returning the current policy (the admin may change it while serving).
     open_mode: a callable, true while the service has no token (then it answers loopback names only).
+    may_send_body: a callable of (the request's connection, its route path), true when an unsafe
+        request holds a credential its route takes (it runs in a worker thread: a database lookup).
     """
 
-    def __init__(self, app: ASGIApp, policy: Callable[[], Policy], open_mode: Callable[[], bool]) -> None:
-        self.app, self.policy, self.open_mode = app, policy, open_mode
+    def __init__(
+        self,
+        app: ASGIApp,
+        policy: Callable[[], Policy],
+        open_mode: Callable[[], bool],
+        may_send_body: Callable[[HTTPConnection, str], bool] = lambda conn, path: True,
+    ) -> None:
+        self.app, self.policy, self.open_mode, self.may_send_body = app, policy, open_mode, may_send_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -82,6 +93,14 @@ class Guard:
             return
         if scope["method"] in SAFE_METHODS:
             await self.app(scope, receive, send_with_headers)
+            return
+        if not await asyncio.to_thread(self.may_send_body, HTTPConnection(scope), _route_path(scope)):
+            unauthorized = JSONResponse(
+                {"detail": "a token is required (Authorization: Bearer TOKEN)"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await unauthorized(scope, receive, send_with_headers)
             return
         declared = headers.get("content-length", "")
         if scope["method"] == "POST" and _route_path(scope) == UPLOAD_PATH:
