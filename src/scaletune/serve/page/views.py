@@ -31,6 +31,9 @@ from scaletune.serve.jobs.service import TARGETS, JobService
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 _env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True)
 MAX_COMPARED = 12  # runs on one compare page (one colour each)
+# The largest config a compare page reads (a run's config.yaml is a few KiB): parsing and
+# flattening a 4 MiB one cost a read token seconds of the service's CPU per request (issue 34).
+MAX_COMPARED_CONFIG_BYTES = 256 * 1024
 #: Left out of a compare page's differences: the service gives each job its own run directory.
 NOT_COMPARED = ("output_dir",)
 
@@ -160,21 +163,36 @@ def run_config(svc: JobService, job: Job) -> dict[str, Any]:
     """The config a job ran with: its run's `config.yaml` (every default filled in, secret values
     redacted) read as the artifacts API serves it, from any target; before the run wrote it (queued,
     or its target cannot be asked), the submitted config with the job's overrides, resolved the same
-    way. {} when neither can be read (the page then says so)."""
+    way. {} when neither can be read (the page then says so); one key, `config.yaml`, saying so
+    when the file is over MAX_COMPARED_CONFIG_BYTES."""
     from scaletune.config import load_config, redacted
     from scaletune.serve.jobs.dispatch.base import ArtifactMissing, ArtifactUnreachable
 
+    too_large = lambda size: {"config.yaml": f"{size:,} bytes: over the {MAX_COMPARED_CONFIG_BYTES:,} compared"}  # noqa: E731
     try:
         found = svc.dispatchers[job.target].artifact(svc.files(job), job.run_dir, "config.yaml")
         if not isinstance(found, list):
-            text = found.path.read_text() if found.path is not None else b"".join(found.chunks).decode()
-            data = yaml.safe_load(text)
+            if found.path is not None:
+                size = found.path.stat().st_size
+                if size > MAX_COMPARED_CONFIG_BYTES:
+                    return too_large(size)
+                raw = found.path.read_bytes()
+            else:
+                raw = b""
+                for chunk in found.chunks:
+                    raw += chunk
+                    if len(raw) > MAX_COMPARED_CONFIG_BYTES:
+                        return too_large(len(raw))
+            data = yaml.safe_load(raw.decode())
             if isinstance(data, dict):
                 return data
     except (ArtifactMissing, ArtifactUnreachable, OSError, UnicodeDecodeError, yaml.YAMLError):
         pass
+    submitted = Path(job.job_dir) / "config.yaml"
     try:
-        return redacted(load_config(Path(job.job_dir) / "config.yaml", list(job.overrides)))
+        if submitted.stat().st_size > MAX_COMPARED_CONFIG_BYTES:
+            return too_large(submitted.stat().st_size)
+        return redacted(load_config(submitted, list(job.overrides)))
     except Exception:  # noqa: BLE001 - a config that no longer loads (moved data): nothing to compare
         return {}
 
