@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -144,7 +145,6 @@ def test_one_model_is_held_reused_and_released(server, jobs):
 
 
 def test_a_long_answer_blocks_nothing_and_stops_when_the_client_leaves(server, jobs):
-    import time
 
     slot = server.server.config.app.state.model_slot
     job = jobs["full"]
@@ -197,6 +197,13 @@ def test_chat_refusals(server, jobs, module_tmp_path):
         status, body = chat(c, modal)
         assert status == 409 and "Modal's volume" in body["problems"][0], body
         assert c.get(f"/api/jobs/{modal}/models").json()["refused"]
+        # A prompt over the service's bound (issue 34: its prefill held the one model slot, and went on
+        # after the client left): 422 naming its length, before any prefill; the slot is free after.
+        start = time.monotonic()
+        status, body = chat(c, full["id"], prompt=" x" * 15_000)
+        assert status == 422 and "this service answers up to 4,096" in body["problems"][0], body
+        assert time.monotonic() - start < 30
+        assert not server.server.config.app.state.model_slot._lock.locked()
     with client(server, server.read) as c:
         assert (
             c.post(f"/api/jobs/{full['id']}/chat", json={"messages": [{"role": "user", "content": "x"}]}).status_code

@@ -102,8 +102,25 @@ def generate(loaded: LoadedModel, prompts: list[Prompt], sampling: Sampling, *, 
     return answers
 
 
-def stream(loaded: LoadedModel, conversation: list[dict], sampling: Sampling, write: Callable[[str], None]) -> str:
-    """Generate the assistant's next turn, passing text to `write` as tokens arrive; returns it whole."""
+def stream(
+    loaded: LoadedModel,
+    conversation: list[dict],
+    sampling: Sampling,
+    write: Callable[[str], None],
+    *,
+    max_prompt_tokens: int | None = None,
+    ready: Callable[[], None] = lambda: None,
+) -> str:
+    """Generate the assistant's next turn, passing text to `write` as tokens arrive; returns it whole.
+
+    Args:
+        max_prompt_tokens: refuse a conversation whose prompt is longer (None: any length): its
+            prefill is one forward pass no stop request can interrupt.
+        ready: called once the prompt is accepted, before the prefill.
+
+    Raises:
+        UserError: the prompt is over `max_prompt_tokens`.
+    """
     import torch
     from transformers import TextStreamer
 
@@ -112,7 +129,15 @@ def stream(loaded: LoadedModel, conversation: list[dict], sampling: Sampling, wr
             write(text)
 
     streamer = _Streamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    ids = torch.tensor([encode(loaded, conversation)], device=loaded.device)
+    tokens = encode(loaded, conversation)
+    if max_prompt_tokens is not None and len(tokens) > max_prompt_tokens:
+        raise UserError(
+            f"messages: the conversation is {len(tokens):,} tokens; this service answers up to "
+            f"{max_prompt_tokens:,} (leave out earlier turns)",
+            title="conversation too long",
+        )
+    ready()
+    ids = torch.tensor([tokens], device=loaded.device)
     torch.manual_seed(sampling.seed)
     with torch.no_grad():
         out = loaded.model.generate(

@@ -54,7 +54,8 @@ async def chat(job_id: str, req: ChatRequest, request: Request, c: Submitter, sv
     turns = [t.model_dump() for t in req.messages]
     (kind, value), q, gone = await answer(request.app.state.model_slot, target, turns, sampling)
     if kind == "refused":
-        raise Refused("the model cannot be loaded", value.problems)
+        too_long = value.title == "conversation too long"
+        raise Refused(value.title if too_long else "the model cannot be loaded", value.problems, 422 if too_long else 409)
     if kind == "error":
         return JSONResponse({"detail": f"the model cannot be loaded: {value}"}, status_code=500)
 

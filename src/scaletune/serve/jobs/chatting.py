@@ -22,6 +22,12 @@ class Gone(Exception):
     """The client went away: raised from the streamer to end the generation."""
 
 
+# The longest prompt a chat turn may have, in tokens: its prefill holds the one model slot (every
+# other chat waits) and cannot be stopped when the client leaves, so it is bounded (issue 34: 200
+# turns of 32,000 characters kept the slot for a minute after the client had gone).
+MAX_PROMPT_TOKENS = 4096
+
+
 class ModelSlot:
     """At most one model in memory; one generation at a time on it."""
 
@@ -68,9 +74,10 @@ async def answer(
     slot: ModelSlot, target: Path, conversation: list[dict], sampling: Any
 ) -> tuple[tuple, asyncio.Queue, threading.Event]:
     """Start answering `conversation` with the model at `target` (a run directory: its final/; or a
-    checkpoint) in a worker thread. Returns once the model is loaded: ("ready", description), or
-    ("refused", UserError) / ("error", message) when it cannot be; then the queue holds ("token",
-    text) items and one ("done", answer) or ("error", message). Set the event to stop early.
+    checkpoint) in a worker thread. Returns once the model is loaded and the prompt accepted
+    ("ready", description), or ("refused", UserError) / ("error", message) when either cannot be (a
+    prompt over MAX_PROMPT_TOKENS is refused); then the queue holds ("token", text) items and one
+    ("done", answer) or ("error", message). Set the event to stop early.
     """
     from scaletune.inference import load_for_inference
     from scaletune.inference.generate import stream
@@ -86,8 +93,6 @@ async def answer(
             gone.set()
 
     def work(loaded: Any) -> None:
-        put(("ready", loaded.description))
-
         def write(piece: str) -> None:
             if gone.is_set():
                 raise Gone
@@ -96,7 +101,15 @@ async def answer(
 
         # Without the chat template the model sees the last user turn only, as `scaletune chat`.
         turns = conversation if loaded.template == "chat" else [conversation[-1]]
-        put(("done", stream(loaded, turns, sampling, write)))
+        text = stream(
+            loaded,
+            turns,
+            sampling,
+            write,
+            max_prompt_tokens=MAX_PROMPT_TOKENS,
+            ready=lambda: put(("ready", loaded.description)),
+        )
+        put(("done", text))
 
     def run() -> None:
         try:
