@@ -156,6 +156,26 @@ def test_size_limit_is_the_admins_and_other_routes_keep_theirs(srv):
         admin.put("/api/admin/policy", json={"max_upload_bytes": 256 << 20})
 
 
+def test_the_data_area_has_a_quota(srv):
+    """Issue 34 (S3): a submit token could upload 256 MiB files until the disk was full. The admin's
+    `max_data_bytes` bounds every uploaded file together: an upload that would pass it is refused
+    (413, naming the bytes and the setting) and leaves nothing; one that fits is taken (the control)."""
+    admin = client(srv, srv.admin)
+    area = data_area(srv.svc.home)
+    used = sum(f.stat().st_size for f in area.iterdir() if f.is_file()) if area.is_dir() else 0
+    body = jsonl(ALPACA[:100])
+    assert admin.put("/api/admin/policy", json={"max_data_bytes": used + 2 * len(body) + 4096}).status_code == 200
+    try:
+        assert upload(srv, "quota-1.jsonl", body).status_code == 201
+        more = jsonl(ALPACA[100:250])
+        r = upload(srv, "quota-2.jsonl", more)
+        assert r.status_code == 413 and "max_data_bytes" in r.text and "the data area's files take" in r.text, r.text
+        assert not (area / "quota-2.jsonl").exists() and not any(p.name.startswith(".upload") for p in area.iterdir())
+        assert upload(srv, "quota-3.jsonl", jsonl(ALPACA[250:260])).status_code == 201
+    finally:
+        admin.put("/api/admin/policy", json={"max_data_bytes": 8 << 30})
+
+
 @pytest.mark.parametrize(
     ("name", "body", "message"),
     [

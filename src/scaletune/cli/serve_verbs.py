@@ -82,6 +82,9 @@ def serve(
     max_upload_mb: Annotated[
         float, typer.Option(help="Largest data file uploaded to the data area (POST /api/data), in MiB.")
     ] = 256.0,
+    max_data_gb: Annotated[
+        float, typer.Option(help="The data area's quota: every uploaded data file together, in GiB.")
+    ] = 8.0,
     root_path: Annotated[
         str,
         typer.Option(
@@ -143,6 +146,7 @@ def serve(
         trusted_hosts=tuple(trusted_host or ()),
         max_request_bytes=int(max_request_mb * 2**20),
         max_upload_bytes=int(max_upload_mb * 2**20),
+        max_data_bytes=int(max_data_gb * 2**30),
     )
     db = db or default_url()
     address = f"http://{host}:{port}"

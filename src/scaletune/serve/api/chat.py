@@ -55,7 +55,9 @@ async def chat(job_id: str, req: ChatRequest, request: Request, c: Submitter, sv
     (kind, value), q, gone = await answer(request.app.state.model_slot, target, turns, sampling)
     if kind == "refused":
         too_long = value.title == "conversation too long"
-        raise Refused(value.title if too_long else "the model cannot be loaded", value.problems, 422 if too_long else 409)
+        raise Refused(
+            value.title if too_long else "the model cannot be loaded", value.problems, 422 if too_long else 409
+        )
     if kind == "error":
         return JSONResponse({"detail": f"the model cannot be loaded: {value}"}, status_code=500)
 

@@ -22,7 +22,7 @@ from scaletune.serve.edge.policy import data_area
 from scaletune.serve.edge.teams import record
 from scaletune.serve.jobs.datasets import META, area_file, check_file, file_entry, listing, place, stored_name
 
-E413_422 = {**E422, 413: {"description": "the file is over max_upload_bytes"}}
+E413_422 = {**E422, 413: {"description": "the file is over max_upload_bytes, or the data area over max_data_bytes"}}
 router = APIRouter()
 
 
@@ -49,9 +49,11 @@ async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[
     clean, why = stored_name(name)
     if why:
         return refusal("upload refused", [why])
-    limit = svc.policy.max_upload_bytes
     area = data_area(svc.home)
     area.mkdir(mode=0o700, exist_ok=True)
+    # The quota counts every file of the area, uploads under way included (their temporary files).
+    room = svc.policy.max_data_bytes - sum(f.stat().st_size for f in area.iterdir() if f.is_file())
+    limit = min(svc.policy.max_upload_bytes, max(room, 0))
     tmp = area / f".upload-{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     h, size = hashlib.sha256(), 0
@@ -60,14 +62,18 @@ async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    return refusal(
-                        "upload refused",
-                        [
+                    if limit < svc.policy.max_upload_bytes:
+                        why = (
+                            f"{name}: the data area's files take {svc.policy.max_data_bytes - room:,} of its "
+                            f"{svc.policy.max_data_bytes:,} bytes, and this file is larger than the rest "
+                            "(admin setting: max_data_bytes, PUT /api/admin/policy)"
+                        )
+                    else:
+                        why = (
                             f"{name}: over {limit / 2**20:g} MiB, the largest data file this service takes "
                             "(admin setting: max_upload_bytes, PUT /api/admin/policy)"
-                        ],
-                        413,
-                    )
+                        )
+                    return refusal("upload refused", [why], 413)
                 h.update(chunk)
                 f.write(chunk)
         try:

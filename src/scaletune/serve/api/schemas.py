@@ -61,6 +61,7 @@ class PolicyUpdate(BaseModel):
     trusted_hosts: list[str] | None = None
     trusted_origins: list[str] | None = None
     max_upload_bytes: int | None = Field(None, ge=1, description="The largest data file POST /api/data takes")
+    max_data_bytes: int | None = Field(None, ge=1, description="The data area's quota: every uploaded file together")
 
 
 class JobSummary(BaseModel):

@@ -105,6 +105,7 @@ _NEVER_ENV = ("TRUST_REMOTE_CODE", "NO_WEIGHTS_ONLY")
 MAX_DEPTH = 64  # nesting of a config, aliases expanded (a real one has about 5)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 MAX_UPLOAD_BYTES = 256 * 1024 * 1024  # one data file uploaded to the data area (POST /api/data)
+MAX_DATA_BYTES = 8 * 1024**3  # every uploaded file together: a submit token cannot fill the disk
 DATA_AREA = "data"  # the uploaded data files' folder, in the jobs folder (a job id is 12 hex digits)
 
 
@@ -125,6 +126,8 @@ class Policy:
         service's own.
     max_upload_bytes: the largest data file `POST /api/data` takes into the data area (the other
         routes keep max_request_bytes).
+    max_data_bytes: the data area's quota: the bytes of every uploaded file together (an upload
+        that would pass it is refused, 413).
     job_secrets: `OWNER:NAME=VAR` (`--job-secret`): the jobs the API token named OWNER submits
         (`*`: every job) get the service's variable VAR as NAME. A job inherits none of the
         service's other credentials (any variable the secret rule of `config/secrets.py` names).
@@ -141,6 +144,7 @@ class Policy:
     max_request_bytes: int = MAX_REQUEST_BYTES
     max_upload_bytes: int = MAX_UPLOAD_BYTES
     max_depth: int = MAX_DEPTH
+    max_data_bytes: int = MAX_DATA_BYTES
     job_secrets: tuple[str, ...] = ()
 
     def public(self) -> dict[str, Any]:
