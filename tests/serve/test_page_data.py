@@ -336,6 +336,46 @@ def test_preview_is_what_the_trainer_builds(srv, tiny_model_dir, tmp_path, train
             assert trained == tok.decode(output) + tok.eos_token
 
 
+# A chat template that loops until the render bound (data/render.py: 10 s) stops it.
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}{% endfor %}{% endfor %}"
+
+
+def test_previews_of_looping_templates_take_two_slots_and_health_still_answers(srv, tiny_model_dir):
+    """Issue 34 (S2): previews of a template that loops for its render bound each held a request
+    thread while they waited for the one render worker; 44 of them took every thread, and /healthz
+    timed out. Six at once now: at most two render (each stopped by the bound, 422 naming the
+    template), the others are answered 503 at once (Retry-After), and /healthz answers within a
+    second all along. The control: a preview after them renders (200)."""
+    import concurrent.futures
+    import time
+
+    file = upload(srv, "chats.jsonl", jsonl([as_format("messages", r) for r in ALPACA[:2]])).json()["name"]
+    cfg = make_config(tiny_model_dir, "run")
+    cfg["data"]["train"] = {"path": "x.jsonl", "format": "messages"}
+    looping = yaml.safe_dump({**cfg, "data": {**cfg["data"], "chat_template": LOOPS}})
+
+    def one(_: int) -> tuple[int, float, str]:
+        start = time.monotonic()
+        r = client(srv, srv.submit).post("/api/data/preview", json={"file": file, "config": looping}, timeout=120)
+        return r.status_code, time.monotonic() - start, r.text
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = [pool.submit(one, i) for i in range(6)]
+        health = []
+        while not all(a.done() for a in answers):
+            start = time.monotonic()
+            assert client(srv, None).get("/healthz", timeout=10).status_code == 200
+            health.append(time.monotonic() - start)
+            time.sleep(0.5)
+    got = [a.result() for a in answers]
+    codes = sorted(code for code, _, _ in got)
+    assert codes.count(422) <= 2 and codes.count(503) >= 4, [(c, round(t, 1), x[:120]) for c, t, x in got]
+    assert all(t < 2 for c, t, _ in got if c == 503), got
+    assert max(health) < 1.0, health
+    fine = yaml.safe_dump(cfg)
+    assert client(srv, srv.submit).post("/api/data/preview", json={"file": file, "config": fine}).status_code == 200
+
+
 def test_preview_problems_name_the_key(srv, tiny_model_dir, tmp_path):
     name = upload(srv, "problems.jsonl", jsonl(ALPACA[:4])).json()["name"]
     c = client(srv, srv.submit)

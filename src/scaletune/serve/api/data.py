@@ -99,12 +99,24 @@ def preview_data(req: PreviewRequest, c: Submitter, svc: Svc):
     with its tokens and which are trained; a token-length histogram and the counts that
     max_seq_length truncates and drops, over the first records (at most 5,000, as many as
     about 5 s allow: `measured` says how many).
+    503 while two previews are already rendering (try again).
     422 with every problem, each naming its key (`model.name_or_path`, `data.train.format`,
     ...) or the file."""
-    from scaletune.serve.jobs.data_preview import preview
+    from scaletune.serve.jobs.data_preview import PREVIEW_SLOTS, preview
 
+    # At most PREVIEW_SLOTS previews at once; another is answered 503 at once instead of holding a
+    # request thread while it waits (44 previews of a template that loops for its 10 s bound each
+    # took every thread, and /healthz with them: issue 34).
+    if not PREVIEW_SLOTS.acquire(blocking=False):
+        return JSONResponse(
+            {"detail": "every preview slot is busy (other previews are rendering); try again in a few seconds"},
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
     try:
         path = area_file(svc.home, req.file)
         return preview(svc, path, req.config, req.records)
     except UserError as exc:
         return refusal(exc.title, exc.problems)
+    finally:
+        PREVIEW_SLOTS.release()

@@ -1,6 +1,7 @@
 """The service's own routes: `/healthz` (no token) and the admin's policy settings."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
+import asyncio
 import json
 import logging
 
@@ -25,12 +26,17 @@ router = APIRouter()
     response_model_exclude_none=True,
     responses={503: {"model": Health}},
 )
-def healthz(svc: Svc):
+async def healthz(svc: Svc):
     """200 `{"status": "ok"}` once the job database answers, else 503; no token needed (for a
-    load balancer or a platform's health check)."""
-    try:
+    load balancer or a platform's health check). Its query runs on asyncio's own executor, not in
+    the request threads the other routes share: busy routes never make the service look dead."""
+
+    def probe() -> None:
         with svc.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
+
+    try:
+        await asyncio.to_thread(probe)
     except SQLAlchemyError as exc:
         log.warning("healthz: the job database does not answer: %s", scrubbed(exc, svc.engine.url))
         return JSONResponse({"status": "unavailable", "detail": "the job database does not answer"}, 503)

@@ -31,6 +31,9 @@ _SFT = ("alpaca", "messages", "text")
 
 
 _LOADING = threading.Lock()  # see `preview`
+# Previews running at once, service-wide (api/data.py takes a slot or answers 503): each holds a
+# request thread for up to its chat template's render bound (data/render.py SECONDS).
+PREVIEW_SLOTS = threading.BoundedSemaphore(2)
 
 
 def _sections(config: str, max_depth: int) -> tuple[dict, dict]:
