@@ -185,6 +185,17 @@ def test_uploads_that_decode_far_larger_than_they_are_are_checked_in_bounded_mem
         tracemalloc.stop()
     assert r.status_code == 201 and r.json()["records"] == records, r.text
     assert peak < 4 * len(empties), f"{peak:,} bytes traced for a {len(empties):,}-byte file"
+    # A JSONL file of 300,000 bad lines: the first 20 named, the rest counted, not held (it was a
+    # message per line, and every line split out at once).
+    bad = b"x\n" * 300_000
+    tracemalloc.start()
+    try:
+        r = upload(srv, "bad-lines.jsonl", bad)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * len(bad), f"{peak:,} bytes traced for a {len(bad):,}-byte file"
+    assert r.status_code == 422 and "bad-lines.jsonl:20: not valid JSON" in r.text and "... and 299,980 more" in r.text
 
 
 def test_an_upload_over_the_record_bound_is_refused_in_every_format(srv, monkeypatch):

@@ -61,8 +61,7 @@ def still_allowed(request: Request) -> bool:
 def live_credential(svc: JobService, conn: HTTPConnection) -> bool:
     """Whether `conn` (a request, before or after its body is read) holds a live API token: its
     bearer token, else its session cookie; true on a service without tokens (loopback only)."""
-    header = conn.headers.get("authorization", "")
-    given = header[7:].strip() if header[:7].lower() == "bearer " else conn.cookies.get(auth.COOKIE, "")
+    given = _bearer(conn) or conn.cookies.get(auth.COOKIE, "")
     if given and auth.identify(svc.Session, given) is not None:
         return True
     return not auth.has_tokens(svc.Session)
@@ -83,10 +82,15 @@ def may_send_body(svc: JobService, conn: HTTPConnection, path: str) -> bool:
         return True
     report = _REPORT.fullmatch(path)
     if report is not None:
-        header = conn.headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        token = _bearer(conn)
         return bool(token) and svc.check_job_token(report["job"], token)
     return live_credential(svc, conn)
+
+
+def _bearer(conn: HTTPConnection) -> str:
+    """The token of an `Authorization: Bearer TOKEN` header; "" without one."""
+    header = conn.headers.get("authorization", "")
+    return header[7:].strip() if header[:7].lower() == "bearer " else ""
 
 
 def need(scope: str):

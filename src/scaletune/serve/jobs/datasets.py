@@ -76,7 +76,7 @@ def check_file(path: Path, name: str) -> int:
     from scaletune.errors import DataError
 
     suffix = Path(name).suffix.lower()
-    problems: list[str] = []
+    problems = _Problems(name)
     if suffix == ".parquet":
         n = _parquet_rows(path, name)
     elif suffix == ".csv":
@@ -94,7 +94,7 @@ def check_file(path: Path, name: str) -> int:
     else:
         n = _json_rows(path.read_bytes(), name, problems)
     if problems:
-        raise DataError(problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else []))
+        raise DataError(problems.lines())
     if n == 0:
         raise DataError(f"{name}: no records")
     return n
@@ -161,7 +161,7 @@ def _json_rows(raw: bytes, name: str, problems: list[str]) -> int:
         n += 1
         if n > MAX_UPLOAD_RECORDS:
             raise _too_many(name)
-        if not isinstance(record, dict) and len(problems) <= 20:
+        if not isinstance(record, dict):
             problems.append(f"{name}: record {n}: a record is a JSON object, got {type(record).__name__}")
         at = ws.match(text, at).end()
         if text.startswith("]", at):
@@ -181,6 +181,28 @@ def _json_rows(raw: bytes, name: str, problems: list[str]) -> int:
 # million is 27 bytes a record at the default 256 MiB, shorter than any record worth training on;
 # a file of `{}` records would otherwise cost minutes of the service's CPU.
 MAX_UPLOAD_RECORDS = 10_000_000
+
+
+class _Problems(list):
+    """An upload's problems: the first SHOWN kept, the others counted (a file of a million bad lines
+    would otherwise be a million messages in memory); past MAX_UPLOAD_RECORDS the check stops."""
+
+    SHOWN = 20
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.more = name, 0
+
+    def append(self, problem: str) -> None:
+        if len(self) < self.SHOWN:
+            super().append(problem)
+            return
+        self.more += 1
+        if self.more > MAX_UPLOAD_RECORDS:
+            raise _too_many(self.name)
+
+    def lines(self) -> list[str]:
+        return [*self, *([f"... and {self.more:,} more"] if self.more else [])]
 
 
 def _too_many(name: str) -> Exception:
