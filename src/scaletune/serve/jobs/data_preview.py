@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from scaletune.errors import UserError
+from scaletune.serve.jobs.datasets import file_entry
 
 #: Records tokenized for the histogram and the counts (the first ones), at most; batches stop
 #: once BUDGET_S have passed (a chat template renders ~500 records a second on a busy CPU), so a
@@ -64,7 +65,9 @@ def _configs(model: dict, section: dict, path: Path) -> tuple[Any, Any]:
         problems.append("data.factory: a data factory's records are not previewed (the preview reads data.train)")
     train = section.get("train")
     train = dict(train) if isinstance(train, dict) else {}
-    train.pop("max_samples", None)  # the preview measures the file, not a run's first N
+    # The preview measures the file's first MEASURED records, not a run's first N; only those are
+    # read into memory (the whole count is the upload check's, beside the file).
+    train["max_samples"] = MEASURED
     train["path"] = str(path)
     if train.get("format", "alpaca") not in _SFT:
         problems.append(f"data.train.format: {train.get('format')}: the preview shows {', '.join(_SFT)} records")
@@ -186,7 +189,7 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         "format": source.format,
         "template": "chat template" if encoder.template else ("alpaca prompt" if source.format == "alpaca" else "text"),
         "max_seq_length": max_len,
-        "records_total": len(records),
+        "records_total": file_entry(path)["records"] or len(records),
         "measured": len(pairs),
         "records": shown,
         "histogram": histogram(lengths, max_len),

@@ -130,51 +130,24 @@ def _csv_rows(raw: bytes, name: str) -> int:
 
 
 def _json_rows(raw: bytes, name: str, problems: list[str]) -> int:
-    """The records of a .json upload (a list of objects), decoded one at a time and let go: the
-    check holds the text and one record, not the list (`[{},{},...]` as Python objects is about
-    50 times its size: a 256 MiB upload would take 12 GB). Errors as `json_records`'s."""
-    from scaletune.data.sources import json_records
-    from scaletune.errors import DataError
+    """The records of a .json upload (a list of objects), decoded one at a time and let go
+    (`data.sources.iter_json_list`): the check holds the text and one record, not the list
+    (`[{},{},...]` as Python objects is about 50 times its size: a 256 MiB upload would take 12 GB)."""
+    from scaletune.data.sources import iter_json_list, json_records
 
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return len(json_records(raw, name, None))  # its message names the line
     del raw
-    decoder, ws = json.JSONDecoder(), re.compile(r"[ \t\n\r]*")
-    at = ws.match(text, 0).end()
-    if not text.startswith("[", at):
-        return len(json_records(text.encode(), name, None))  # not a list: its message says so
-    at = ws.match(text, at + 1).end()
     n = 0
-    if text.startswith("]", at):
-        return 0
-    while True:
-        try:
-            record, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{name}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data"
-            ) from None
-        except RecursionError:
-            raise DataError(f"{name}: JSON nested too deeply", title="invalid data") from None
+    for record in iter_json_list(text, name):
         n += 1
         if n > MAX_UPLOAD_RECORDS:
             raise _too_many(name)
         if not isinstance(record, dict):
             problems.append(f"{name}: record {n}: a record is a JSON object, got {type(record).__name__}")
-        at = ws.match(text, at).end()
-        if text.startswith("]", at):
-            if ws.match(text, at + 1).end() != len(text):
-                line = text.count("\n", 0, at) + 1
-                raise DataError(f"{name}:{line}: not valid JSON: extra data after the list", title="invalid data")
-            return n
-        if not text.startswith(",", at):
-            line = text.count("\n", 0, at) + 1
-            raise DataError(
-                f"{name}:{line}: not valid JSON: expected ',' or ']' after record {n}", title="invalid data"
-            )
-        at = ws.match(text, at + 1).end()
+    return n
 
 
 # The most records an upload may hold: its check decodes each (a few microseconds apiece), and 10
