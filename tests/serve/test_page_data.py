@@ -175,25 +175,24 @@ def test_uploads_that_decode_far_larger_than_they_are_are_checked_in_bounded_mem
     r = upload(srv, "bomb.parquet", bomb)
     assert r.status_code == 201 and r.json()["records"] == rows, r.text
     assert pa.default_memory_pool().max_memory() < 64 * 2**20, pa.default_memory_pool().max_memory()
+
+    def traced_upload(name: str, body: bytes):
+        """The upload's answer and the most memory Python held during it (the service's threads too)."""
+        tracemalloc.start()
+        try:
+            return upload(srv, name, body), tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
     records = 200_000  # (tracemalloc slows each allocation: a smaller file proves the same)
     empties = b"[" + b",".join([b"{}"] * records) + b"]"
-    tracemalloc.start()
-    try:
-        r = upload(srv, "empties.json", empties)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    r, peak = traced_upload("empties.json", empties)
     assert r.status_code == 201 and r.json()["records"] == records, r.text
     assert peak < 4 * len(empties), f"{peak:,} bytes traced for a {len(empties):,}-byte file"
     # A JSONL file of 300,000 bad lines: the first 20 named, the rest counted, not held (it was a
     # message per line, and every line split out at once).
     bad = b"x\n" * 300_000
-    tracemalloc.start()
-    try:
-        r = upload(srv, "bad-lines.jsonl", bad)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    r, peak = traced_upload("bad-lines.jsonl", bad)
     assert peak < 4 * len(bad), f"{peak:,} bytes traced for a {len(bad):,}-byte file"
     assert r.status_code == 422 and "bad-lines.jsonl:20: not valid JSON" in r.text and "... and 299,980 more" in r.text
 

@@ -224,11 +224,7 @@ def json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
     Raises:
         DataError: not UTF-8, not JSON, or not a list (with the line where it can be told).
     """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})", title="invalid data") from None
+    text = json_text(raw, path)
     if limit:
         out = []
         for record in iter_json_list(text, path):  # the rest is read too (a broken file is refused), not kept
@@ -237,12 +233,8 @@ def json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
         return out
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data"
-        ) from None
-    except RecursionError:
-        raise DataError(f"{path}: JSON nested too deeply", title="invalid data") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise _not_json(path, exc) from None
     if not isinstance(data, list):
         raise DataError(_NOT_A_LIST.format(path=path), title="invalid data")
     return data
@@ -250,6 +242,26 @@ def json_records(raw: bytes, path: str, limit: int | None) -> list[Any]:
 
 _NOT_A_LIST = "{path}: a .json data file must hold a list of records (use .jsonl for one record per line)"
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def json_text(raw: bytes, path: str) -> str:
+    """`raw` decoded as UTF-8.
+
+    Raises:
+        DataError: it is not UTF-8 (naming the line and the byte).
+    """
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})", title="invalid data") from None
+
+
+def _not_json(path: str, exc: json.JSONDecodeError | RecursionError) -> DataError:
+    """The message of text json cannot decode: its line and column, or its nesting."""
+    if isinstance(exc, RecursionError):
+        return DataError(f"{path}: JSON nested too deeply", title="invalid data")
+    return DataError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data")
 
 
 def iter_json_list(text: str, path: str) -> Iterator[Any]:
@@ -264,12 +276,8 @@ def iter_json_list(text: str, path: str) -> Iterator[Any]:
     if not text.startswith("[", at):
         try:
             json.loads(text)  # its own message for what is not JSON at all
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data"
-            ) from None
-        except RecursionError:
-            raise DataError(f"{path}: JSON nested too deeply", title="invalid data") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise _not_json(path, exc) from None
         raise DataError(_NOT_A_LIST.format(path=path), title="invalid data")
     at = ws.match(text, at + 1).end()
     if text.startswith("]", at):
@@ -278,12 +286,8 @@ def iter_json_list(text: str, path: str) -> Iterator[Any]:
     while True:
         try:
             item, at = decoder.raw_decode(text, at)
-        except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{path}:{exc.lineno}: not valid JSON: {exc.msg} (column {exc.colno})", title="invalid data"
-            ) from None
-        except RecursionError:
-            raise DataError(f"{path}: JSON nested too deeply", title="invalid data") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise _not_json(path, exc) from None
         n += 1
         yield item
         at = ws.match(text, at).end()

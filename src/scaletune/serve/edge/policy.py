@@ -187,8 +187,9 @@ def job_secret_problems(specs: Iterable[str], environ: Mapping[str, str]) -> lis
         if m is None:
             problems.append(f"--job-secret {spec!r}: expected OWNER:NAME=VAR (OWNER a token's name or *)")
             continue
-        if m["var"] in SERVICE_SECRETS or m["name"] in SERVICE_SECRETS:
-            problems.append(f"--job-secret {spec!r}: {m['var']} is the service's own secret, never a job's")
+        own = next((v for v in (m["var"], m["name"]) if v in SERVICE_SECRETS), None)
+        if own is not None:
+            problems.append(f"--job-secret {spec!r}: {own} is the service's own secret, never a job's")
         elif m["var"] not in environ:
             problems.append(f"--job-secret {spec!r}: the service's environment has no {m['var']}")
         if any(w in m["name"] for w in _NEVER_ENV):

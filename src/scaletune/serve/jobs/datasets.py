@@ -133,12 +133,9 @@ def _json_rows(raw: bytes, name: str, problems: list[str]) -> int:
     """The records of a .json upload (a list of objects), decoded one at a time and let go
     (`data.sources.iter_json_list`): the check holds the text and one record, not the list
     (`[{},{},...]` as Python objects is about 50 times its size: a 256 MiB upload would take 12 GB)."""
-    from scaletune.data.sources import iter_json_list, json_records
+    from scaletune.data.sources import iter_json_list, json_text
 
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return len(json_records(raw, name, None))  # its message names the line
+    text = json_text(raw, name)
     del raw
     n = 0
     for record in iter_json_list(text, name):
