@@ -239,3 +239,45 @@ def test_concurrent_first_previews_all_answer(tiny_model_dir, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_connections_are_bounded_half_sent_ones_too(tmp_path):
+    """Issue 34 (S3, connection limits): `scaletune serve --max-connections 8`. Seven connections
+    that send half a request and wait (a slow-loris client) hold the service at its bound: the next
+    request is answered 503 at once, not queued behind them; once they close, 200 (the control).
+    Before, the service took every connection an address opened, with no bound at all."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT, subprocess_env
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "scaletune", "serve", "--port", str(port), "--max-connections", "8"]
+    argv += ["--jobs-dir", str(tmp_path / "jobs")]
+    env = subprocess_env(SCALETUNE_DB=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    proc = subprocess.Popen(argv, env=env, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    held: list[socket.socket] = []
+    try:
+        wait_serving(proc, url)
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        for _ in range(7):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never the blank line that ends it
+            held.append(s)
+        time.sleep(0.5)
+        t = time.monotonic()
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 503
+        assert time.monotonic() - t < 5
+        for s in held:
+            s.close()
+        held.clear()
+        deadline = time.monotonic() + 10
+        while (code := httpx.get(url + "/healthz", timeout=10).status_code) != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert code == 200
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        proc.wait(timeout=30)

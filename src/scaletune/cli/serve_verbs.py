@@ -85,6 +85,13 @@ def serve(
     max_data_gb: Annotated[
         float, typer.Option(help="The data area's quota: every uploaded data file together, in GiB.")
     ] = 8.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            help="Open connections (and requests in progress) at most; past it a request is answered 503 "
+            "at once. Idle and half-sent connections count: an address that opens thousands holds no more."
+        ),
+    ] = 256,
     root_path: Annotated[
         str,
         typer.Option(
@@ -121,6 +128,8 @@ def serve(
     problems: list[Problem] = []
     if max_concurrent < 1:
         problems.append(Problem("serve options", None, f"--max-concurrent must be 1 or more, got {max_concurrent}"))
+    if max_connections < 8:  # a page holds an event stream and a few requests at once
+        problems.append(Problem("serve options", None, f"--max-connections must be 8 or more, got {max_connections}"))
     problems += job_secret_problems(job_secret or (), os.environ)
     for t in disable_target or ():
         if t not in ("local", "slurm", "modal"):
@@ -168,7 +177,14 @@ def serve(
         + (f" | under {root_path}/ (--root-path)" if root_path else ""),
         err=True,
     )
-    uvicorn.run(create_app(svc), host=host, port=port, log_level="warning", root_path=root_path)
+    uvicorn.run(
+        create_app(svc),
+        host=host,
+        port=port,
+        log_level="warning",
+        root_path=root_path,
+        limit_concurrency=max_connections,  # uvicorn counts open connections and running requests
+    )
 
 
 def _sessions(db: str | None):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from scaletune.config import ModelConfig, QuantizationConfig
 from scaletune.errors import UserError
+from scaletune.models.hub import HostileHubAnswer, guard_hub_answers, shared_snapshot
 from scaletune.models.presets import PRESETS
 from scaletune.models.pretrained import PRETRAINED, no_load_bars, pretrained_path
 
@@ -46,9 +47,11 @@ def _looks_local(name: str) -> bool:
     )
 
 
-def _resolve_source(name: str, key: str, *, need_config: bool) -> str:
+def _resolve_source(name: str, key: str, *, need_config: bool, revision: str | None = None) -> str:
     """The path or hub id to hand to `from_pretrained`: an existing path as given, a pretrained
-    preset's name (`smollm2-135m-instruct`) as its cached folder (fetched on first use), else a hub id.
+    preset's name (`smollm2-135m-instruct`) as its cached folder (fetched on first use), a hub id
+    the shared hub cache holds (`shared_snapshot`) as its folder there, else the hub id (whose
+    download then refuses a hub answer that names a path: `guard_hub_answers`).
 
     Raises:
         UserError: a local-looking path that does not exist, or a folder without config.json.
@@ -70,10 +73,20 @@ def _resolve_source(name: str, key: str, *, need_config: bool) -> str:
             "`scaletune init-model olmo2-tiny -o PATH`, or give a hub id like owner/name.",
             title="model not found",
         )
+    snapshot = shared_snapshot(name, revision, need_config=need_config)
+    if snapshot is not None:
+        log.info("%s %s: the service's copy in its shared hub cache (%s)", key, name, snapshot)
+        return str(snapshot)
+    guard_hub_answers()
     return name
 
 
 def _hub_failure(key: str, name: str, exc: Exception) -> UserError:
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, HostileHubAnswer):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None:  # transformers rewords it as "can't load"; the refusal says what happened
+        return UserError(f"{key} {name!r}: {cause}", title="model not found")
     offline = any(
         os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     )
@@ -117,7 +130,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
     key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
     name = cfg.tokenizer or cfg.name_or_path
-    source = _resolve_source(name, key, need_config=False)
+    source = _resolve_source(name, key, need_config=False, revision=cfg.revision)
     try:
         tok = AutoTokenizer.from_pretrained(
             source, trust_remote_code=bool(cfg.trust_remote_code), revision=cfg.revision
@@ -207,7 +220,7 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
     name = cfg.name_or_path
     if name in PRESETS and not Path(name).exists():
         return PRESETS[name].config()
-    source = _resolve_source(name, "model.name_or_path", need_config=True)
+    source = _resolve_source(name, "model.name_or_path", need_config=True, revision=cfg.revision)
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=bool(cfg.trust_remote_code), revision=cfg.revision)
     except ValueError as exc:
@@ -246,7 +259,7 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         return _meta_model(cfg)
 
     name = cfg.name_or_path
-    source = _resolve_source(name, "model.name_or_path", need_config=True)
+    source = _resolve_source(name, "model.name_or_path", need_config=True, revision=cfg.revision)
     kwargs: dict[str, Any] = {
         "dtype": "auto" if cfg.dtype == "auto" else torch_dtype(cfg.dtype),
         "trust_remote_code": bool(cfg.trust_remote_code),

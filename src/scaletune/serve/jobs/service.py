@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import threading
 import uuid
 from pathlib import Path
@@ -166,7 +167,7 @@ class JobService:
 
         files = self.files(job)
         try:
-            plan = check(files, self.dispatchers[target], in_child=_names_code(sub.data), dry_run=dry_run)
+            plan = check(files, self.dispatchers[target], in_child=_in_child(sub.data), dry_run=dry_run)
         except UserError:
             if fresh:
                 _remove(job_dir)
@@ -339,10 +340,21 @@ class JobService:
         return token
 
 
-def _names_code(data: dict) -> bool:
-    """Whether a (policy-allowed) config names code the check would import: a factory or remote
-    code; such a job is checked in a child process, never in the service."""
-    return any(path and path[-1] in ("factory", "trust_remote_code") and v for path, v in P._walk(data))
+def _in_child(data: dict) -> bool:
+    """Whether a (policy-allowed) config is checked in a child process with the job's environment,
+    never in the service: one that names code the check would import (a factory, remote code), or a
+    model or tokenizer that may be a hub id (not a local path, not a preset): its check downloads,
+    and a download made in the service would go out with the service's credentials (its HF_TOKEN,
+    the token `hf auth login` stored) and into the cache every job reads (issue 34, cases 2 and 3)."""
+    from scaletune.models import PRESETS, PRETRAINED
+
+    for path, v in P._walk(data):
+        if path and path[-1] in ("factory", "trust_remote_code") and v:
+            return True
+        if path and path[-1] in ("name_or_path", "tokenizer") and isinstance(v, str) and v:
+            if v not in PRESETS and v not in PRETRAINED and not Path(v).expanduser().exists():
+                return True
+    return False
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -358,5 +370,6 @@ def _remove(job_dir: Path) -> None:
     if not job_dir.is_dir() or any(job_dir.glob("*.log")):
         return
     for p in job_dir.iterdir():
-        p.unlink()
+        # The check's own Hugging Face home (a hub id's config fetched to judge it) is a folder.
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     job_dir.rmdir()

@@ -15,8 +15,8 @@ EXIT_FILE = "exit-code"  # written by the wrapper when the run's process ends
 LOG_FILE = "train.log"
 # The service's own secrets, read from its environment to run it: the database URL (password
 # included), the admin token, a client token, Modal's credentials. A job inherits the service's
-# environment (PATH, HF_HOME, CUDA and NCCL settings) except these and every other credential the
-# service holds (a variable the secret rule of `config/secrets.py` names: HF_TOKEN, WANDB_API_KEY,
+# environment (PATH, CUDA and NCCL settings; its Hugging Face places are its own: HF_PLACES)
+# except these and every other credential the service holds (a variable the secret rule of `config/secrets.py` names: HF_TOKEN, WANDB_API_KEY,
 # AWS_SECRET_ACCESS_KEY, ...): a submitted config's code (an allowed factory, remote code), a hub
 # or W&B call made for one user, and SLURM's record of the job (`sbatch --export=ALL`) would
 # otherwise hold them. A job's credentials are its own (submitted as secrets) or mapped to its
@@ -26,18 +26,47 @@ SERVICE_SECRETS = frozenset(
 )
 
 
+# Hugging Face's variables that name a place: its home, its caches (hub, datasets, Xet, assets,
+# remote-code modules) and its token files. A job gets its own (below), never the service's: what a
+# hub answers one job is written into that job's folder alone, and the token `hf auth login` stored
+# for the service is not read (huggingface_hub sends it to every download, to the job's endpoint).
+HF_PLACES = frozenset(
+    {
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "HF_DATASETS_CACHE",
+        "HF_XET_CACHE",
+        "HF_ASSETS_CACHE",
+        "HF_MODULES_CACHE",
+        "TRANSFORMERS_CACHE",
+        "HF_TOKEN_PATH",
+        "HF_STORED_TOKENS_PATH",
+    }
+)
+JOB_HF_HOME = "hf"  # in the job folder
+
+
 def job_environment(job: JobFiles, **extra: str) -> dict[str, str]:
     """The environment a job's process (or sbatch), its config check and its tasks start with: the
-    service's, less `SERVICE_SECRETS` and every secret-named variable, plus the job's own (report
-    URL and token, secret values submitted with its config or mapped to its owner) and `extra`,
-    with PYTHONSAFEPATH set."""
-    from scaletune.config.secrets import is_secret_name
+    service's, less `SERVICE_SECRETS`, every secret-named variable and `HF_PLACES`; the job's own
+    Hugging Face home (`JOB_HF_HOME` in its folder) and the service's hub cache to read from
+    (`SCALETUNE_SHARED_HUB_CACHE`: a model the operator downloaded there is used in place, never
+    written); the job's own variables (report URL and token, secret values submitted with its
+    config or mapped to its owner) and `extra`; PYTHONSAFEPATH set."""
+    from huggingface_hub import constants
 
-    inherited = {k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS and not is_secret_name(k)}
+    from scaletune.config.secrets import is_secret_name
+    from scaletune.models.hub import SHARED_HUB_CACHE_ENV
+
+    inherited = {
+        k: v for k, v in os.environ.items() if k not in SERVICE_SECRETS and not is_secret_name(k) and k not in HF_PLACES
+    }
+    own = {"HF_HOME": str(job.job_dir / JOB_HF_HOME), SHARED_HUB_CACHE_ENV: constants.HF_HUB_CACHE}
     # PYTHONSAFEPATH: `python -m scaletune` (and torchrun's workers) put no working directory first
     # on sys.path, so a file written there (a hub download into a cache named by a job, an
     # upload) is never imported in place of scaletune, torch or transformers.
-    return {**inherited, **job.env, **extra, "PYTHONSAFEPATH": "1"}
+    return {**inherited, **own, **job.env, **extra, "PYTHONSAFEPATH": "1"}
 
 
 @dataclass(frozen=True)
