@@ -281,3 +281,54 @@ def test_connections_are_bounded_half_sent_ones_too(tmp_path):
             s.close()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_child_checks_are_bounded(srv, tmp_path, monkeypatch):
+    """A config naming a hub id is checked in a child process (its download must not be the
+    service's: tests/security/test_serve_hub.py), and each child costs ~0.4 GB and seconds of CPU.
+    Ten dry runs at once: never more than four children alive (`validate.CHECK_SLOTS`); with no
+    wait allowed (`CHECK_WAIT_S` 0 here) the others are answered 503 with Retry-After, leaving no job
+    folder; the checked ones are answered, each naming the model (offline here: not found)."""
+    import concurrent.futures
+
+    import psutil
+    import yaml
+
+    from scaletune.serve.jobs import validate
+    from tests.helpers import make_config
+
+    monkeypatch.setattr(validate, "CHECK_WAIT_S", 0)
+    cfg = yaml.safe_dump(make_config("owner/not-cached", "run"))
+    alive: list[int] = []
+    done = False
+
+    def checking(p: psutil.Process) -> bool:
+        try:
+            return "scaletune.serve.jobs.validate" in " ".join(p.cmdline())
+        except psutil.Error:  # ended between the listing and the reading
+            return False
+
+    def count() -> None:
+        me = psutil.Process()
+        while not done:
+            alive.append(sum(checking(p) for p in me.children(recursive=True)))
+            time.sleep(0.05)
+
+    before = set((srv.home).iterdir()) if srv.home.exists() else set()
+    with concurrent.futures.ThreadPoolExecutor(11) as pool:
+        watcher = pool.submit(count)
+        answers = list(
+            pool.map(
+                lambda _: client(srv, srv.submit).post("/api/jobs", json={"config": cfg, "dry_run": True}, timeout=120),
+                range(10),
+            )
+        )
+        done = True
+        watcher.result()
+    codes = sorted(r.status_code for r in answers)
+    assert max(alive) <= 4 and max(alive) >= 1, max(alive)
+    assert codes.count(503) >= 1 and all(c in (422, 503) for c in codes), codes
+    busy = next(r for r in answers if r.status_code == 503)
+    assert busy.headers["retry-after"] == "5" and "config-check slot" in busy.text, busy.text
+    assert all("owner/not-cached" in r.text for r in answers if r.status_code == 422)
+    assert set(srv.home.iterdir()) == before  # dry runs and refusals leave no job folder

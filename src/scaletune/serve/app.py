@@ -19,6 +19,7 @@ from scaletune.serve.jobs.chatting import ModelSlot
 from scaletune.serve.jobs.db import kept_key
 from scaletune.serve.jobs.service import JobNotFound, JobService
 from scaletune.serve.jobs.tasks import Tasks
+from scaletune.serve.jobs.validate import ChecksBusy
 from scaletune.serve.page import views
 
 # In the order their routes were registered before the split (the OpenAPI document's order).
@@ -39,6 +40,12 @@ ROUTERS = (
 
 async def not_found(request: Request, exc: JobNotFound) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=404)
+
+
+async def checks_busy(request: Request, exc: ChecksBusy) -> JSONResponse:
+    answer = refusal("service busy", [str(exc)], 503)
+    answer.headers["Retry-After"] = "5"
+    return answer
 
 
 async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -83,6 +90,7 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     app.add_exception_handler(JobNotFound, not_found)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(Refused, refused)
+    app.add_exception_handler(ChecksBusy, checks_busy)
     for router in ROUTERS:
         app.include_router(router)
     return app

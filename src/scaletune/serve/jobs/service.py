@@ -163,12 +163,12 @@ class JobService:
             token_hash="",
             stop_requested=0,
         )
-        from scaletune.serve.jobs.validate import check
+        from scaletune.serve.jobs.validate import ChecksBusy, check
 
         files = self.files(job)
         try:
             plan = check(files, self.dispatchers[target], in_child=_in_child(sub.data), dry_run=dry_run)
-        except UserError:
+        except (UserError, ChecksBusy):
             if fresh:
                 _remove(job_dir)
             raise

@@ -13,6 +13,7 @@ import json
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from scaletune.errors import UserError
@@ -21,6 +22,17 @@ from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles
 from scaletune.serve.jobs.dispatch.base import job_environment
 
 CHILD_TIMEOUT_S = 600
+# Child checks at once, service-wide, and how long a request waits for one. Each child imports torch
+# and transformers (about 0.4 GB and 5 CPU-s); every config naming a hub id is checked in one, so a
+# submit token's burst of dry runs would otherwise start a process per request thread.
+CHECK_SLOTS = threading.BoundedSemaphore(4)
+CHECK_WAIT_S = 30
+
+
+class ChecksBusy(Exception):
+    """Every child-check slot stayed busy for `CHECK_WAIT_S`: answered 503 with Retry-After."""
+
+
 REMOTE = ("slurm", "modal")  # targets whose jobs run on other machines
 
 
@@ -108,6 +120,10 @@ def _in_child(job: JobFiles, target: str, dry_run: bool) -> dict | None:
         "dry_run": dry_run,
     }
     env = job_environment(job)  # the service's own secrets stay out of the check, as out of the job
+    if not CHECK_SLOTS.acquire(timeout=CHECK_WAIT_S):
+        raise ChecksBusy(
+            "every config-check slot is busy (other configs are being checked); try again in a few seconds"
+        )
     try:
         done = subprocess.run(
             [sys.executable, "-m", "scaletune.serve.jobs.validate"],
@@ -120,6 +136,8 @@ def _in_child(job: JobFiles, target: str, dry_run: bool) -> dict | None:
         )
     except subprocess.TimeoutExpired:
         raise UserError(f"the config's check took over {CHILD_TIMEOUT_S} s: refused", title="invalid config") from None
+    finally:
+        CHECK_SLOTS.release()
     try:
         answer = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -154,4 +172,4 @@ if __name__ == "__main__":
     _child_main()
 
 
-__all__ = ["UserError", "check", "plan", "prepare"]
+__all__ = ["ChecksBusy", "UserError", "check", "plan", "prepare"]
