@@ -16,11 +16,11 @@ LOG_FILE = "train.log"
 # The service's own secrets, read from its environment to run it: the database URL (password
 # included), the admin token, a client token, Modal's credentials. A job inherits the service's
 # environment (PATH, CUDA and NCCL settings; its Hugging Face places are its own: HF_PLACES)
-# except these and every other credential the service holds (a variable the secret rule of `config/secrets.py` names: HF_TOKEN, WANDB_API_KEY,
-# AWS_SECRET_ACCESS_KEY, ...): a submitted config's code (an allowed factory, remote code), a hub
-# or W&B call made for one user, and SLURM's record of the job (`sbatch --export=ALL`) would
-# otherwise hold them. A job's credentials are its own (submitted as secrets) or mapped to its
-# owner by the operator (`scaletune serve --job-secret`).
+# except these and every other credential the service holds (a variable the secret rule of
+# `config/secrets.py` names: HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...): a submitted
+# config's code (an allowed factory, remote code), a hub or W&B call made for one user, and SLURM's
+# record of the job (`sbatch --export=ALL`) would otherwise hold them. A job's credentials are its
+# own (submitted as secrets) or mapped to its owner by the operator (`scaletune serve --job-secret`).
 SERVICE_SECRETS = frozenset(
     {"SCALETUNE_ADMIN_TOKEN", "SCALETUNE_DB", "DATABASE_URL", "SCALETUNE_TOKEN", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"}
 )
