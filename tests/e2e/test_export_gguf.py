@@ -110,12 +110,14 @@ def llama_run(module_tmp_path) -> Path:
 
 
 def test_llama_f16_and_q8_0_load_back_with_the_trained_logits_greedy_answers_and_tokenizer(llama_run, tmp_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     f16 = _export(llama_run, tmp_path / "f16")
     q8 = _export(llama_run, tmp_path / "q8", "--gguf-type", "q8_0")
     assert f16.name == "llama.f16.gguf" and q8.name == "llama.q8_0.gguf"
     final = llama_run / "final"
+    # Alpaca records, not chat: final/ claims no template (tests/e2e/test_export_hf.py has the chat run).
+    assert AutoTokenizer.from_pretrained(str(final)).chat_template is None
     ref_model = AutoModelForCausalLM.from_pretrained(str(final), dtype=torch.float32)
     ids = _ids(final)
     ref = _logits(ref_model, ids)

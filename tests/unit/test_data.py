@@ -255,6 +255,19 @@ def test_messages_template_precedence_config_then_tokenizer(tmp_path, neox):
     assert D.resolve_chat_template(DataConfig(train=src), neox) == D.CHATML_TEMPLATE
 
 
+def test_the_template_a_run_trained_with_is_the_last_chat_stages(neox):
+    """What final/ and `scaletune export` write into the tokenizer (trained_chat_template): the
+    resolved template of the last stage whose train or eval data went through it, else none."""
+    alpaca = DataConfig(train={"path": "a.json"})
+    chat = DataConfig(train={"path": "c.jsonl", "format": "messages"}, chat_template=ZEPHYR)
+    chat_eval = DataConfig(train={"path": "a.json"}, eval={"path": "e.json", "template": "chat"})
+    assert D.trained_chat_template([alpaca], neox) is None  # never rendered as chat: no claim
+    assert D.trained_chat_template([alpaca, chat], neox) == ZEPHYR
+    assert D.trained_chat_template([chat, alpaca], neox) == ZEPHYR  # a later non-chat stage keeps it
+    assert D.trained_chat_template([chat, chat_eval], neox) == D.CHATML_TEMPLATE  # the last chat stage's
+    assert D.trained_chat_template([DataConfig(dummy={})], neox) is None
+
+
 def test_messages_template_that_is_not_prefix_stable_is_refused(tmp_path, olmo):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])
     counting = "{{ messages|length }}" + D.CHATML_TEMPLATE

@@ -96,9 +96,11 @@ def export_checkpoint(
             `allow_factory`; an output that exists and is not an empty folder; an unreadable
             shard size.
     """
+    from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
     from scaletune.models.loading import torch_dtype
     from scaletune.models.loss import CausalLMLoss
+    from scaletune.resolve import resolve_stages
 
     enforce()
     checkpoint = Path(checkpoint)
@@ -147,7 +149,11 @@ def export_checkpoint(
             model.save_pretrained(str(tmp))
         else:
             model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        load_tokenizer(cfg.model.model_copy(update={"trust_remote_code": trust_remote_code})).save_pretrained(str(tmp))
+        tokenizer = load_tokenizer(cfg.model.model_copy(update={"trust_remote_code": trust_remote_code}))
+        template = trained_chat_template((st.data for st in resolve_stages(cfg)), tokenizer)
+        if template is not None:  # as final/ carries it: the model is prompted as it was trained
+            tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(tmp))
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

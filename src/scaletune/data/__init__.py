@@ -57,6 +57,7 @@ from scaletune.data.templates import (
     render_chat,
     resolve_chat_template,
     tokenizer_fingerprint,
+    trained_chat_template,
 )
 from scaletune.data.templates import (
     Encoder as Encoder,
@@ -88,6 +89,7 @@ __all__ = [
     "pack_rows",
     "render_chat",
     "resolve_chat_template",
+    "trained_chat_template",
     "split_records",
     "tokenizer_fingerprint",
     "validate_data",

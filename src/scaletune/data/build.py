@@ -19,7 +19,7 @@ import torch
 from scaletune.config import DataConfig, DataSource
 from scaletune.data.packing import PACK_CHUNK, pack_rows
 from scaletune.data.sources import IGNORE_INDEX, load_records, split_records
-from scaletune.data.templates import Encoder, resolve_chat_template, tokenizer_fingerprint
+from scaletune.data.templates import Encoder, is_chat, resolve_chat_template, tokenizer_fingerprint
 from scaletune.errors import DataError
 from scaletune.resolve import positions_problem
 
@@ -82,7 +82,7 @@ def encoding(source: DataSource, data_cfg: DataConfig, tokenizer) -> tuple[str, 
     """(the encoder's format, the chat template or "") `source` is tokenized with: alpaca with
     `template: chat` is `alpaca_chat`; messages, preference and kto records and chat alpaca go
     through the resolved chat template."""
-    chat = source.format in ("preference", "kto", "messages") or source.template == "chat"
+    chat = is_chat(source)
     template = resolve_chat_template(data_cfg, tokenizer) if chat else ""
     return ("alpaca_chat" if source.format == "alpaca" and chat else source.format), template
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 
-from scaletune.config import DataConfig
+from scaletune.config import DataConfig, DataSource
 from scaletune.data.sources import IGNORE_INDEX
 from scaletune.errors import DataError
 
@@ -58,6 +59,25 @@ def resolve_chat_template(data_cfg: DataConfig | None, tokenizer) -> str:
     own = getattr(tokenizer, "chat_template", None)
     mine = data_cfg.chat_template if data_cfg is not None else None
     return mine or (own if isinstance(own, str) else None) or CHATML_TEMPLATE
+
+
+def is_chat(source: DataSource) -> bool:
+    """Whether `source` is tokenized through the chat template: messages, preference and kto
+    records, and alpaca records with `template: chat`."""
+    return source.format in ("preference", "kto", "messages") or source.template == "chat"
+
+
+def trained_chat_template(stage_data: Iterable[DataConfig], tokenizer) -> str | None:
+    """The chat template a run rendered its data with (`resolve_chat_template` of the last stage
+    whose train or eval data is chat-shaped), or None when no stage's was. `final/` and `scaletune
+    export` write it into the tokenizer they save, so the model is prompted elsewhere (transformers,
+    vLLM, a hub upload) as it was trained: a base without a template trained on `messages` learned
+    ChatML, which its own tokenizer does not say."""
+    template = None
+    for data in stage_data:
+        if any(s is not None and is_chat(s) for s in (data.train, data.eval)):
+            template = resolve_chat_template(data, tokenizer)
+    return template
 
 
 def render_chat(tokenizer, template: str, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:

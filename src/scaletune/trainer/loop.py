@@ -26,6 +26,7 @@ import torch
 from scaletune.checkpoint import Progress, check_shapes, latest_checkpoint, load_rng, read_progress, save_checkpoint
 from scaletune.checkpoint.resume import read_scheduler_state
 from scaletune.checkpoint.save import single_process_dcp
+from scaletune.data import trained_chat_template
 from scaletune.env import print0, set_rank
 from scaletune.errors import UserError
 from scaletune.inference import samples
@@ -403,8 +404,12 @@ class Trainer:
         final = self.spec.run_dir / "final"
         self.strategy.export(final)
         if self.env.is_main:
-            if hasattr(self.prepared.tokenizer, "save_pretrained"):
-                self.prepared.tokenizer.save_pretrained(str(final))
+            tokenizer = self.prepared.tokenizer
+            if hasattr(tokenizer, "save_pretrained"):
+                template = trained_chat_template((st.data for st in self.spec.stages), tokenizer)
+                if template is not None:
+                    tokenizer.chat_template = template
+                tokenizer.save_pretrained(str(final))
             # From the file, not this process's records: a resumed run plots the whole curve.
             plot_losses(read_metrics(self.spec.run_dir / "metrics.jsonl"), self.spec.run_dir / "loss.png")
             self.log.info(f"saved {final}")

@@ -1,0 +1,55 @@
+"""What a Hugging Face folder out of a run carries besides the weights (issue 39, item 3): the chat
+template training rendered its data with. A base whose tokenizer has none (the tests' OLMo-2 cut,
+like many base models) trained on `messages` data learned scaletune's ChatML default; `final/` and
+`scaletune export` of a checkpoint write that template into the saved tokenizer, so transformers,
+vLLM or a hub upload prompt the model as it was trained (the GGUF export already wrote it). Before,
+both folders' tokenizers had no template at all."""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers import ALPACA_5000, make_config, run_cli, train
+
+
+def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from scaletune.config import DataConfig
+    from scaletune.data import CHATML_TEMPLATE, render_chat, resolve_chat_template
+
+    base = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert base.chat_template is None  # the control: nothing to inherit from the base
+    # Alpaca's first records as chat turns (the shared data, tests/helpers.py ALPACA_5000).
+    records = json.loads(ALPACA_5000.read_text())[:32]
+    chats = [
+        {
+            "messages": [
+                {"role": "user", "content": (r["instruction"] + "\n\n" + r["input"]).strip()},
+                {"role": "assistant", "content": r["output"]},
+            ]
+        }
+        for r in records
+    ]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    cfg = make_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        data={"train": {"path": str(data), "format": "messages"}},
+        training={"max_steps": 2, "save_every": 2},
+    )
+    train(cfg, tmp_path)
+    run = tmp_path / "run"
+    exported = tmp_path / "exported"
+    proc = run_cli(["export", str(run / "checkpoints" / "step-2"), "-o", str(exported)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    # Training's rendering of a conversation, through its own resolution (the data config's).
+    trained = resolve_chat_template(DataConfig.model_validate(cfg["data"]), base)
+    assert trained == CHATML_TEMPLATE
+    want = render_chat(base, trained, [chats[0]["messages"]], add_generation_prompt=False)[0]
+    for folder in (run / "final", exported):
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        assert tok.chat_template == CHATML_TEMPLATE, folder
+        assert tok.apply_chat_template(chats[0]["messages"], tokenize=False) == want, folder
