@@ -145,3 +145,56 @@ def test_service_on_postgres_says_how_it_starts_and_answers_healthz(postgres, tm
         proc.terminate()
         proc.wait(timeout=30)
     assert PASSWORD not in err.read_text()
+
+
+def test_two_services_on_one_postgres_start_each_queued_job_once(postgres, tmp_path):
+    """Issue 39, item 12: two `scaletune serve` on one Postgres and one jobs folder (two replicas
+    of a deployment). Twenty jobs queued at once: each is started by exactly one of them, as the
+    claim's conditional UPDATE decides (`watch.claim`). Each job is a record and folder whose
+    config is absent, so each start is one cheap process that fails at once, and each start leaves
+    one line in the job's log and one `starting` event: two starts show as two. Before the claim,
+    both services read the same rows queued and started many twice."""
+    from sqlalchemy import select
+
+    from scaletune.serve.jobs.db import Event, Job
+    from scaletune.serve.jobs.service import JobService
+    from tests.serve.serve_helpers import plant_job
+
+    admin = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("CREATE DATABASE claims"))
+    admin.dispose()
+    url = postgres["url"].rsplit("/", 1)[0] + "/claims"
+    home = tmp_path / "jobs"
+    procs, ports = [], [free_port(), free_port()]
+    for port in ports:
+        argv = [sys.executable, "-m", "scaletune", "serve", "--db", url, "--port", str(port),
+                "--jobs-dir", str(home), "--max-concurrent", "20"]  # fmt: skip
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env=subprocess_env(), cwd=REPO_ROOT))  # fmt: skip
+    try:
+        for port in ports:
+            assert _health(f"http://127.0.0.1:{port}", 200) == {"status": "ok"}
+        svc = JobService(url, home, "http://127.0.0.1:1")  # the database's writer here; no watcher runs
+        ids = [plant_job(svc, tmp_path / "runs" / f"r{i}", state="queued") for i in range(20)]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with svc.Session() as s:
+                states = {j.id: j.state for j in s.scalars(select(Job).where(Job.id.in_(ids)))}
+            if all(st in ("failed", "succeeded") for st in states.values()):
+                break
+            time.sleep(0.5)
+        assert set(states.values()) == {"failed"}, states  # each ended, its config missing
+        with svc.Session() as s:
+            starts = {
+                i: sum(e.data.get("state") == "starting" for e in s.scalars(select(Event).where(Event.job_id == i)))
+                for i in ids
+            }
+        lines = {i: (home / i / "train.log").read_text().count("config file not found") for i in ids}
+        assert starts == dict.fromkeys(ids, 1), starts
+        assert lines == dict.fromkeys(ids, 1), lines
+        svc.engine.dispose()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)

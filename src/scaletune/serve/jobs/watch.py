@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from scaletune.errors import UserError
@@ -68,6 +68,24 @@ def sync_checkpoints(s: Session, job: Job) -> None:
         there = p.parent == root and p.is_dir()
         if there == bool(data.get("removed")):
             event(s, job, "checkpoint", {"step": data.get("step"), "path": path, "removed": not there})
+
+
+def claim(s: Session, job: Job) -> bool:
+    """Whether this service won the queued `job`: a conditional UPDATE from `queued` to `starting`,
+    committed at once. Two services on one database both read the job queued; the database lets
+    one UPDATE match (Postgres re-reads the row after the other's commit, SQLite writes one at a
+    time), so exactly one starts it. The loser's copy is expired (the next tick reads it again)."""
+    won = s.execute(
+        update(Job)
+        .where(Job.id == job.id, Job.state == S.QUEUED, Job.target_id.is_(None))
+        .values(state=S.STARTING)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    s.commit()
+    if won != 1:
+        s.expire(job)
+        return False
+    return True
 
 
 class Watcher:
@@ -172,6 +190,8 @@ class Watcher:
             d = self.dispatchers[job.target]
             if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
                 continue
+            if not claim(s, job):
+                continue  # another service on this database started it
             self.issue_token(job)
             # A resumed job's log is appended to (the dispatcher opens it O_APPEND; a SLURM run
             # writes a new slurm-ID.out): read on after what is stored, never from the start again.
