@@ -4,10 +4,13 @@ wrote. Constants live here, not in conftest.py (which pytest imports on its own 
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -349,3 +352,50 @@ def assert_located(err: str, config: Path, line_text: str, message: str) -> None
     """`message` is in `err` prefixed by `config`'s file:line of the YAML line `line_text`."""
     line = config.read_text().splitlines().index(line_text) + 1
     assert f"{config}:{line}: {message}" in err, err
+
+
+class LoopbackHub:
+    """The hub's file routes (`HEAD`/`GET /{repo}/resolve/{revision}/{file}`) as huggingface_hub
+    2.4 reads them, for `repos` ({repo id: (files, commit)}); `hostile` repos answer each file's
+    ETag as a path up the cache. Records (method, path, Authorization) of every request."""
+
+    def __init__(self, repos: dict[str, tuple[dict[str, bytes], str]], hostile: set[str] = frozenset()) -> None:
+        self.seen: list[tuple[str, str, str | None]] = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self, body: bool) -> None:
+                hub.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                repo, _, rest = self.path.split("?")[0].strip("/").partition("/resolve/")
+                files, commit = repos.get(repo, ({}, ""))
+                name = rest.partition("/")[2]
+                if name not in files:
+                    self.send_response(404)
+                    self.send_header("X-Error-Code", "EntryNotFound")
+                    self.end_headers()
+                    return
+                data = files[name]
+                etag = f"../../../../planted-{name}" if repo in hostile else hashlib.sha256(data).hexdigest()
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", commit)
+                self.send_header("ETag", f'"{etag}"')
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def do_HEAD(self) -> None:
+                self.answer(False)
+
+            def do_GET(self) -> None:
+                self.answer(True)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def asked_for(self, repo: str) -> list[str]:
+        return [path for _, path, _ in self.seen if path.startswith(f"/{repo}/")]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import ALPACA_5000, NEOX_TOKENIZER, make_config, run_cli, train
+from tests.helpers import ALPACA_5000, NEOX_TOKENIZER, LoopbackHub, make_config, run_cli, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -282,3 +282,30 @@ def test_a_hostile_model_config_is_refused_before_anything_converts(llama_run, t
     assert "vocab_size 1000000000 is larger than any model's" in proc.stderr, proc.stderr
     assert "symbolic link" not in proc.stderr  # refused for its shapes alone
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pretrained_presets_name_is_never_asked_of_the_hub(llama_run, tmp_path):
+    """Issue 40, item 6: a checkpoint whose run named a pretrained preset (`smollm2-135m-instruct`,
+    the quickstart's model) had its architecture looked up on the hub under that name (a request
+    for a repository that does not exist; 45 s of retries offline). It is read where training read
+    it, the preset's cached folder (not cached here: told later, by the conversion). `scaletune
+    export --format gguf` with a bad `--gguf-type` (so every check runs and nothing converts),
+    online against a loopback hub that records every request: exit 2, and the hub asked nothing."""
+    ckpt = tmp_path / "checkpoint"
+    shutil.copytree(llama_run / "checkpoints" / "step-2", ckpt)
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    cfg["model"]["name_or_path"] = "smollm2-135m-instruct"
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    hub = LoopbackHub({})
+    online = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
+    try:
+        proc = run_cli(
+            ["export", str(ckpt), "-o", str(tmp_path / "out"), "--format", "gguf", "--gguf-type", "q3"],
+            env={**online, "SCALETUNE_CACHE": str(tmp_path / "empty-cache")},
+            timeout=300,
+        )
+    finally:
+        hub.server.shutdown()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "q3" in proc.stderr, proc.stderr
+    assert hub.seen == [], hub.seen

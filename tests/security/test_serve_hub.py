@@ -14,68 +14,19 @@ token `hf auth login` stored and the models the operator downloaded.
 from __future__ import annotations
 
 import hashlib
-import http.server
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 import yaml
 
-from tests.helpers import ALPACA_5000, make_config, subprocess_env
+from tests.helpers import ALPACA_5000, LoopbackHub, make_config, subprocess_env
 from tests.serve.serve_helpers import free_port, wait_serving, wait_state
 
 STORED_TOKEN, ENV_TOKEN = "hf_stored_by_login_5d0e2a", "hf_in_service_env_c41b07"
 OPERATORS, NEWER = "a" * 40, "b" * 40  # victim/tiny's commit in the service's cache, and the hub's answer
-
-
-class LoopbackHub:
-    """The hub's file routes (`HEAD`/`GET /{repo}/resolve/{revision}/{file}`) as huggingface_hub
-    2.4 reads them, for `repos` ({repo id: (files, commit)}); `hostile` repos answer each file's
-    ETag as a path up the cache. Records (method, path, Authorization) of every request."""
-
-    def __init__(self, repos: dict[str, tuple[dict[str, bytes], str]], hostile: set[str] = frozenset()) -> None:
-        self.seen: list[tuple[str, str, str | None]] = []
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def answer(self, body: bool) -> None:
-                hub.seen.append((self.command, self.path, self.headers.get("Authorization")))
-                repo, _, rest = self.path.split("?")[0].strip("/").partition("/resolve/")
-                files, commit = repos.get(repo, ({}, ""))
-                name = rest.partition("/")[2]
-                if name not in files:
-                    self.send_response(404)
-                    self.send_header("X-Error-Code", "EntryNotFound")
-                    self.end_headers()
-                    return
-                data = files[name]
-                etag = f"../../../../planted-{name}" if repo in hostile else hashlib.sha256(data).hexdigest()
-                self.send_response(200)
-                self.send_header("X-Repo-Commit", commit)
-                self.send_header("ETag", f'"{etag}"')
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if body:
-                    self.wfile.write(data)
-
-            def do_HEAD(self) -> None:
-                self.answer(False)
-
-            def do_GET(self) -> None:
-                self.answer(True)
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def asked_for(self, repo: str) -> list[str]:
-        return [path for _, path, _ in self.seen if path.startswith(f"/{repo}/")]
 
 
 def _tree(root: Path) -> dict[str, str]:

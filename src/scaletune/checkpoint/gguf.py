@@ -118,6 +118,7 @@ def _checkpoint_model_type(checkpoint: Path) -> tuple[str | None, str, dict | No
     mapping, read without loading weights (None where that cannot be told yet: the HF export's
     config.json is checked later)."""
     from scaletune.config import read_config
+    from scaletune.models.pretrained import PRETRAINED, pretrained_path
 
     try:
         cfg = read_config(checkpoint / "config.yaml").config
@@ -128,11 +129,20 @@ def _checkpoint_model_type(checkpoint: Path) -> tuple[str | None, str, dict | No
     if cfg.model.factory is not None:
         return f"factory:{cfg.model.factory}", f"{checkpoint / 'config.yaml'} model.factory", None
     where = str(cfg.model.name_or_path)
+    source = cfg.model.name_or_path
+    if source in PRETRAINED and not Path(source).exists():
+        # A pretrained preset's name is its cached folder, as training read it; never a hub id
+        # (it asked the hub for "smollm2-135m-instruct": 45 s of retries offline). Not cached
+        # here: unknown until the export converts it (which fetches it, as training did).
+        try:
+            source = str(pretrained_path(source, fetch=False))
+        except UserError:
+            return None, where, None
     try:
         from transformers import PretrainedConfig
 
         # The plain mapping (no model class built from it: a hostile one may not build).
-        config, _ = PretrainedConfig.get_config_dict(cfg.model.name_or_path)
+        config, _ = PretrainedConfig.get_config_dict(source, revision=cfg.model.revision)
     except Exception:  # noqa: BLE001 - e.g. remote code: the exported config.json says it later
         return None, where, None
     return config.get("model_type"), where, config
