@@ -6,9 +6,10 @@ token `hf auth login` stored and the models the operator downloaded.
   four levels above the cache's blobs (it did, before: beside the service's Hugging Face home).
 - Case 2: every request a job makes reaches the hub without the service's credentials (its stored
   token was sent as a Bearer token with each, before).
-- Case 3: the hub answers a new commit for a model in the service's cache; before, the job's
-  download rewrote `refs/main` there, for every later job; now a job reads that cache and writes
-  only its own folder's.
+- Case 3: the hub answers a new commit (another model) for a model in the service's cache; before,
+  the service's own check of the job fetched the new commit's config.json into that cache (with
+  the service's token), and the job trained a model of the old weights under the new config
+  (a size-mismatch failure here); now a job reads that cache in place and writes only its own.
 """
 
 from __future__ import annotations
