@@ -47,6 +47,12 @@ def _looks_local(name: str) -> bool:
     )
 
 
+def names_hub_id(name: str) -> bool:
+    """Whether `name` reaches the hub as a hub id (`_resolve_source`'s last case): not a pretrained
+    preset's name, not an existing path, not a string that can only mean a local path."""
+    return name not in PRETRAINED and not Path(name).expanduser().exists() and not _looks_local(name)
+
+
 def _resolve_source(name: str, key: str, *, need_config: bool, revision: str | None = None) -> str:
     """The path or hub id to hand to `from_pretrained`: an existing path as given, a pretrained
     preset's name (`smollm2-135m-instruct`) as its cached folder (fetched on first use), a hub id

@@ -343,16 +343,18 @@ class JobService:
 def _in_child(data: dict) -> bool:
     """Whether a (policy-allowed) config is checked in a child process with the job's environment,
     never in the service: one that names code the check would import (a factory, remote code), or a
-    model or tokenizer that may be a hub id (not a local path, not a preset): its check downloads,
-    and a download made in the service would go out with the service's credentials (its HF_TOKEN,
-    the token `hf auth login` stored) and into the cache every job reads (issue 34, cases 2 and 3)."""
-    from scaletune.models import PRESETS, PRETRAINED
+    model or tokenizer named by a hub id (`models.loading.names_hub_id`; a planner preset's name is
+    read from scaletune's own table): its check downloads, and a download made in the service would
+    go out with the service's credentials (its HF_TOKEN, the token `hf auth login` stored) and into
+    the cache every job reads (issue 34, cases 2 and 3)."""
+    from scaletune.models import PRESETS
+    from scaletune.models.loading import names_hub_id
 
     for path, v in P._walk(data):
         if path and path[-1] in ("factory", "trust_remote_code") and v:
             return True
         if path and path[-1] in ("name_or_path", "tokenizer") and isinstance(v, str) and v:
-            if v not in PRESETS and v not in PRETRAINED and not Path(v).expanduser().exists():
+            if v not in PRESETS and names_hub_id(v):
                 return True
     return False
 
