@@ -163,31 +163,72 @@ def test_micro_batch_split_does_not_change_the_step(dpo_run):
     assert_same_steps(b, a, REL, "4 micro-batches of 1 pair vs 1 of 4")
 
 
-@pytest.mark.parametrize("objective", ["ipo", "orpo", "simpo", "kto"])
-def test_other_objectives_parity_under_ddp(objective, dpo_run, pair_files, tmp_path_factory):
-    """IPO, ORPO, SimPO and KTO (its KL pass over the whole global batch) under DDP at world size 2."""
-    data = {}
-    if objective == "kto":
-        folder = tmp_path_factory.mktemp("kto")
-        records = json.loads(ALPACA_5000.read_text())
-        for name, part in (("train", records[:24]), ("eval", records[100:105])):
-            rows = [
-                {
-                    "prompt": r["instruction"],
-                    "completion": r["output"] if i % 3 else part[(i + 7) % len(part)]["output"],
-                    "label": bool(i % 3),
-                }
-                for i, r in enumerate(part)
-            ]
-            (folder / f"{name}.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
-        data = {
-            "train": {"path": str(folder / "train.jsonl"), "format": "kto"},
-            "eval": {"path": str(folder / "eval.jsonl"), "format": "kto"},
+OBJECTIVES = ["ipo", "orpo", "simpo", "kto"]
+
+
+@pytest.fixture(scope="module")
+def kto_files(tmp_path_factory) -> tuple[Path, Path]:
+    """The same records as unpaired KTO rows: two in three desirable (the record's output), the third
+    undesirable (the output of the record 7 places on)."""
+    folder = tmp_path_factory.mktemp("kto")
+    records = json.loads(ALPACA_5000.read_text())
+    out = []
+    for name, part in (("train", records[:24]), ("eval", records[100:105])):
+        rows = [
+            {
+                "prompt": r["instruction"],
+                "completion": r["output"] if i % 3 else part[(i + 7) % len(part)]["output"],
+                "label": bool(i % 3),
+            }
+            for i, r in enumerate(part)
+        ]
+        path = folder / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+        out.append(path)
+    return out[0], out[1]
+
+
+def objective_stages(kto_files: tuple[Path, Path]) -> list[dict]:
+    """One curriculum stage per objective, 3 steps each, in OBJECTIVES' order: each objective's
+    steps and evals are those of its stage, so one run per world size proves all four (a run each
+    would start 8 processes more for the same proof). Each stage starts from the policy the stage
+    before left and precomputes its reference from it."""
+    kto = {
+        "train": {"path": str(kto_files[0]), "format": "kto"},
+        "eval": {"path": str(kto_files[1]), "format": "kto"},
+    }
+    return [
+        {
+            "name": objective,
+            "training": {"objective": objective, "max_steps": 3},
+            **({"data": kto} if objective == "kto" else {}),
         }
-    training = {"objective": objective, "preference": {"beta": 0.1, "reference": "precomputed"}}
-    ref = dpo_run(f"single-{objective}", distributed=SINGLE, training=training, data=data)
-    run = dpo_run(f"ddp-{objective}", distributed={"strategy": "ddp", "num_processes": 2}, training=training, data=data)
-    assert_same_steps(run, ref, REL, f"{objective} under ddp at world size 2 vs single process")
-    assert_close([m["eval_loss"] for m in _evals(run)], [m["eval_loss"] for m in _evals(ref)], REL, f"{objective} eval")
+        for objective in OBJECTIVES
+    ]
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_other_objectives_parity_under_ddp(objective, dpo_run, kto_files):
+    """IPO, ORPO, SimPO and KTO (its KL pass over the whole global batch) under DDP at world size 2,
+    one stage each of the same two runs (world sizes 1 and 2)."""
+    training = {"preference": {"beta": 0.1, "reference": "precomputed"}}
+    stages = objective_stages(kto_files)
+    ref = dpo_run("single-objectives", distributed=SINGLE, training=training, stages=stages)
+    run = dpo_run(
+        "ddp-objectives", distributed={"strategy": "ddp", "num_processes": 2}, training=training, stages=stages
+    )
+    assert [m["stage"] for m in steps(ref)] == [s for s in OBJECTIVES for _ in range(3)]
+
+    def mine(lines: list[dict]) -> list[dict]:
+        return [m for m in lines if m["stage"] == objective]
+
+    got, want = mine(steps(run)), mine(steps(ref))
+    what = f"{objective} under ddp at world size 2 vs single process"
+    assert [m["step"] for m in got] == [m["step"] for m in want] and len(got) == 3, what
+    assert_close([m["loss"] for m in got], [m["loss"] for m in want], REL, f"{what}: loss")
+    assert_close([m["grad_norm"] for m in got], [m["grad_norm"] for m in want], REL, f"{what}: grad_norm")
+    got_evals, want_evals = mine(_evals(run)), mine(_evals(ref))
+    assert got_evals and [m["step"] for m in got_evals] == [m["step"] for m in want_evals], what
+    assert_close([m["eval_loss"] for m in got_evals], [m["eval_loss"] for m in want_evals], REL, f"{objective} eval")
     if objective == "kto":
-        assert all("kl" in m for m in steps(run))
+        assert all("kl" in m for m in got)
