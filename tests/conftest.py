@@ -30,7 +30,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 SHARED_RUN_GROUPS = {
     "tests/distributed/test_parity.py": "distributed-runs",
     "tests/distributed/test_resume.py": "distributed-runs",
-    "tests/distributed/test_export_lora.py": "distributed-runs",
     "tests/distributed/test_mesh_parity.py": "distributed-runs",  # its references are test_parity's
     "tests/security/test_bad_input.py": "security-runs",
     "tests/security/test_hostile_checkpoints.py": "security-runs",

@@ -27,6 +27,12 @@ adapters end bit-identical to the run resumed from. LoRA dropout is 0 here, sinc
 drawn per rank and cannot equal one process's; the RNG restored at a stage's end is
 tests/e2e/test_curriculum.py's, and per rank tests/distributed/test_resume.py's.
 
+**LoRA out of every engine** rides on them too (the failures users meet: empty or shard-sized
+adapters after ZeRO-3, merges that fail after FSDP): for the single process and every engine at
+world size 2, final/'s adapter is whole and trained, bit for bit what `scaletune export`
+consolidates in another process from the run's last (sharded) checkpoint, the single process's
+function within the parity bound, and `--merge-lora` computes base + adapter within 1e-5.
+
 Also: a dataset smaller than one global batch (exit 2, one message, no traceback) and your own
 model (`model.factory`, examples/digits) across two processes through the real command.
 
@@ -44,7 +50,7 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import BUNDLED_ALPACA, REPO_ROOT, metrics, run_cli, run_torchrun
+from tests.helpers import BUNDLED_ALPACA, REPO_ROOT, assert_same_logits, logits, metrics, run_cli, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -193,12 +199,51 @@ def reference(module_tmp_path, edge_yaml) -> Path:
     return run
 
 
-def frozen_adapters(run: Path) -> dict:
-    """Layer 0's adapter tensors in the run's exported adapter, by name."""
+def adapter(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    tensors = load_file(str(run / "final" / "adapter_model.safetensors"))
-    return {k: v for k, v in tensors.items() if ".layers.0." in k}
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def assert_lora_exports(run: Path, control: Path, out: Path, what: str) -> None:
+    """`run`'s LoRA export checked by content against `control` (the single-process run; itself for
+    that run): final/'s adapter has the control's tensor names and shapes (peft's for the base
+    model), every `lora_B` (zero at initialisation) trained; `scaletune export` of the run's last
+    checkpoint, in another process, gives the same tensors bit for bit; the adapter computes the
+    control's logits within the parity bound; `--merge-lora` computes base + adapter within 1e-5."""
+    written, expected = adapter(run / "final"), adapter(control / "final")
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in expected.items()}, what
+    assert all(v.numel() > 0 for v in written.values()), what
+    lora_b = [v for k, v in written.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().max() > 0 for v in lora_b), f"{what}: lora_B still zero, the adapter was not trained"
+
+    last = max((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert last.name == "step-10", f"{what}: the last checkpoint is {last.name}, not the final step's"
+    proc = run_cli(["export", str(last), "-o", str(out / "from-checkpoint")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = adapter(out / "from-checkpoint")
+    assert again.keys() == written.keys(), what
+    for k in written:
+        assert torch.equal(again[k], written[k]), f"{what}: {k} differs between final/ and the checkpoint's export"
+
+    if run != control:
+        assert_same_logits(logits(run / "final", adapter=True), logits(control / "final", adapter=True), what)
+
+    proc = run_cli(["export", str(run), "-o", str(out / "merged"), "--merge-lora"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "merged" / "adapter_config.json").exists()
+    got, want = logits(out / "merged"), logits(run / "final", adapter=True)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), f"{what} merged: max {(got - want).abs().max():.2e}"
+
+
+def frozen_adapters(run: Path) -> dict:
+    """Layer 0's adapter tensors in the run's exported adapter, by name."""
+    return {k: v for k, v in adapter(run / "final").items() if ".layers.0." in k}
+
+
+def test_the_single_process_adapter_exports_and_merges(module_tmp_path, reference):
+    """The control's own LoRA export (final/, the checkpoint's export, the merge)."""
+    assert_lora_exports(reference, reference, module_tmp_path / "single-exports", "single process")
 
 
 def resume(edge_yaml: Path, run: Path, out: Path, step: int, strategy: str, world: int, via: str) -> str:
@@ -220,7 +265,8 @@ def resume(edge_yaml: Path, run: Path, out: Path, step: int, strategy: str, worl
 @pytest.mark.parametrize(("strategy", "world", "resume_via"), CASES)
 def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_path, edge_yaml, reference):
     """Every logged step and eval of the run equals the single process within 1e-5, the sample
-    answers too. Its two resumes (at stage a's end and inside stage b; one on this world size, one on
+    answers too. At world size 2 its LoRA export is checked by content (:func:`assert_lora_exports`).
+    Its two resumes (at stage a's end and inside stage b; one on this world size, one on
     the other) go on exactly as the single process did, and the adapters stage b freezes end
     bit-identical to this run's."""
     run = module_tmp_path / f"{strategy}-{world}"
@@ -235,6 +281,9 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
     assert len(frozen) >= 2 and any(bool(t.any()) for k, t in frozen.items() if "lora_B" in k), (
         "stage a trained layer 0"
     )
+
+    if world == 2:  # LoRA out of every engine (each engine has one case at world size 2)
+        assert_lora_exports(run, reference, module_tmp_path / f"{strategy}-{world}-exports", f"{strategy} x2")
 
     cells = [
         (SAME_WORLD[world], world, resume_via, REL),
