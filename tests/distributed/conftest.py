@@ -21,18 +21,18 @@ def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
     trains the base config with those sections updated, once per name; the runs (about 2.5 GB of
     checkpoints) are removed when the tests of this package are done.
 
-    A run of more than one process starts as `torchrun --nproc-per-node N -m scaletune train`:
-    these runs prove the engines' arithmetic, which is the ranks' whatever started them, and the
-    re-executing parent of the plain command (its preflight, about 6 CPU-s a run) is proven by the
-    resumes from these runs (`parity_cases.resume_run`), the edge matrix, the preference and
-    custom-model runs, which start plainly."""
+    A run of more than one process starts as `torchrun --nproc-per-node N -m scaletune train`
+    unless `launcher="scaletune"` (the plain command, re-executed under torchrun): the engines'
+    arithmetic is the ranks' whatever started them, and the re-executing parent (its preflight,
+    about 6 CPU-s a run) is proven by the mesh layouts' runs, the resumes from these runs
+    (`parity_cases.resume_run`), the edge matrix, the preference and custom-model runs."""
     cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
 
-    def run(name: str, **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
+    def run(name: str, launcher: str = "torchrun", **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
         if name not in cache:
             tmp = tmp_path_factory.mktemp(name)
             cfg = make_config(tiny_model_dir, tmp / "run", **sections)
-            cache[name] = (tmp / "run", train(cfg, tmp, launcher="torchrun"))
+            cache[name] = (tmp / "run", train(cfg, tmp, launcher=launcher))
         return cache[name]
 
     yield run

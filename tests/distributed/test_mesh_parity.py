@@ -70,6 +70,7 @@ def layout_run(run_once, layout: str, method: str, packed: bool):
     name = f"{layout}-{method}{'-packed' if packed else ''}"
     return run_once(
         name,
+        launcher="scaletune",  # the plain command (re-executed); torchrun's is torchrun_tensor2
         model=LORA if method == "lora" else {},
         distributed={"strategy": "fsdp", **LAYOUTS[layout]},
         **({"data": PACKED} if packed else {}),

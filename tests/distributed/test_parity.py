@@ -1,5 +1,6 @@
-"""Loss parity: every strategy at world size 2 reproduces the single-process loss and gradient
-norm (fp32) of the same global batch, step by step over 8 optimizer steps; the exported final/
+"""Loss parity: every strategy at world size 2 (started as `torchrun --nproc-per-node 2 -m
+scaletune train`: run_once) reproduces the single-process loss and gradient norm (fp32) of the
+same global batch, step by step over 8 optimizer steps; the exported final/
 gives the same logits; the single-process runs reproduce the golden file and train (they beat an
 lr=0 run of the same batches)."""
 
