@@ -27,6 +27,10 @@ df -h "${TMPDIR:-/tmp}" | awk 'NR == 2 {print "[test.sh] free disk for temporary
 # Every test's duration goes to test-durations.tsv; the run ends with the time per tier and the ten
 # slowest tests (tests/conftest.py), which tests/README.md's budgets are checked against.
 export SCALETUNE_TEST_DURATIONS="${SCALETUNE_TEST_DURATIONS:-$PWD/test-durations.tsv}"
+# Every Python process a test starts logs its CPU there at exit (tests/instrument/sitecustomize.py);
+# the run ends with them summed by kind and by test module.
+export SCALETUNE_PROCESS_LOG="${SCALETUNE_PROCESS_LOG:-$PWD/test-processes.jsonl}"
+rm -f "$SCALETUNE_PROCESS_LOG"
 # The tiers run on pytest-xdist workers, one per core (at least 2: much of a test's time is a
 # process starting or a service answering, not arithmetic; at most 4), a test module to a worker at
 # a time (tests/conftest.py worker_group). SCALETUNE_TEST_WORKERS=0 runs them in this one process.

@@ -117,6 +117,48 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("the ten slowest tests:")
     for nodeid, seconds in ranked[:10]:
         write(f"  {seconds:8.1f} s  {nodeid}")
+    _process_summary(write)
+
+
+def _process_kind(line: dict) -> str:
+    """What a logged process was (tests/instrument/sitecustomize.py): a rank of a launcher, a
+    torchrun agent (one that a plain `scaletune train` re-executed into carries that parent's
+    CPU too), a scaletune verb, or the program's name."""
+    argv = line["argv"]
+    program = argv[0] if argv else "?"
+    if program == "distributed/run.py":
+        return "torchrun agent"
+    if program == "scaletune/__main__.py" and len(argv) > 1:
+        return f"scaletune {argv[1]}" + (" (a rank)" if line.get("rank") is not None else "")
+    return program + (" (a rank)" if line.get("rank") is not None else "")
+
+
+def _process_summary(write) -> None:
+    """The processes the tests started and their CPU (SCALETUNE_PROCESS_LOG, when set), by kind and
+    by test: where the suite's CPU goes besides the test workers themselves."""
+    import json
+
+    path = os.environ.get("SCALETUNE_PROCESS_LOG")
+    if not path or not Path(path).is_file():
+        return
+    lines = []
+    for text in Path(path).read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except ValueError:
+            continue  # a line cut short by a full disk or a killed writer
+    kinds: dict[str, list[float]] = {}
+    tests: dict[str, list[float]] = {}
+    for line in lines:
+        kinds.setdefault(_process_kind(line), []).append(line["cpu"])
+        tests.setdefault(line["test"].split("::", 1)[0] or "(outside a test)", []).append(line["cpu"])
+    total = sum(sum(v) for v in kinds.values())
+    write(f"processes the tests started: {len(lines)}, {total:.0f} CPU-s (each line of {path}):")
+    for kind, cpus in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        write(f"  {kind:<28} {len(cpus):5d} processes {sum(cpus):8.0f} CPU-s  ({sum(cpus) / len(cpus):5.1f} each)")
+    write("  the ten test modules whose processes took the most CPU:")
+    for module, cpus in sorted(tests.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        write(f"  {sum(cpus):8.0f} CPU-s {len(cpus):5d} processes  {module}")
 
 
 @pytest.fixture(scope="session")

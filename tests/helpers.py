@@ -133,15 +133,18 @@ def make_env(
 def subprocess_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child that runs scaletune: offline, DeepSpeed on its CPU
     accelerator where no CUDA GPU is visible (on a GPU, DeepSpeed must find CUDA), the checkout
-    (src/ and the repository, for `tests.*`) first on PYTHONPATH, no launcher variables inherited;
-    `extra` set last."""
+    (src/ and the repository, for `tests.*`) first on PYTHONPATH (tests/instrument before them while
+    SCALETUNE_PROCESS_LOG is set), no launcher variables inherited; `extra` set last."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]))
+    paths = [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]
+    if env.get("SCALETUNE_PROCESS_LOG"):  # each child logs its CPU at exit (tests/instrument/sitecustomize.py)
+        paths.insert(0, str(REPO_ROOT / "tests" / "instrument"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     env.update(extra)
     return env
 
