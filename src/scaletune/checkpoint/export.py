@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,8 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         # Its torch.load calls run restricted (safe_load.enforce): the files were scanned too.
-        return get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state")
+        state = get_fp32_state_dict_from_zero_checkpoint(str(path / "deepspeed"), tag="state")
+        return {**_frozen_from_module_state(path, state.keys()), **state}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -38,6 +40,24 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     with single_process_dcp():
         dcp.load(state, storage_reader=dcp_reader(path / "state"))  # no process group: reads every shard
     return state["model"]
+
+
+def _frozen_from_module_state(path: Path, held: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The weights of a DeepSpeed checkpoint that `zero_to_fp32` leaves out: frozen ones, which
+    ZeRO-1 saves only in its module state (DeepSpeed keeps frozen fragments only where it partitions
+    gradients, ZeRO-2 and 3: `DeepSpeedEngine._save_checkpoint`, 0.19.8), whole, in the model's
+    dtype. A checkpoint holds them when an earlier stage trained a weight its stage freezes
+    (strategies/deepspeed.py `save_state`); without them an export would give those weights the
+    values the model was loaded with. ZeRO-3's module state is placeholders (empty) and is skipped;
+    the resume reads the same file (`DeepSpeedStrategy._load_frozen_weights`)."""
+    from scaletune.safe_load import restricted_load
+
+    files = sorted((path / "deepspeed" / "state").glob("mp_rank_*_model_states.pt"))
+    if not files:
+        return {}
+    module = restricted_load(files[0]).get("module") or {}
+    held = set(held)
+    return {k: v for k, v in module.items() if k not in held and isinstance(v, torch.Tensor) and v.numel() > 0}
 
 
 def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> list[Problem]:
