@@ -120,15 +120,19 @@ def restricted_unpickle(data: bytes, source: str) -> Any:
         raise _refusal(source, exc) from None
 
 
-def restricted_load(path: str | Path | io.BytesIO, map_location: Any = "cpu", source: str | None = None) -> Any:
-    """`torch.load(..., weights_only=True)` with DeepSpeed's plain-data classes allowed.
+def restricted_load(
+    path: str | Path | io.BytesIO, map_location: Any = "cpu", source: str | None = None, *, mmap: bool = False
+) -> Any:
+    """`torch.load(..., weights_only=True)` with DeepSpeed's plain-data classes allowed; `mmap`:
+    tensors map the file and are read when touched (a caller that wants a few tensors of a large
+    file reads only those).
 
     Raises:
         UnsafeCheckpointError: a global outside the allow-list, or not a readable `torch.save` file.
     """
     _allow_deepspeed_globals()
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, ValueError, EOFError, OSError) as exc:
         raise _refusal(source or str(path), exc) from None
 

@@ -55,9 +55,11 @@ def _frozen_from_module_state(path: Path, held: Iterable[str]) -> dict[str, torc
     files = sorted((path / "deepspeed" / "state").glob("mp_rank_*_model_states.pt"))
     if not files:
         return {}
-    module = restricted_load(files[0]).get("module") or {}
+    # Mapped, not read: the module state of a ZeRO-1/2 run holds every trainable weight as well
+    # (zero_to_fp32 has those in fp32), and only the ones it lacks are read.
+    module = restricted_load(files[0], mmap=True).get("module") or {}
     held = set(held)
-    return {k: v for k, v in module.items() if k not in held and isinstance(v, torch.Tensor) and v.numel() > 0}
+    return {k: v.clone() for k, v in module.items() if k not in held and isinstance(v, torch.Tensor) and v.numel() > 0}
 
 
 def export_problems(checkpoint: Path, out_dir: Path, max_shard_size: str) -> list[Problem]:
