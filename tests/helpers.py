@@ -340,9 +340,9 @@ def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **confi
     return out
 
 
-def modules_after(args: list[str]) -> set[str]:
-    """The modules `scaletune ARGS` has imported by the time it exits (with 0), in a fresh process
-    (a name set to None in `sys.modules`, which marks a package absent, is not imported)."""
+def modules_after(args: list[str], *, returncode: int = 0) -> set[str]:
+    """The modules `scaletune ARGS` has imported by the time it exits (with `returncode`), in a fresh
+    process (a name set to None in `sys.modules`, which marks a package absent, is not imported)."""
     code = "import sys\nfrom scaletune.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n    print('MODULES', *[k for k, v in sys.modules.items() if v is not None])\n"
     proc = subprocess.run(
         [sys.executable, "-c", code, *args],
@@ -353,7 +353,7 @@ def modules_after(args: list[str]) -> set[str]:
         cwd=REPO_ROOT,
         stdin=subprocess.DEVNULL,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == returncode, proc.stderr[-3000:]
     return set(proc.stdout.splitlines()[-1].split()[1:])
 
 

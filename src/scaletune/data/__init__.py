@@ -34,63 +34,47 @@ Formats (``DataSource.format``):
 Packing and attention: see :class:`Collator`.
 """
 
-from scaletune.data.batching import (
-    Collator,
-    ResumableSampler,
-    count_input_tokens,
-    count_target_tokens,
-    global_batches,
-    make_eval_loader,
-    make_loader,
-)
-from scaletune.data.build import DataBundle, build_datasets
-from scaletune.data.build import cache_root as cache_root
-from scaletune.data.factory import build_custom_data, count_batch_tokens, count_units, custom_inputs
-from scaletune.data.packing import check_packing_support, pack_rows
-from scaletune.data.sources import IGNORE_INDEX, ROLES, load_records, split_records, validate_data
-from scaletune.data.templates import (
-    ALPACA_PROMPT,
-    ALPACA_PROMPT_NO_INPUT,
-    CHATML_TEMPLATE,
-    alpaca_messages,
-    alpaca_prompt,
-    render_chat,
-    resolve_chat_template,
-    tokenizer_fingerprint,
-    trained_chat_template,
-)
-from scaletune.data.templates import (
-    Encoder as Encoder,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "ALPACA_PROMPT",
-    "ALPACA_PROMPT_NO_INPUT",
-    "CHATML_TEMPLATE",
-    "IGNORE_INDEX",
-    "ROLES",
-    "Collator",
-    "DataBundle",
-    "ResumableSampler",
-    "alpaca_messages",
-    "alpaca_prompt",
-    "build_custom_data",
-    "build_datasets",
-    "check_packing_support",
-    "count_batch_tokens",
-    "count_input_tokens",
-    "count_target_tokens",
-    "count_units",
-    "custom_inputs",
-    "global_batches",
-    "load_records",
-    "make_eval_loader",
-    "make_loader",
-    "pack_rows",
-    "render_chat",
-    "resolve_chat_template",
-    "trained_chat_template",
-    "split_records",
-    "tokenizer_fingerprint",
-    "validate_data",
-]
+# Each public name and the module that defines it. The package imports them on first use (PEP 562):
+# batching imports torch and build imports datasets (3 s of CPU together), which reading and
+# checking records (`validate_data`, before a config typo is answered) does not need.
+_EXPORTS = {
+    "batching": (
+        "Collator",
+        "ResumableSampler",
+        "count_input_tokens",
+        "count_target_tokens",
+        "global_batches",
+        "make_eval_loader",
+        "make_loader",
+    ),
+    "build": ("DataBundle", "build_datasets", "cache_root"),
+    "factory": ("build_custom_data", "count_batch_tokens", "count_units", "custom_inputs"),
+    "packing": ("check_packing_support", "pack_rows"),
+    "sources": ("IGNORE_INDEX", "ROLES", "load_records", "split_records", "validate_data"),
+    "templates": (
+        "ALPACA_PROMPT",
+        "ALPACA_PROMPT_NO_INPUT",
+        "CHATML_TEMPLATE",
+        "Encoder",
+        "alpaca_messages",
+        "alpaca_prompt",
+        "render_chat",
+        "resolve_chat_template",
+        "tokenizer_fingerprint",
+        "trained_chat_template",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

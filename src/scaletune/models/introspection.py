@@ -33,13 +33,18 @@ def _config_of(model_or_config: Any) -> Any:
 def max_positions(model_or_config: Any) -> int | None:
     """The longest sequence (tokens) the model's position encoding was built for, from
     `max_position_embeddings` (or `n_positions`, `max_sequence_length`, `seq_length`, `n_ctx`),
-    looking into `text_config` for multimodal configs; None when the config names none."""
-    cfg = _config_of(model_or_config)
-    for c in (cfg, getattr(cfg, "text_config", None)):
+    looking into `text_config` for multimodal configs; None when the config names none.
+    `model_or_config` is a model, its config, or a config.json read as a dict."""
+
+    def get(c: Any, attr: str) -> Any:
+        return c.get(attr) if isinstance(c, dict) else getattr(c, attr, None)
+
+    cfg = model_or_config if isinstance(model_or_config, dict) else _config_of(model_or_config)
+    for c in (cfg, get(cfg, "text_config")):
         if c is None:
             continue
         for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
-            v = getattr(c, attr, None)
+            v = get(c, attr)
             if isinstance(v, int) and v > 0:
                 return v
     return None

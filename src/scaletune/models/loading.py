@@ -10,6 +10,7 @@ same path as a hub checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -53,6 +54,34 @@ def names_hub_id(name: str) -> bool:
     return name not in PRETRAINED and not Path(name).expanduser().exists() and not _looks_local(name)
 
 
+def source_problem(name: str, key: str, *, need_config: bool) -> str | None:
+    """Why `name` cannot be a model source, from the file system alone (no torch, no transformers,
+    no network): a local-looking path that does not exist, or (with `need_config`) a folder without
+    config.json. None for an existing path, a preset's name or a hub id."""
+    p = Path(name).expanduser()
+    if p.exists():
+        if need_config and p.is_dir() and not (p / "config.json").is_file():
+            return f"{key} {name!r}: the folder has no config.json, so it is not a Hugging Face model folder"
+        return None
+    if name not in PRETRAINED and _looks_local(name):
+        return (
+            f"{key} {name!r}: no such file or folder (looked for {p.resolve()}). Build a tiny one with "
+            "`scaletune init-model olmo2-tiny -o PATH`, or give a hub id like owner/name."
+        )
+    return None
+
+
+def local_config_json(name: str) -> dict | None:
+    """The config.json of a local model folder read as plain JSON (no transformers, so no class
+    defaults filled in), or None: not a local folder, or no readable JSON mapping there."""
+    path = Path(name).expanduser() / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _resolve_source(name: str, key: str, *, need_config: bool, revision: str | None = None) -> str:
     """The path or hub id to hand to `from_pretrained`: an existing path as given, a pretrained
     preset's name (`smollm2-135m-instruct`) as its cached folder (fetched on first use), a hub id
@@ -66,19 +95,11 @@ def _resolve_source(name: str, key: str, *, need_config: bool, revision: str | N
     p = Path(name).expanduser()
     if name in PRETRAINED and not p.exists():
         return str(pretrained_path(name))
+    problem = source_problem(name, key, need_config=need_config)
+    if problem is not None:
+        raise UserError(problem, title="model not found" if not p.exists() else "invalid model")
     if p.exists():
-        if need_config and p.is_dir() and not (p / "config.json").is_file():
-            raise UserError(
-                f"{key} {name!r}: the folder has no config.json, so it is not a Hugging Face model folder",
-                title="invalid model",
-            )
         return str(p)
-    if _looks_local(name):
-        raise UserError(
-            f"{key} {name!r}: no such file or folder (looked for {p.resolve()}). Build a tiny one with "
-            "`scaletune init-model olmo2-tiny -o PATH`, or give a hub id like owner/name.",
-            title="model not found",
-        )
     snapshot = shared_snapshot(name, revision, need_config=need_config)
     if snapshot is not None:
         log.info("%s %s: the service's copy in its shared hub cache (%s)", key, name, snapshot)

@@ -21,17 +21,24 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
     """`scaletune train CONFIG [overrides]` as this process (a rank, or the parent that re-executes);
     with `check_only`, every check that can run without training (data tokenised), then stop.
     Returns the run directory (None after a check)."""
+    loaded = read_config(config_path, overrides)
+    if loaded.problems:
+        # A config that does not validate is answered before torch and transformers are imported
+        # (about 4 s of CPU): its problems with the model's and the data's that need neither.
+        light = DistributedEnv.from_environ(probe_cuda=False)
+        configure_logging(light.rank)
+        prepare(loaded, light)
+        raise AssertionError("prepare returned a run for a config with problems")
+    env = DistributedEnv.from_environ()
+    configure_logging(env.rank)  # an entry point: `scaletune train` as a rank, or called in-process
     from scaletune.safe_load import enforce
 
     # Every torch.load of this process and its ranks through the restricted unpickler. DeepSpeed's
     # classes join the allow-list only for a run DeepSpeed loads files in (below): importing
     # DeepSpeed for them costs 0.3 s of CPU in every rank of every other run.
     enforce(deepspeed=False)
-    env = DistributedEnv.from_environ()
-    configure_logging(env.rank)  # an entry point: `scaletune train` as a rank, or called in-process
     if env.device.type == "cpu":
         tune_host_allocator()  # before the model and data are allocated
-    loaded = read_config(config_path, overrides)
     _set_unused_bitsandbytes_aside(loaded)
     spec = prepare(loaded, env)
     if spec.strategy == "deepspeed" and not check_only:

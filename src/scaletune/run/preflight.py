@@ -19,11 +19,25 @@ from scaletune.errors import Problem, UserError, texts
 from scaletune.resolve import RunSpec, decide, resolve
 
 
-def _model_positions(cfg: Config, problems: list[str]) -> int | None:
-    from scaletune.models.checks import model_facts
-
+def _model_positions(cfg: Config, problems: list[str], *, config_valid: bool = True) -> int | None:
     if cfg.model.factory is not None:
         return None  # a factory's module has no config.json; its preflight is factorycheck's
+    if not config_valid:
+        # A config that does not validate stops the run anyway: say whether the model is there and
+        # how long its positions are from the file system alone. Loading its config and scanning its
+        # weights need torch and transformers (4 s of CPU before a typo is answered); that is done
+        # once the config is valid.
+        from scaletune.models.introspection import max_positions
+        from scaletune.models.loading import local_config_json, source_problem
+
+        found = source_problem(cfg.model.name_or_path, "model.name_or_path", need_config=True)
+        if found:
+            problems.append(found)
+            return None
+        on_disk = local_config_json(cfg.model.name_or_path)
+        return max_positions(on_disk) if on_disk is not None else None
+    from scaletune.models.checks import model_facts
+
     positions, found = model_facts(cfg.model)
     problems += found
     return positions
@@ -66,19 +80,15 @@ def prepare(
             also those of :func:`scaletune.plan.factory_check.factory_problems` (imports, types, the
             forward's output, patterns that match nothing).
     """
-    from scaletune.checkpoint import resolve_resume
     from scaletune.data import validate_data
-    from scaletune.doctor import environment_problems
     from scaletune.plan import choose_auto
-    from scaletune.plan.factory_check import factory_problems
-    from scaletune.run.rundir import run_dir_problems
-    from scaletune.strategies.deepspeed_config import engine_config
 
     loaded = cfg if isinstance(cfg, LoadedConfig) else None
     base = loaded.best_effort if loaded is not None else cfg
     where = loaded.where if loaded is not None else (lambda key: None)
     problems: list[str] = []
-    positions = _model_positions(base, problems) if base is not None else None
+    valid = loaded is None or not loaded.problems
+    positions = _model_positions(base, problems, config_valid=valid) if base is not None else None
     spec = None
     try:
         spec = resolve(cfg, env, choose_auto=choose_auto, world_size=world_size, max_positions=positions)
@@ -93,6 +103,13 @@ def prepare(
             problems += [p for p in exc.problems if p not in problems]
     if spec is None:
         raise UserError(problems, title="cannot start training")
+    # Imported only for a valid config: the checkpoint package imports torch (a typo is answered without it).
+    from scaletune.checkpoint import resolve_resume
+    from scaletune.doctor import environment_problems
+    from scaletune.plan.factory_check import factory_problems
+    from scaletune.run.rundir import run_dir_problems
+    from scaletune.strategies.deepspeed_config import engine_config
+
     try:
         spec = dataclasses.replace(spec, resume_from=resolve_resume(spec.config, spec.run_dir))
     except UserError as exc:
