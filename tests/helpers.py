@@ -188,10 +188,16 @@ def finish_driver(out: Path, results: dict) -> None:
 
 
 def run_cli(
-    args: list[str], *, timeout: int = 600, env: dict | None = None, cwd: Path | None = None, input: str | None = None
+    args: list[str],
+    *,
+    timeout: int = 600,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    input: str | None = None,
+    cores: set[int] | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU); `input`
-    is its standard input (none: an empty one)."""
+    is its standard input (none: an empty one); `cores` its affinity mask (`taskset`'s)."""
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
         capture_output=True,
@@ -200,6 +206,7 @@ def run_cli(
         env=subprocess_env(**(env or {})),
         cwd=cwd or REPO_ROOT,
         input=input if input is not None else "",
+        preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
 
 

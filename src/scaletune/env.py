@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 Launcher = Literal["torchrun", "deepspeed", "srun", "env", "none"]
@@ -238,3 +239,91 @@ def tune_host_allocator(mmap_threshold: int = 64 << 20, trim_threshold: int = 1 
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU threads: torch's intra-op pool sized to the cores this process may actually use.
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """The cores a CPU rank may use and the intra-op threads chosen from them.
+
+    torch sizes its intra-op pool from the machine's cores, not from the process's affinity mask or
+    its container's CPU quota, and every rank on a node does so: on a 64-core host whose container
+    is allowed 2 cores, or with 4 ranks on 8 cores, the threads far outnumber the cores and spin
+    against each other (a CPU run measured 1.1-1.6 tokens/s so, 10-13 with one thread per rank).
+
+    Attributes:
+        affinity: cores in this process's affinity mask (`os.sched_getaffinity`; `os.cpu_count`
+            where the platform has no mask).
+        quota: the cgroup CPU quota in cores (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us /
+            cpu.cfs_period_us`), None when unlimited or unreadable.
+        ranks: the processes sharing those cores on this node (`LOCAL_WORLD_SIZE`).
+        omp: `OMP_NUM_THREADS` as set in the environment (by the user, or by torchrun, which sets 1
+            for several ranks per node), None when unset or not a positive integer.
+    """
+
+    affinity: int
+    quota: float | None
+    ranks: int
+    omp: int | None
+
+    @property
+    def cores(self) -> int:
+        """Cores usable at once: the affinity mask, capped by the quota rounded down (at least 1),
+        as Uber's automaxprocs sizes Go's GOMAXPROCS in a container."""
+        if self.quota is None:
+            return self.affinity
+        return max(1, min(self.affinity, int(self.quota)))
+
+    @property
+    def threads(self) -> int:
+        """Intra-op threads per rank: `OMP_NUM_THREADS` where set, else the cores split between the
+        node's ranks (at least 1)."""
+        return self.omp if self.omp is not None else max(1, self.cores // max(1, self.ranks))
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More threads on this node's ranks together than cores to run them."""
+        return self.threads * self.ranks > self.cores
+
+    def describe(self) -> str:
+        """`2 per rank (2 cores: affinity 2, no CPU quota; 1 rank on this node)`, or the source."""
+        quota = "no CPU quota" if self.quota is None else f"CPU quota {self.quota:g}"
+        ranks = f"{self.ranks} rank{'s' if self.ranks != 1 else ''} on this node"
+        source = "OMP_NUM_THREADS" if self.omp is not None else f"{self.cores} cores"
+        return f"{self.threads} per rank ({source}: affinity {self.affinity}, {quota}; {ranks})"
+
+
+def _cgroup_quota(root: Path) -> float | None:
+    """The CPU quota in cores of the cgroup mounted at `root` (v2 `cpu.max`, else v1), or None."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # v1: -1 when unlimited
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def cpu_budget(
+    ranks: int = 1, environ: Mapping[str, str] | None = None, *, cgroup_root: Path | str = "/sys/fs/cgroup"
+) -> CpuBudget:
+    """The CPU budget of a rank of `ranks` on this node (see :class:`CpuBudget`)."""
+    e = os.environ if environ is None else environ
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity mask
+        affinity = os.cpu_count() or 1
+    omp = e.get("OMP_NUM_THREADS", "").strip()
+    return CpuBudget(
+        affinity=affinity,
+        quota=_cgroup_quota(Path(cgroup_root)),
+        ranks=max(1, ranks),
+        omp=int(omp) if omp.isdigit() and int(omp) > 0 else None,
+    )

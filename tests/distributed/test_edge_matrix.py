@@ -42,6 +42,7 @@ Half of the same-world-size resumes start through torchrun and half through the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -275,6 +276,10 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
     proc = scaletune_train(edge_yaml, f"output_dir={run}", *STRATEGIES[strategy], nproc=world)
     trained(proc, f"{strategy} at world size {world}")
     took = time.monotonic() - start
+    # The plain command gives each CPU rank its share of the cores it may use (torchrun would give 1).
+    threads = max(1, len(os.sched_getaffinity(0)) // world)
+    assert f"starting {world} processes: OMP_NUM_THREADS={threads} " in proc.stderr, proc.stderr[-3000:]
+    assert f"CPU threads: {threads} per rank (OMP_NUM_THREADS: " in proc.stderr
     full = agreement(run, reference)
     samples, expected = ([json.loads(line) for line in (r / "samples.jsonl").open()] for r in (run, reference))
     assert samples == expected and all("trained" in s for s in samples)

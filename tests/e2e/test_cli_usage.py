@@ -32,3 +32,31 @@ def test_init_model_lists_the_real_preset_and_asks_for_an_output_for_tiny_ones(t
     assert proc.returncode == 2 and "smollm2-135m-instruct" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli(["init-model", "olmo2-tiny"])
     assert proc.returncode == 2 and "-o DIR" in proc.stderr
+
+
+def test_version_and_the_doctor_rows_for_it_and_cpu_threads():
+    """`scaletune --version` names the package version and, from a checkout, its commit (control:
+    git's own answer); `doctor --json` reports the same, and warns when OMP_NUM_THREADS asks for
+    more threads than this process has cores (its affinity mask)."""
+    import json
+    import os
+    import subprocess
+
+    import scaletune
+    from tests.helpers import REPO_ROOT
+
+    proc = run_cli(["--version"])
+    version = proc.stdout.strip()
+    assert proc.returncode == 0 and version.startswith(f"scaletune {scaletune.__version__}"), proc
+    if (REPO_ROOT / ".git").exists():
+        head = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        assert f"(git {head.stdout.strip()}" in proc.stdout, proc.stdout
+    cores = len(os.sched_getaffinity(0))
+    proc = run_cli(["doctor", "--json"], env={"OMP_NUM_THREADS": str(4 * cores)})
+    answer = json.loads(proc.stdout)
+    assert answer["report"]["scaletune"] == version.removeprefix("scaletune ")
+    threads = {c["name"]: c for c in answer["checks"]}["CPU threads"]
+    assert threads["status"] == "WARN", threads
+    assert f"1 rank(s) x OMP_NUM_THREADS {4 * cores} = {4 * cores} threads on " in threads["message"], threads

@@ -8,6 +8,7 @@ pair correct, since a tie is not a win (as the trainer counts it)."""
 from __future__ import annotations
 
 import json
+import math
 
 import matplotlib.image
 import pytest
@@ -69,7 +70,8 @@ def lora_run(tiny_model_dir, module_tmp_path, held):
         {"name": "sft", "training": {"max_steps": 2}},
         {"name": "dpo", "training": {"objective": "dpo", "max_steps": 4}, "data": {**pairs, "max_seq_length": 48}},
     ]
-    train(cfg, module_tmp_path, name="lora.yaml")
+    proc = train(cfg, module_tmp_path, name="lora.yaml")
+    (module_tmp_path / "lora.console").write_text(proc.stderr)  # what the user saw
     return module_tmp_path / "lora"
 
 
@@ -111,6 +113,34 @@ def test_sft_then_dpo_lora_run_matches_the_trainers_final_eval(lora_run, held):
     assert doubled["reward_accuracy"] == got["reward_accuracy"]
     # The run's loss.png has the reward panel below the loss (the unit test reads its axes).
     assert matplotlib.image.imread(lora_run / "loss.png").shape[:2] == (700, 700)
+
+
+def test_the_console_shows_each_stages_headline_metrics(lora_run):
+    """Each step and eval line on the console carries its stage objective's headline metrics beside
+    the loss: perplexity for SFT, reward accuracy and margin for DPO (they used to be in
+    metrics.jsonl alone). Control: the numbers of metrics.jsonl, perplexity as exp(loss) here."""
+    console = (lora_run.parent / "lora.console").read_text()
+    totals = {"sft": 2, "dpo": 4}
+    seen = {"sft": 0, "dpo": 0, "eval": 0}
+    for r in metrics(lora_run):
+        if "loss" in r:
+            extra = (
+                f"perplexity {math.exp(r['loss']):.2f}"
+                if r["stage"] == "sft"
+                else f"reward_accuracy {r['reward_accuracy']:.4f} reward_margin {r['reward_margin']:.4f}"
+            )
+            line = f"[scaletune] {r['stage']} {r['stage_step']}/{totals[r['stage']]} loss {r['loss']:.4f} {extra} lr "
+            seen[r["stage"]] += 1
+        elif "eval_reward_accuracy" in r:
+            line = (
+                f"[scaletune] step {r['step']} eval_loss {r['eval_loss']:.4f} eval_reward_accuracy "
+                f"{r['eval_reward_accuracy']:.4f} eval_reward_margin {r['eval_reward_margin']:.4f}\n"
+            )
+            seen["eval"] += 1
+        else:
+            continue
+        assert line in console, (line, console[-3000:])
+    assert seen == {"sft": 2, "dpo": 4, "eval": seen["eval"]} and seen["eval"] >= 1, seen
 
 
 def test_lr0_control_has_no_margin_and_counts_ties_as_not_correct(control_run, control_eval):

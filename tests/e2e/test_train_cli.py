@@ -4,11 +4,14 @@ directory, the accumulation identity, and every bad input (exit 2, nothing writt
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 
 import torch
 import yaml
 
+import scaletune
 from tests.helpers import (
     ALPACA_5000,
     assert_close,
@@ -30,10 +33,16 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     cfg = make_config(tiny_model_dir, tmp_path / "run", logging={"tensorboard": True})
     cfg["data"]["eval_fraction"] = 0.1
     cfg["training"].update(eval_every=3, resume="auto")
-    proc = train(cfg, tmp_path)
+    # On one core of the machine's (`taskset -c`): torch's intra-op pool is sized from the cores this
+    # process may use, not the machine's, and the start says so.
+    one_core = {min(os.sched_getaffinity(0))}
+    proc = train(cfg, tmp_path, cores=one_core)
+    assert "[scaletune] CPU threads: 1 per rank (1 cores: affinity 1, " in proc.stderr, proc.stderr[-3000:]
     # resume: auto in a run directory without checkpoints starts fresh, and says so.
     assert "no checkpoint" in proc.stderr and "starting fresh" in proc.stderr
     run = tmp_path / "run"
+    # Which scaletune wrote the run, as a comment in its config.yaml (control: the package's version).
+    assert (run / "config.yaml").read_text().startswith(f"# written by scaletune {scaletune.__version__}")
     rows = metrics(run)
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7, 8]
@@ -42,6 +51,8 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
         assert r["stage"] == "main" and r["tokens"] > 0 and r["tokens_per_s"] > 0
     evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     assert sorted(evals) == [3, 6, 8]
+    for step, loss in evals.items():  # the console's eval lines with SFT's headline (control: exp of the file's loss)
+        assert f"[scaletune] step {step} eval_loss {loss:.4f} eval_perplexity {math.exp(loss):.2f}\n" in proc.stderr
     # Training moves the model: the same held-out records score better after more updates (the
     # training loss alone would also move with each step's batch; see test_parity's lr=0 control).
     assert evals[3] > evals[6] > evals[8] and evals[3] - evals[8] > EVAL_DROP, evals

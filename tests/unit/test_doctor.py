@@ -353,3 +353,60 @@ def test_checks_without_config_and_report():
     assert {c.status for c in res} <= {"OK", "WARN"}
     rep = doctor.report(NONE, {"CUDA_VISIBLE_DEVICES": "0"})
     assert rep["packages"]["torch"] and rep["launcher"] == "none" and rep["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU threads: the cores a rank may use (affinity, cgroup quota, ranks on the node), and the warning.
+
+
+def cgroup(tmp_path, v2: str | None = None, v1: tuple[str, str] | None = None):
+    """A cgroup folder as the kernel shows one: v2's `cpu.max`, or v1's `cpu/cpu.cfs_*_us`."""
+    root = tmp_path / "cgroup"
+    root.mkdir(parents=True)
+    if v2 is not None:
+        (root / "cpu.max").write_text(v2 + "\n")
+    if v1 is not None:
+        (root / "cpu").mkdir()
+        (root / "cpu" / "cpu.cfs_quota_us").write_text(v1[0] + "\n")
+        (root / "cpu" / "cpu.cfs_period_us").write_text(v1[1] + "\n")
+    return root
+
+
+def test_cpu_budget_reads_the_quota_and_splits_the_cores_between_ranks(tmp_path, monkeypatch):
+    """The budget on a 64-core machine (a fixed affinity mask): a cgroup quota caps it (v2 and v1,
+    rounded down, at least 1; `max` and -1 mean none), the node's ranks share it, and
+    OMP_NUM_THREADS, where set, wins. Hand-computed expectations."""
+    from scaletune.env import cpu_budget
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    unlimited = cgroup(tmp_path / "a", v2="max 100000")
+    assert cpu_budget(1, {}, cgroup_root=unlimited).threads == 64
+    assert cpu_budget(4, {}, cgroup_root=unlimited).threads == 16
+    two_and_a_half = cgroup(tmp_path / "b", v2="250000 100000")
+    b = cpu_budget(1, {}, cgroup_root=two_and_a_half)
+    assert (b.quota, b.cores, b.threads) == (2.5, 2, 2)
+    assert cpu_budget(4, {}, cgroup_root=two_and_a_half).threads == 1  # 2 cores, 4 ranks: 1 each, at least
+    assert cpu_budget(1, {}, cgroup_root=cgroup(tmp_path / "c", v1=("300000", "100000"))).cores == 3
+    assert cpu_budget(1, {}, cgroup_root=cgroup(tmp_path / "d", v1=("-1", "100000"))).quota is None
+    assert cpu_budget(1, {}, cgroup_root=cgroup(tmp_path / "e", v2="50000 100000")).cores == 1  # half a core
+    assert cpu_budget(1, {}, cgroup_root=tmp_path / "absent").quota is None
+    set_by_user = cpu_budget(4, {"OMP_NUM_THREADS": "8"}, cgroup_root=two_and_a_half)
+    assert set_by_user.threads == 8 and set_by_user.oversubscribed  # 4 x 8 threads on 2 cores
+    assert set_by_user.describe() == ("8 per rank (OMP_NUM_THREADS: affinity 64, CPU quota 2.5; 4 ranks on this node)")
+    assert cpu_budget(1, {"OMP_NUM_THREADS": "lots"}, cgroup_root=unlimited).threads == 64  # not a number: ignored
+
+
+def test_cpu_threads_warns_when_oversubscribed_or_busy(monkeypatch):
+    """WARN for threads x ranks above the cores, and for a load average at the cores; OK with the
+    choice shown otherwise; nothing to say about GPU ranks. (Through `scaletune doctor`:
+    tests/e2e/test_cli_usage.py.)"""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    two_ranks = make_env(2, launcher="torchrun")
+    quiet = doctor.check_cpu_threads(two_ranks, None, {}, load=0.5)
+    assert quiet.status == "OK" and quiet.message.startswith("2 per rank (4 cores: affinity 4"), quiet
+    over = doctor.check_cpu_threads(two_ranks, None, {"OMP_NUM_THREADS": "4"}, load=0.5)
+    assert over.status == "WARN" and "2 rank(s) x OMP_NUM_THREADS 4 = 8 threads on 4 cores" in over.message
+    assert "set it to 2" in over.fix
+    busy = doctor.check_cpu_threads(two_ranks, None, {}, load=4.0)
+    assert busy.status == "WARN" and "load average 4.0 on 4 cores" in busy.message, busy
+    assert doctor.check_cpu_threads(GPU8, None, {}, load=99.0).status == "OK"

@@ -34,6 +34,30 @@ config_app = typer.Typer(
 )
 app.add_typer(config_app, name="config")
 
+
+def _print_version(value: bool) -> None:
+    if value:
+        from scaletune import version_string
+
+        typer.echo(f"scaletune {version_string()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print scaletune's version (with the git commit when run from a checkout) and exit.",
+        ),
+    ] = False,
+) -> None:
+    pass
+
+
 ConfigArg = Annotated[Path, typer.Argument(help="YAML config.")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. training.learning_rate=1e-4.")]
 EnvPresetOpt = Annotated[

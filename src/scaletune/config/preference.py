@@ -31,6 +31,9 @@ class ObjectiveFacts:
         paired: a micro-batch of m examples is one forward over 2m sequences (chosen, then rejected).
         metrics: the keys its metrics.jsonl lines add (``eval_`` prefixed on evaluation lines).
         source: where the loss comes from.
+        headline: what its console step and eval lines show beside the loss (``eval_`` prefixed on
+            evaluation lines): keys of `metrics`, or ``perplexity``, exp(loss), for a loss that is a
+            mean token cross-entropy.
     """
 
     name: str
@@ -41,10 +44,12 @@ class ObjectiveFacts:
     paired: bool
     metrics: tuple[str, ...]
     source: str
+    headline: tuple[str, ...] = ()
 
 
 _PAIR_METRICS = ("reward_accuracy", "reward_margin", "logp_chosen", "logp_rejected")
 _PAIRS = "pairs (2 sequences each)"
+_PAIR_HEADLINE = ("reward_accuracy", "reward_margin")
 
 #: THE facts of every objective, in `Objective`'s order.
 OBJECTIVES: dict[str, ObjectiveFacts] = {
@@ -52,28 +57,28 @@ OBJECTIVES: dict[str, ObjectiveFacts] = {
     for f in (
         ObjectiveFacts(
             "sft", ("alpaca", "messages", "text"), "sequences", ("target tokens",), False, False, (),
-            "next-token cross-entropy on the answer's tokens",
+            "next-token cross-entropy on the answer's tokens", ("perplexity",),
         ),
         ObjectiveFacts(
             "dpo", ("preference",), _PAIRS, ("pairs",), True, True, _PAIR_METRICS,
-            "Rafailov et al. 2023, Direct Preference Optimization",
+            "Rafailov et al. 2023, Direct Preference Optimization", _PAIR_HEADLINE,
         ),
         ObjectiveFacts(
             "ipo", ("preference",), _PAIRS, ("pairs",), True, True, _PAIR_METRICS,
-            "Azar et al. 2023, A General Theoretical Paradigm to Understand Learning from Human Preferences",
+            "Azar et al. 2023, A General Theoretical Paradigm to Understand Learning from Human Preferences", _PAIR_HEADLINE,
         ),
         ObjectiveFacts(
             "orpo", ("preference",), _PAIRS, ("chosen target tokens", "pairs"), False, True, _PAIR_METRICS,
-            "Hong et al. 2024, ORPO: Monolithic Preference Optimization without Reference Model",
+            "Hong et al. 2024, ORPO: Monolithic Preference Optimization without Reference Model", _PAIR_HEADLINE,
         ),
         ObjectiveFacts(
             "kto", ("kto",), "records", ("records",), True, False,
             ("reward_margin", "logp_chosen", "logp_rejected", "kl"),
-            "Ethayarajh et al. 2024, KTO: Model Alignment as Prospect Theoretic Optimization",
+            "Ethayarajh et al. 2024, KTO: Model Alignment as Prospect Theoretic Optimization", ("reward_margin", "kl"),
         ),
         ObjectiveFacts(
             "simpo", ("preference",), _PAIRS, ("pairs",), False, True, _PAIR_METRICS,
-            "Meng et al. 2024, SimPO: Simple Preference Optimization with a Reference-Free Reward",
+            "Meng et al. 2024, SimPO: Simple Preference Optimization with a Reference-Free Reward", _PAIR_HEADLINE,
         ),
     )
 }  # fmt: skip

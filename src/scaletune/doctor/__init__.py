@@ -11,6 +11,7 @@ from scaletune.doctor.checks import (
     Status,
     check_batch,
     check_checkpointing,
+    check_cpu_threads,
     check_deepspeed_ops,
     check_device_map,
     check_launcher_vars,
@@ -38,6 +39,7 @@ __all__ = [
     "Status",
     "check_batch",
     "check_checkpointing",
+    "check_cpu_threads",
     "check_deepspeed_ops",
     "check_device_map",
     "check_disk",
@@ -96,6 +98,7 @@ def checks(
     out = [
         check_launcher_vars(env, e),
         check_processes_vs_gpus(env, spec, e),
+        check_cpu_threads(env, spec, e),
         check_device_map(env, spec),
         *check_quantization(env, spec),
         check_liger(env, spec),

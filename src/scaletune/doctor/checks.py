@@ -138,6 +138,44 @@ def check_processes_vs_gpus(env: DistributedEnv, spec: RunSpec | None, environ: 
     return ok(name, f"no GPU: {env.local_world_size} CPU process(es) on this node (gloo)")
 
 
+def check_cpu_threads(
+    env: DistributedEnv, spec: RunSpec | None, environ: Mapping[str, str], *, load: float | None = None
+) -> Check:
+    """A CPU run's threads against the cores it may use (:class:`scaletune.env.CpuBudget`): WARN when
+    the ranks' threads outnumber the cores (`OMP_NUM_THREADS` set too high for the ranks) or when
+    other processes already keep the cores busy (1-minute load average, `load` or
+    `os.getloadavg`, at or above the cores): threads that find no free core spin against each other
+    and a CPU run crawls."""
+    from scaletune.env import cpu_budget
+
+    name = "CPU threads"
+    if env.cuda_available:
+        return ok(name, "the ranks compute on GPUs")
+    ranks = env.local_world_size if env.launched else (spec.world_size if spec is not None else 1)
+    budget = cpu_budget(ranks, environ)
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:  # no load average on this platform
+            load = 0.0
+    problems, fixes = [], []
+    if budget.oversubscribed:
+        problems.append(
+            f"{budget.ranks} rank(s) x OMP_NUM_THREADS {budget.threads} = {budget.ranks * budget.threads} "
+            f"threads on {budget.cores} cores"
+        )
+        fixes.append(
+            f"unset OMP_NUM_THREADS (scaletune gives each rank cores // ranks threads) or set it to "
+            f"{max(1, budget.cores // budget.ranks)}"
+        )
+    if load >= budget.cores:
+        problems.append(f"load average {load:.1f} on {budget.cores} cores: other processes are using them")
+        fixes.append("train when the machine is idle, or with fewer ranks or threads (OMP_NUM_THREADS)")
+    if problems:
+        return Check(name, "WARN", "; ".join(problems) + "; a CPU run will be slow", fix="; ".join(fixes))
+    return ok(name, budget.describe())
+
+
 def check_device_map(env: DistributedEnv, spec: RunSpec | None) -> Check:
     name = "device_map"
     device_map = spec.config.model.device_map if spec is not None else None

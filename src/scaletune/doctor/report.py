@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from scaletune import version_string
 from scaletune.doctor.checks import installed_version
 from scaletune.env import DistributedEnv
 
@@ -32,6 +33,7 @@ def report(env: DistributedEnv, environ: Mapping[str, str] | None = None) -> dic
 
     e = os.environ if environ is None else environ
     out: dict[str, Any] = {
+        "scaletune": version_string(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "packages": {p: installed_version(p) for p in _PACKAGES},
@@ -89,6 +91,7 @@ def render(rep: dict, results: list) -> Any:
     from rich.table import Table
 
     info = Table(title="environment", show_header=False)
+    info.add_row("scaletune", rep["scaletune"])
     info.add_row("python", rep["python"])
     for k, v in rep["packages"].items():
         info.add_row(k, v or "not installed")

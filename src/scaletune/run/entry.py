@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletune.config import read_config
-from scaletune.env import DistributedEnv, configure_logging, print0, tune_host_allocator
+from scaletune.env import CpuBudget, DistributedEnv, configure_logging, cpu_budget, print0, tune_host_allocator
 from scaletune.resolve import RunSpec
 from scaletune.run.preflight import check_data, predicted_memory, prepare
 from scaletune.run.reexec import reexec_under_torchrun
@@ -37,8 +37,10 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
     # classes join the allow-list only for a run DeepSpeed loads files in (below): importing
     # DeepSpeed for them costs 0.3 s of CPU in every rank of every other run.
     enforce(deepspeed=False)
+    budget = None
     if env.device.type == "cpu":
         tune_host_allocator()  # before the model and data are allocated
+        budget = _size_cpu_threads(env)
     _set_unused_bitsandbytes_aside(loaded)
     spec = prepare(loaded, env)
     if spec.strategy == "deepspeed" and not check_only:
@@ -50,7 +52,20 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
         return None
     if not env.launched and spec.world_size > 1:
         reexec_under_torchrun(spec, config_path, overrides)
+    if budget is not None:
+        print0(f"[scaletune] CPU threads: {budget.describe()}")
     return train(spec)
+
+
+def _size_cpu_threads(env: DistributedEnv) -> CpuBudget:
+    """Size torch's intra-op pool for a CPU rank from the cores it may use (:class:`CpuBudget`);
+    torch's default counts the machine's cores, whatever the affinity mask, the container's quota
+    or the other ranks on the node leave to this one."""
+    import torch
+
+    budget = cpu_budget(env.local_world_size)
+    torch.set_num_threads(budget.threads)
+    return budget
 
 
 def train(spec: RunSpec) -> Path:

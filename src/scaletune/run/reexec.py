@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from scaletune.env import print0
+from scaletune.env import cpu_budget, print0
 from scaletune.resolve import RunSpec
 
 
@@ -24,6 +24,9 @@ def reexec_under_torchrun(spec: RunSpec, config_path: Path | str, overrides: lis
         sys.executable, spec.world_size, [str(config_path), *public_overrides(overrides, d.secret_env)]
     )
     env = merged_env(d.env)
+    if spec.env.device_type == "cpu" and "OMP_NUM_THREADS" not in {**os.environ, **env}:
+        # torchrun would give each rank 1 thread; the cores this process may use, split between them.
+        env["OMP_NUM_THREADS"] = str(cpu_budget(spec.world_size).threads)
     public, secrets = split_secrets(env, d.secret_env)
     shown = " ".join(f"{k}={v}" for k, v in public.items()) + "".join(f" {k}=<secret>" for k in secrets)
     print0(f"[scaletune] starting {spec.world_size} processes:{' ' + shown if shown else ''} {' '.join(argv)}")

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from scaletune import version_string
 from scaletune.config import dump_config, read_config
 from scaletune.env import print0
 from scaletune.errors import UserError
@@ -197,7 +198,8 @@ class RunDirectory:
                 os.replace(self.path / m, self._replaced / m)
         (self.path / MARKER).write_text(json.dumps({"format": 1}) + "\n")
         tmp = self.path / ".config.yaml.tmp"
-        tmp.write_text(dump_config(cfg))
+        # Which scaletune wrote it, as a comment: the file still loads as a config (resume, `train`).
+        tmp.write_text(f"# written by scaletune {version_string()}\n{dump_config(cfg)}")
         os.replace(tmp, self.path / "config.yaml")
 
     def commit(self) -> None:

@@ -250,6 +250,7 @@ class Trainer:
         """Loaders (from the resumed position), what trains, the schedule, the position, the
         evaluation before training. Returns (global batches, the eval loader or None)."""
         stage, prepared = plan.stage, self.prepared
+        self.logger.objective(stage.training.objective)
         resumed, boundary = self.take_resumed(stage.index)
         if boundary is not None:
             # The uninterrupted run enters this stage right after saving that checkpoint: from its RNG.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -113,6 +114,7 @@ class RunLogger:
         self._file = None
         self._progress = None
         self._lines: dict | None = None  # line mode: description, total, start time, first step
+        self._headline: tuple[str, ...] = ()  # the stage objective's console metrics (`objective`)
         if not self.active:
             return
         self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)
@@ -122,6 +124,26 @@ class RunLogger:
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if cfg.logging.wandb is not None:
             self._wandb = _start_wandb(cfg, run_dir)
+
+    def objective(self, name: str) -> None:
+        """The stage's training objective: its headline metrics (`ObjectiveFacts.headline`) join the
+        console's step and eval lines from now on."""
+        from scaletune.config.preference import OBJECTIVES
+
+        self._headline = OBJECTIVES[name].headline
+
+    def _headline_text(self, record: dict, prefix: str = "") -> str:
+        """` perplexity 8.21`, ` eval_reward_accuracy 0.9375 eval_reward_margin 1.2040`: the
+        objective's headline metrics of `record` (`prefix` "eval_" on evaluation lines)."""
+        parts = []
+        for key in self._headline:
+            if key == "perplexity":
+                loss = record.get(f"{prefix}loss")
+                if isinstance(loss, float) and loss < 80:  # exp(80) is 5e34: not a number anyone reads
+                    parts.append(f"{prefix}perplexity {math.exp(loss):.2f}")
+            elif f"{prefix}{key}" in record:
+                parts.append(f"{prefix}{key} {record[f'{prefix}{key}']:.4f}")
+        return "".join(f" {p}" for p in parts)
 
     def start_progress(self, total: int, description: str, completed: int = 0) -> None:
         if not self.active:
@@ -174,7 +196,9 @@ class RunLogger:
         elif "loss" in record and self._lines is not None:
             print0(self._progress_line(record))
         elif "eval_loss" in record:
-            print0(f"[scaletune] step {record['step']} eval_loss {record['eval_loss']:.4f}")
+            print0(
+                f"[scaletune] step {record['step']} eval_loss {record['eval_loss']:.4f}{self._headline_text(record, 'eval_')}"
+            )
 
     def _progress_line(self, record: dict) -> str:
         lines = self._lines
@@ -183,7 +207,8 @@ class RunLogger:
         rate = (time.perf_counter() - lines["t0"]) / max(done - lines["done"], 1)
         eta = time.strftime("%H:%M:%S", time.gmtime(rate * (total - done)))
         return (
-            f"[scaletune] {lines['description']} {done}/{total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            f"[scaletune] {lines['description']} {done}/{total} loss {record['loss']:.4f}{self._headline_text(record)} "
+            f"lr {record['lr']:.2e} "
             f"{record['tokens_per_s']:,.0f} tok/s eta {eta}"
         )
 
