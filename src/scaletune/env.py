@@ -183,6 +183,11 @@ def set_rank(rank: int) -> None:
     logging.getLogger(_LOGGER).setLevel(_rank_level())
 
 
+def current_rank() -> int:
+    """This process's rank as :func:`set_rank` recorded it (0 before any)."""
+    return _RANK
+
+
 def configure_logging(rank: int | None = None) -> None:
     """Configure scaletune's logging, once per process, at an entry point (the command line, the
     trainer's entry, :func:`scaletune.hf.load_model_for_training`); modules only call

@@ -224,6 +224,8 @@ def assert_lora_exports(run: Path, control: Path, out: Path, what: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     again = adapter(out / "from-checkpoint")
     assert again.keys() == written.keys(), what
+    card = (out / "from-checkpoint" / "README.md").read_text()  # the adapter's card, loaded as an adapter
+    assert "library_name: peft" in card and "AutoPeftModelForCausalLM.from_pretrained" in card, what
     for k in written:
         assert torch.equal(again[k], written[k]), f"{what}: {k} differs between final/ and the checkpoint's export"
 
@@ -234,6 +236,7 @@ def assert_lora_exports(run: Path, control: Path, out: Path, what: str) -> None:
     proc = run_cli(["export", str(run), "-o", str(out / "merged"), "--merge-lora"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "merged" / "adapter_config.json").exists()
+    assert "(the LoRA adapter merged into the base weights)" in (out / "merged" / "README.md").read_text(), what
     got = logits(out / "merged")
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), f"{what} merged: max {(got - want).abs().max():.2e}"
 
@@ -280,6 +283,8 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
     threads = max(1, len(os.sched_getaffinity(0)) // world)
     assert f"starting {world} processes: OMP_NUM_THREADS={threads} " in proc.stderr, proc.stderr[-3000:]
     assert f"CPU threads: {threads} per rank (OMP_NUM_THREADS: " in proc.stderr
+    for phase in ("sample answers before training", "sample answers after training"):  # counted, not silent
+        assert f"[scaletune] {phase}: " in proc.stderr, phase
     full = agreement(run, reference)
     samples, expected = ([json.loads(line) for line in (r / "samples.jsonl").open()] for r in (run, reference))
     assert samples == expected and all("trained" in s for s in samples)

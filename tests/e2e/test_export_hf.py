@@ -8,8 +8,10 @@ both folders' tokenizers had no template at all."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from tests.helpers import ALPACA_5000, make_config, run_cli, train
+from tests.helpers import ALPACA_5000, make_config, metrics, run_cli, train
 
 
 def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_model_dir, tmp_path):
@@ -37,8 +39,10 @@ def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_
         tiny_model_dir,
         tmp_path / "run",
         data={"train": {"path": str(data), "format": "messages"}},
-        training={"max_steps": 2, "save_every": 2},
+        training={"max_steps": 2, "save_every": 2, "eval_every": 2, "sample_prompts": ["Name a colour."]},
     )
+    cfg["data"]["eval_fraction"] = 0.25
+    cfg["training"]["sample_max_new_tokens"] = 4
     train(cfg, tmp_path)
     run = tmp_path / "run"
     exported = tmp_path / "exported"
@@ -53,3 +57,21 @@ def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_
         tok = AutoTokenizer.from_pretrained(str(folder))
         assert tok.chat_template == CHATML_TEMPLATE, folder
         assert tok.apply_chat_template(chats[0]["messages"], tokenize=False) == want, folder
+
+    # The model card beside the weights (issue 40): what a person handed the folder needs, each
+    # figure as the run's own files hold it (the controls), and no path of this machine.
+    card = (exported / "README.md").read_text()
+    assert str(tmp_path) not in card and card.startswith("---\nlibrary_name: transformers\n"), card
+    assert "from the checkpoint `step-2` of the run `run` (step 2)" in card, card
+    assert "- `olmo2-tiny (a local folder)`; licence: not stated: the base model's folder has no README.md" in card, (
+        card
+    )
+    assert "- train: `chats.jsonl (a local file)` (format `messages`); licence: not recorded with the data" in card
+    last_eval = [m for m in metrics(run) if "eval_loss" in m][-1]
+    assert f"- step 2: eval_loss {last_eval['eval_loss']:.4f}" in card, card
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert f"**Name a colour.**\n\n- before: {sample['base']}\n- after: {sample['trained']}" in card, card
+    # Its loading example, run as written from the folder the export sits in.
+    code = card.split("```python\n", 1)[1].split("```", 1)[0] + "print(type(model).__name__, len(tokenizer))\n"
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and loaded.stdout.startswith("Olmo2ForCausalLM"), loaded.stderr[-2000:]

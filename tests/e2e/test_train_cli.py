@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 
 import torch
@@ -53,6 +54,8 @@ def test_full_finetune_run_directory(tiny_model_dir, tmp_path):
     assert sorted(evals) == [3, 6, 8]
     for step, loss in evals.items():  # the console's eval lines with SFT's headline (control: exp of the file's loss)
         assert f"[scaletune] step {step} eval_loss {loss:.4f} eval_perplexity {math.exp(loss):.2f}\n" in proc.stderr
+        # each pass counted on the console, to its last micro-batch (a long eval is not silent)
+        assert re.search(rf"\[scaletune\] eval at step {step}: (\d+)/\1 micro-batches, \d+ s\n", proc.stderr), step
     # Training moves the model: the same held-out records score better after more updates (the
     # training loss alone would also move with each step's batch; see test_parity's lr=0 control).
     assert evals[3] > evals[6] > evals[8] and evals[3] - evals[8] > EVAL_DROP, evals

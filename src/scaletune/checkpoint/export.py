@@ -118,6 +118,7 @@ def export_checkpoint(
             `allow_factory`; an output that exists and is not an empty folder; an unreadable
             shard size.
     """
+    from scaletune.checkpoint.card import model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
     from scaletune.models.loading import torch_dtype
@@ -176,6 +177,9 @@ def export_checkpoint(
         if template is not None:  # as final/ carries it: the model is prompted as it was trained
             tokenizer.chat_template = template
         tokenizer.save_pretrained(str(tmp))
+        kind = "adapter" if lora and not merge_lora else "model"
+        card = model_card(cfg, checkpoint, step=progress.step, kind=kind, folder=out_dir.name, merged=merge_lora)
+        (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
         os.replace(tmp, out_dir)

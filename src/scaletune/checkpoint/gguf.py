@@ -223,7 +223,7 @@ def export_gguf(
             name = f"{_run_name(checkpoint)}.{gguf_type}.gguf"
             info = convert_hf_to_gguf(hf_dir, tmp / name, gguf_type, data_cfg=cfg.data, name=_run_name(checkpoint))
             progress = read_progress(checkpoint)
-            (tmp / "README.md").write_text(_readme(checkpoint, progress.step, cfg, tmp / name, info))
+            (tmp / "README.md").write_text(_readme(checkpoint, progress.step, cfg, tmp / name, info, out_dir.name))
             if out_dir.is_dir():
                 out_dir.rmdir()  # empty (checked above)
             os.replace(tmp, out_dir)
@@ -425,31 +425,23 @@ def _vocab(tokenizer, vocab_size: int, gguf) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo) -> str:
+def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo, folder: str) -> str:
+    """The export's model card (:func:`scaletune.checkpoint.card.model_card`) with the GGUF file's facts."""
+    from scaletune.checkpoint.card import model_card, shown
+
     digest = hashlib.sha256()
     with gguf_file.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    lora = "LoRA adapter merged into the base weights" if cfg.model.lora is not None else "full weights"
-    source = checkpoint.resolve()
-    # Folder names, never absolute paths: the README travels with the file to other machines.
-    run = f" of the run `{source.parent.parent.name}`" if source.parent.name == "checkpoints" else ""
-    return (
-        f"# {gguf_file.name}\n\n"
-        f"Exported by `scaletune export --format gguf` from the checkpoint `{source.name}`{run} (step {step}).\n\n"
-        f"- base model: `{_shown(cfg.model.name_or_path)}` ({lora})\n"
-        f"- architecture: `{info.architecture}` (GGUF `general.architecture`), context length {info.context_length}\n"
+    files = (
+        f"- `{gguf_file.name}`: architecture `{info.architecture}` (GGUF `general.architecture`), "
+        f"context length {info.context_length}\n"
         f"- type: `{gguf_file.name.rsplit('.', 2)[-2]}` (norms and biases float32)\n"
-        f"- tokenizer: `{_shown(cfg.model.tokenizer or cfg.model.name_or_path)}`, byte-level BPE (`gpt2`), "
+        f"- tokenizer: `{shown(cfg.model.tokenizer or cfg.model.name_or_path)}`, byte-level BPE (`gpt2`), "
         f"pre-tokenizer `{info.tokenizer_pre}`, {info.vocab} tokens\n"
         f"- chat template: {info.chat_template_source} (`tokenizer.chat_template`)\n"
         f"- sha256: `{digest.hexdigest()}`\n\n"
         "Checked in scaletune's tests by loading it back with transformers' own GGUF loader; "
-        "llama.cpp itself was not run.\n"
+        "llama.cpp itself was not run."
     )
-
-
-def _shown(name: str) -> str:
-    """A model or tokenizer as a README shows it: a hub id as it is, a local folder by its name."""
-    local = name.startswith(("/", ".", "~")) or Path(name).exists()
-    return f"{Path(name).name} (a local folder)" if local else name
+    return model_card(cfg, checkpoint, step=step, kind="gguf", folder=folder, files=files)

@@ -7,11 +7,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletune.data import alpaca_prompt, render_chat
 from scaletune.errors import UserError
 from scaletune.inference.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from scaletune.inference.progress import PhaseProgress
 
 # A prompt: plain text (one user turn) or a conversation of {role, content} turns.
 Prompt = str | list[dict]
@@ -81,14 +84,31 @@ def _generate_kwargs(loaded: LoadedModel, sampling: Sampling) -> dict[str, Any]:
     return kw
 
 
-def generate(loaded: LoadedModel, prompts: list[Prompt], sampling: Sampling, *, batch_size: int = 8) -> list[str]:
+def generate(
+    loaded: LoadedModel,
+    prompts: list[Prompt],
+    sampling: Sampling,
+    *,
+    batch_size: int = 8,
+    progress: PhaseProgress | None = None,
+) -> list[str]:
     """One answer per prompt, in order; prompts are batched with left padding (the answer of
     each starts at the same column), which gives the same greedy answers as one at a time up to
-    floating-point rounding."""
+    floating-point rounding. `progress` (sized `generation_steps`) advances once per generated
+    position of each batch."""
     import torch
 
     answers: list[str] = []
     kw = _generate_kwargs(loaded, sampling)
+    if progress is not None:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class _Count(StoppingCriteria):  # called once per new position; stops nothing
+            def __call__(self, input_ids: Any, scores: Any, **_: Any) -> Any:
+                progress.advance()
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        kw["stopping_criteria"] = StoppingCriteriaList([_Count()])
     pad = kw["pad_token_id"]
     for start in range(0, len(prompts), batch_size):
         ids = [encode(loaded, p) for p in prompts[start : start + batch_size]]
@@ -100,6 +120,11 @@ def generate(loaded: LoadedModel, prompts: list[Prompt], sampling: Sampling, *, 
             out = loaded.model.generate(input_ids=input_ids, attention_mask=mask, **kw)
         answers += [loaded.tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
     return answers
+
+
+def generation_steps(prompts: int, sampling: Sampling, batch_size: int = 8) -> int:
+    """The most positions :func:`generate` computes for `prompts` prompts: one per new token of each batch."""
+    return -(-prompts // batch_size) * sampling.max_new_tokens
 
 
 def stream(

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from scaletune.config import Config
 from scaletune.env import print0
-from scaletune.inference.generate import Sampling, generate
+from scaletune.inference.generate import Sampling, generate, generation_steps
 from scaletune.inference.loading import inference_dtype, load_for_inference, load_model_config
 from scaletune.resolve import RunSpec
 
@@ -29,7 +30,7 @@ def base_answers(cfg: Config, run_dir: Path, resuming: bool = False) -> list[str
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model_cfg = cfg.model.model_copy(update={"dtype": inference_dtype("auto", torch.device(device))})
     loaded = load_model_config(model_cfg, cfg.data, name=f"{cfg.model.name_or_path} (before training)")
-    answers = generate(loaded, list(prompts), Sampling(max_new_tokens=cfg.training.sample_max_new_tokens))
+    answers = _answered(loaded, list(prompts), cfg.training.sample_max_new_tokens, "sample answers before training")
     del loaded
     return answers
 
@@ -37,9 +38,18 @@ def base_answers(cfg: Config, run_dir: Path, resuming: bool = False) -> list[str
 def trained_answers(cfg: Config, run_dir: Path) -> list[str]:
     """The answers of the run's `final/` (an adapter on its base, or the full model), greedy."""
     loaded = load_for_inference(run_dir)
-    return generate(
-        loaded, list(cfg.training.sample_prompts), Sampling(max_new_tokens=cfg.training.sample_max_new_tokens)
+    return _answered(
+        loaded, list(cfg.training.sample_prompts), cfg.training.sample_max_new_tokens, "sample answers after training"
     )
+
+
+def _answered(loaded: Any, prompts: list[str], max_new_tokens: int, what: str) -> list[str]:
+    """Greedy answers with the phase's progress on the console (generation can take minutes on a CPU)."""
+    from scaletune.inference.progress import PhaseProgress
+
+    sampling = Sampling(max_new_tokens=max_new_tokens)
+    with PhaseProgress(what, generation_steps(len(prompts), sampling), "tokens") as progress:
+        return generate(loaded, prompts, sampling, progress=progress)
 
 
 def before_training(spec: RunSpec) -> list[str] | None:

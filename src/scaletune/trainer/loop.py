@@ -30,6 +30,7 @@ from scaletune.data import trained_chat_template
 from scaletune.env import print0, set_rank
 from scaletune.errors import UserError
 from scaletune.inference import samples
+from scaletune.inference.progress import PhaseProgress, tracked
 from scaletune.report import RunStopped, reporter, stop_agreed
 from scaletune.resolve import RunSpec
 from scaletune.strategies import make_strategy, torn_down
@@ -317,10 +318,9 @@ class Trainer:
     # -- what a step leaves ----------------------------------------------------------------
     def log_eval(self, plan: StagePlan, eval_loader: Any) -> None:
         """One metrics.jsonl line with the eval loss at the current step (step 0: before training)."""
-        (loss, stats), elapsed = (
-            evaluate(self.strategy, eval_loader, self.kind),
-            round(time.perf_counter() - self.start_time, 3),
-        )
+        with PhaseProgress(f"eval at step {self.position.step}", len(eval_loader), "micro-batches") as progress:
+            loss, stats = evaluate(self.strategy, tracked(eval_loader, progress), self.kind)
+        elapsed = round(time.perf_counter() - self.start_time, 3)
         extra = {f"eval_{k}": v for k, v in self.preference.metrics(stats).items()}
         self.logger.log(
             {"step": self.position.step, "stage": plan.stage.name, "eval_loss": loss, **extra, "elapsed_s": elapsed}
