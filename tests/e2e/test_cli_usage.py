@@ -60,3 +60,22 @@ def test_version_and_the_doctor_rows_for_it_and_cpu_threads():
     threads = {c["name"]: c for c in answer["checks"]}["CPU threads"]
     assert threads["status"] == "WARN", threads
     assert f"1 rank(s) x OMP_NUM_THREADS {4 * cores} = {4 * cores} threads on " in threads["message"], threads
+
+
+def test_every_verb_shows_an_example_line():
+    """Each verb a person starts a job or reads a result with shows one example line in its
+    `--help` (issue 40): the help text typer renders, read from the command tree in-process."""
+    import typer
+
+    from scaletune.cli import app
+
+    root = typer.main.get_command(app)
+    verbs = ["train", "init-model", "export", "plan", "doctor", "chat", "generate", "eval", "launch", "slurm",
+             "modal", "serve"]  # fmt: skip
+    missing = [v for v in verbs if "Example: `scaletune " not in (root.commands[v].help or "")]
+    for group, verb in (("config", "new"), ("remote", "submit")):
+        if "Example: `scaletune " not in (root.commands[group].commands[verb].help or ""):
+            missing.append(f"{group} {verb}")
+    assert not missing, missing
+    shown = run_cli(["export", "--help"], env={"COLUMNS": "200"}).stdout
+    assert "Example: scaletune export runs/quickstart -o my-model --merge-lora" in shown, shown

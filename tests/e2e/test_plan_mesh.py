@@ -78,3 +78,14 @@ def test_exit_codes_and_a_mesh_the_model_cannot_take(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "configured mesh fsdp dp2 cp1 tp3" in proc.stdout
     assert "warning: distributed.tensor_parallel 3 does not divide the model's attention heads (32)" in proc.stdout
+
+
+def test_a_configured_strategy_is_marked_as_configured(tmp_path):
+    """`strategy: single` is the run's, whatever the planner would take for `auto` (issue 40: plan
+    marked ddp "chosen" for such a config): the configured row is starred and named as configured."""
+    single = tmp_path / "single.yaml"
+    single.write_text(CONFIG + "distributed: {strategy: single}\n")
+    proc = run_cli(["plan", str(single)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "configured: single (row ddp, one whole replica); distributed.strategy auto would choose " in proc.stdout
+    assert "chosen:" not in proc.stdout and "│ ddp *" in proc.stdout, proc.stdout

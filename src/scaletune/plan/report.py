@@ -22,8 +22,10 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def render_table(p: Plan) -> Any:
-    """A rich Table of the plan (GiB per rank); its caption says what the preference reference costs."""
+def render_table(p: Plan, marked: str | None = None) -> Any:
+    """A rich Table of the plan (GiB per rank), the row `marked` (default: the planner's choice)
+    starred; its caption says what the preference reference costs."""
+    marked = p.chosen if marked is None else marked
     from rich.table import Table
 
     mem = f"{p.gpu_memory_bytes / GiB:.0f} GiB" if p.gpu_memory_bytes else "unknown memory"
@@ -49,7 +51,7 @@ def render_table(p: Plan) -> Any:
         t.add_column(col, justify="left" if col == "strategy" else "right")
     for s in p.strategies:
         fits = "-" if s.fits is None else ("yes" if s.fits else "no")
-        mark = " *" if s.name == p.chosen else ""
+        mark = " *" if s.name == marked else ""
         t.add_row(
             s.name + mark,
             _gib(s.params),
