@@ -146,8 +146,10 @@ def _front_matter(text: str) -> str:
     return text[3:end] if end > 0 else ""
 
 
-def _metrics(run_dir: Path | None) -> list[dict]:
-    path = run_dir / "metrics.jsonl" if run_dir is not None else None
+def _rows(run_dir: Path | None, name: str) -> list[dict]:
+    """The JSON objects of the run's `name` (metrics.jsonl, samples.jsonl), one per line; a line
+    that is not one (a run cut off mid-write) is skipped: a card is a summary, not a check."""
+    path = run_dir / name if run_dir is not None else None
     if path is None or not path.is_file():
         return []
     rows = []
@@ -156,14 +158,18 @@ def _metrics(run_dir: Path | None) -> list[dict]:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
+        if isinstance(row, dict):
             rows.append(row)
     return rows
 
 
 def _evaluation(run_dir: Path | None, step: int) -> list[str]:
     """The first and the last evaluation up to `step` (the run's metrics.jsonl), every eval_ figure."""
-    evals = [r for r in _metrics(run_dir) if "eval_loss" in r and r["step"] <= step]
+    evals = [
+        r
+        for r in _rows(run_dir, "metrics.jsonl")
+        if "eval_loss" in r and isinstance(r.get("step"), int) and r["step"] <= step
+    ]
     if not evals:
         return ["", "## Evaluation", "", "- no evaluation was logged up to this step"]
     out = ["", "## Evaluation", "", "Held-out figures of the run's own evaluation (metrics.jsonl):", ""]
@@ -175,17 +181,11 @@ def _evaluation(run_dir: Path | None, step: int) -> list[str]:
 
 def _samples(run_dir: Path | None) -> list[str]:
     """The run's sample prompts answered before and after training (samples.jsonl), when there are any."""
-    path = run_dir / "samples.jsonl" if run_dir is not None else None
-    if path is None or not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("trained"), str):
-            rows.append(row)
+    rows = [
+        r
+        for r in _rows(run_dir, "samples.jsonl")
+        if isinstance(r.get("prompt"), str) and isinstance(r.get("trained"), str)
+    ]
     if not rows:
         return []
     out = ["", "## Sample answers", "", "Greedy answers of the base model and of the run's final model:", ""]
