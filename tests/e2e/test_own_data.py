@@ -60,6 +60,10 @@ def test_the_own_data_walkthrough(tiny_model_dir, tmp_path):
     step1 = next(r for r in rows if "loss" in r)
     assert f"main 1/2 loss {step1['loss']:.4f} perplexity " in shown, shown[-3000:]
 
+    # final/'s card, in place of peft's template (which names the base by this machine's path).
+    final_card = (run / "final" / "README.md").read_text()
+    assert "The run's own `final/` (step 2)" in final_card and str(tmp_path) not in final_card, final_card
+
     # 6. Hand it over: the export's model card names the data file, not this machine's paths.
     scaletune("export", "runs/my-run", "-o", "my-model")
     card = (tmp_path / "my-model" / "README.md").read_text()

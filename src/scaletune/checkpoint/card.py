@@ -60,23 +60,39 @@ def data_licence(path: str) -> str:
     return "not recorded with the data: state it here before sharing"
 
 
+def checkpoint_source(checkpoint: Path) -> tuple[str, Path | None]:
+    """(how a card names an exported checkpoint, the run directory it is in or None)."""
+    source = checkpoint.resolve()
+    run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
+    where = f" of the run `{run_dir.name}`" if run_dir is not None else ""
+    return f"Exported by `scaletune export` from the checkpoint `{source.name}`{where}", run_dir
+
+
 def model_card(
-    cfg: Config, checkpoint: Path, *, step: int, kind: Kind, folder: str, files: str = "", merged: bool = False
+    cfg: Config,
+    *,
+    source: str,
+    run_dir: Path | None,
+    step: int,
+    kind: Kind,
+    folder: str,
+    files: str = "",
+    merged: bool = False,
 ) -> str:
     """The card's Markdown, front matter (Hugging Face's model card metadata) first.
 
     Args:
         cfg: the run's config (the checkpoint's `config.yaml`).
-        checkpoint: the exported checkpoint; in a run directory (RUN/checkpoints/step-N) that run's
-            metrics.jsonl and samples.jsonl are read too.
-        step: the optimizer step of the exported checkpoint.
+        source: where the weights come from, one sentence without its full stop
+            (:func:`checkpoint_source`, or the run's own `final/`).
+        run_dir: the run directory whose metrics.jsonl and samples.jsonl the card reads; None
+            for a checkpoint that stands alone.
+        step: the optimizer step of the weights.
         kind: a full model, a LoRA adapter, or a GGUF file.
-        folder: the export's own name, as the loading examples use it.
+        folder: the folder's own name, as the loading examples use it.
         files: what the folder holds, Markdown (the GGUF details).
         merged: a LoRA run exported with the adapter folded into the base weights.
     """
-    source = checkpoint.resolve()
-    run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
     base = cfg.model.name_or_path
     hub_base = not (base.startswith(("/", ".", "~")) or Path(base).exists()) and "/" in base
     lora = cfg.model.lora is not None
@@ -95,9 +111,7 @@ def model_card(
         "",
         f"# {folder}",
         "",
-        f"Fine-tuned with scaletune ({what}). Exported by `scaletune export` from the checkpoint `{source.name}`"
-        + (f" of the run `{run_dir.name}`" if run_dir is not None else "")
-        + f" (step {step}).",
+        f"Fine-tuned with scaletune ({what}). {source} (step {step}).",
         "",
         "## Base model",
         "",
@@ -106,21 +120,7 @@ def model_card(
         "## Training data",
         "",
     ]
-    seen = set()
-    for stage in stages:
-        for role, source in (("train", stage.data.train), ("eval", stage.data.eval)):
-            if source is None:
-                continue
-            for path in [source.path] if isinstance(source.path, str) else source.path:
-                if (role, path) in seen:
-                    continue
-                seen.add((role, path))
-                limit = f", first {source.max_samples} records" if source.max_samples else ""
-                lines.append(
-                    f"- {role}: `{shown(path)}` (format `{source.format}`{limit}); licence: {data_licence(path)}"
-                )
-        if stage.data.dummy is not None:
-            lines.append("- train: generated token ids (`data.dummy`), no text")
+    lines += _data_lines(stages)
     objectives = ", ".join(dict.fromkeys(f"{s.name}: {s.training.objective}" for s in stages))
     lines += [
         "",
@@ -137,6 +137,26 @@ def model_card(
     if files:
         lines += ["", "## Files", "", files]
     return "\n".join(lines) + "\n"
+
+
+def _data_lines(stages: list) -> list[str]:
+    """One line per data file of the stages (train and eval, each once), with its licence."""
+    lines, seen = [], set()
+    for stage in stages:
+        for role, source in (("train", stage.data.train), ("eval", stage.data.eval)):
+            if source is None:
+                continue
+            for path in [source.path] if isinstance(source.path, str) else source.path:
+                if (role, path) in seen:
+                    continue
+                seen.add((role, path))
+                limit = f", first {source.max_samples} records" if source.max_samples else ""
+                lines.append(
+                    f"- {role}: `{shown(path)}` (format `{source.format}`{limit}); licence: {data_licence(path)}"
+                )
+        if stage.data.dummy is not None:
+            lines.append("- train: generated token ids (`data.dummy`), no text")
+    return lines
 
 
 def _front_matter(text: str) -> str:

@@ -118,7 +118,7 @@ def export_checkpoint(
             `allow_factory`; an output that exists and is not an empty folder; an unreadable
             shard size.
     """
-    from scaletune.checkpoint.card import model_card
+    from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
     from scaletune.models.loading import torch_dtype
@@ -178,7 +178,10 @@ def export_checkpoint(
             tokenizer.chat_template = template
         tokenizer.save_pretrained(str(tmp))
         kind = "adapter" if lora and not merge_lora else "model"
-        card = model_card(cfg, checkpoint, step=progress.step, kind=kind, folder=out_dir.name, merged=merge_lora)
+        source, run_dir = checkpoint_source(checkpoint)
+        card = model_card(
+            cfg, source=source, run_dir=run_dir, step=progress.step, kind=kind, folder=out_dir.name, merged=merge_lora
+        )
         (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)

@@ -427,7 +427,7 @@ def _vocab(tokenizer, vocab_size: int, gguf) -> tuple[list[str], list[int]]:
 
 def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo, folder: str) -> str:
     """The export's model card (:func:`scaletune.checkpoint.card.model_card`) with the GGUF file's facts."""
-    from scaletune.checkpoint.card import model_card, shown
+    from scaletune.checkpoint.card import checkpoint_source, model_card, shown
 
     digest = hashlib.sha256()
     with gguf_file.open("rb") as f:
@@ -444,4 +444,5 @@ def _readme(checkpoint: Path, step: int, cfg, gguf_file: Path, info: GGUFInfo, f
         "Checked in scaletune's tests by loading it back with transformers' own GGUF loader; "
         "llama.cpp itself was not run."
     )
-    return model_card(cfg, checkpoint, step=step, kind="gguf", folder=folder, files=files)
+    source, run_dir = checkpoint_source(checkpoint)
+    return model_card(cfg, source=source, run_dir=run_dir, step=step, kind="gguf", folder=folder, files=files)

@@ -396,9 +396,24 @@ class Trainer:
             return samples.before_training(self.spec)
 
     def sample_trained(self, base: list[str] | None) -> None:
-        """Rank 0 alone: `final/` answers them too; both answers go to samples.md and the terminal."""
+        """Rank 0 alone: `final/` answers them too; both answers go to samples.md and the terminal.
+        Then `final/`'s model card, with those answers (in place of peft's template card, which
+        names the base by its path on this machine)."""
         with self.strategy.loading_alone():
             samples.after_training(self.spec, base)
+        if self.env.is_main and not self.spec.custom_model:  # a factory's final/ is its own folder
+            from scaletune.checkpoint.card import model_card
+
+            kind = "adapter" if self.cfg.model.lora is not None else "model"
+            card = model_card(
+                self.cfg,
+                source="The run's own `final/`",
+                run_dir=self.spec.run_dir,
+                step=self.position.step,
+                kind=kind,
+                folder="final",
+            )
+            (self.spec.run_dir / "final" / "README.md").write_text(card)
 
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
