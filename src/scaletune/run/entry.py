@@ -22,9 +22,11 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
     with `check_only`, every check that can run without training (data tokenised), then stop.
     Returns the run directory (None after a check)."""
     loaded = read_config(config_path, overrides)
-    if loaded.problems:
+    if loaded.problems and not _gpu_device_files():
         # A config that does not validate is answered before torch and transformers are imported
-        # (about 4 s of CPU): its problems with the model's and the data's that need neither.
+        # (about 4 s of CPU): its problems with the model's and the data's that need neither. Only
+        # where no GPU can be present: the rules that depend on the GPUs (`num_processes: auto`, the
+        # precision) would be checked against a machine without any, and name problems it lacks.
         light = DistributedEnv.from_environ(probe_cuda=False)
         configure_logging(light.rank)
         prepare(loaded, light)
@@ -55,6 +57,13 @@ def run_from_cli(config_path: Path | str, overrides: list[str], *, check_only: b
     if budget is not None:
         print0(f"[scaletune] CPU threads: {budget.describe()}")
     return train(spec)
+
+
+def _gpu_device_files() -> bool:
+    """Whether this machine shows an NVIDIA or AMD GPU's device files (`/dev/nvidia0`, `/dev/kfd`),
+    read without importing torch."""
+    dev = Path("/dev")
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
 
 
 def _size_cpu_threads(env: DistributedEnv) -> CpuBudget:
