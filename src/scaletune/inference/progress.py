@@ -2,13 +2,13 @@
 after training, an evaluation pass. On a slow CPU either can take many minutes, and a run that
 prints nothing for that long looks hung (issue 40: 27 minutes before the first step line).
 
-On rank 0 only; a live bar when stderr is a terminal, else one counted line at most every
-`every_s` seconds and one at the end, so redirected logs stay short.
+On rank 0 only: one counted line at most every `every_s` seconds and one at the end, so
+redirected logs stay short. Lines, not a live bar, on a terminal too: an eval pass runs while the
+training's progress bar is live, and two live displays on one terminal overwrite each other.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any
 
@@ -31,34 +31,20 @@ class PhaseProgress:
         self.t0 = self.last = time.perf_counter()
         self.printed = -1
         self.active = env.current_rank() == 0 and self.total > 0
-        self._bar: Any = None
-        if self.active and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._bar = Progress(
-                TextColumn(f"{what} ({unit})"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=True
-            )
-            self._task = self._bar.add_task(what, total=self.total)
-            self._bar.start()
 
     def advance(self, n: int = 1) -> None:
         if not self.active:
             return
         self.done = min(self.total, self.done + n)
-        if self._bar is not None:
-            self._bar.update(self._task, completed=self.done)
-            return
         now = time.perf_counter()
         if now - self.last >= self.every_s:
             self.last = now
             self._line(now)
 
     def close(self) -> None:
-        """The last counted line (on a terminal: the bar goes and that line stays)."""
+        """The last counted line."""
         if not self.active:
             return
-        if self._bar is not None:
-            self._bar.stop()
         if self.printed != self.done:
             self._line(time.perf_counter())
         self.active = False

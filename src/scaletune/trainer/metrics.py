@@ -190,7 +190,7 @@ class RunLogger:
             self._progress.update(
                 self._task,
                 completed=record["stage_step"],
-                loss=f"{record['loss']:.4f}",
+                loss=f"{record['loss']:.4f}{self._headline_text(record)}",
                 tps=f"{record['tokens_per_s']:,.0f}",
             )
         elif "loss" in record and self._lines is not None:
