@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,12 @@ def test_auth(server, uninterrupted, tiny_model_dir, tmp_path):
     assert client(server, server.read).post(f"/api/jobs/{job_id}/clone", json={}).status_code == 403
     # One job's report token cannot post to another job, nor call the API.
     other = client(server, server.submit).post("/api/jobs", json=body).json()["id"]
-    token = server.svc._tokens[other]  # made when the job started; the run has it in its environment
+    # Its token is made when the job starts (the run has it in its environment); a busy machine may
+    # start it a moment after the submit answers (CI at 5d2ae62 read it too early: KeyError).
+    deadline = time.monotonic() + 120
+    while other not in server.svc._tokens and time.monotonic() < deadline:
+        time.sleep(0.1)
+    token = server.svc._tokens[other]
     event = {"events": [{"kind": "metric", "data": {"step": 999, "loss": 1.0}}]}
     assert client(server, token).post(f"/api/jobs/{job_id}/report", json=event).status_code == 401
     assert client(server, token).get("/api/jobs").status_code == 401
