@@ -198,3 +198,17 @@ def stop_agreed(all_reduce_sum: Callable) -> bool:
     import torch
 
     return float(all_reduce_sum(torch.tensor([float(stop_requested())], dtype=torch.float64))[0]) > 0
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON objects of `text`, one a line (a run's metrics.jsonl, samples.jsonl); other lines,
+    such as one cut off mid-write, are skipped."""
+    out = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out

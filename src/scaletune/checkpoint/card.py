@@ -8,12 +8,12 @@ file's licence, say) is said to be missing, not guessed.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Literal
 
 from scaletune.config import Config
+from scaletune.report import json_lines
 from scaletune.resolve import resolve_stages
 
 Kind = Literal["model", "adapter", "gguf"]
@@ -172,15 +172,7 @@ def _rows(run_dir: Path | None, name: str) -> list[dict]:
     path = run_dir / name if run_dir is not None else None
     if path is None or not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
+    return json_lines(path.read_text(errors="replace"))
 
 
 def _evaluation(run_dir: Path | None, step: int) -> list[str]:

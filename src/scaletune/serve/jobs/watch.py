@@ -13,7 +13,6 @@ takes the lock only to store what the target answered; one job has at most one c
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import threading
 import time
@@ -25,7 +24,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from scaletune.errors import UserError
-from scaletune.report import PREFIX, parse_event_line
+from scaletune.report import PREFIX, json_lines, parse_event_line
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs.db import Job, now
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, Status
@@ -40,19 +39,6 @@ _OWN_LINES = (PREFIX, "error:", "Traceback", "scaletune:")
 LOST_RECHECK_S = 600  # how long after a job was settled lost its target is still asked about it
 LOST_RECHECK_EVERY_S = 2.0  # and how often
 SUBMIT_ERRORS = (UserError, OSError, ImportError, RuntimeError)  # a target's refusal: the job fails
-
-
-def json_lines(text: str) -> list[dict]:
-    """The JSON objects of `text`, one a line; other lines skipped."""
-    out = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
 
 
 def sync_checkpoints(s: Session, job: Job) -> None:
