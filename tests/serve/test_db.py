@@ -105,6 +105,37 @@ def test_tokens_made_before_names_are_named_by_the_upgrade(backend, request, tmp
     assert identify(Session, "old-admin") == (f"admin-{ids[1][0]}", "admin")
 
 
+MIGRATE_AT = """
+import sys, time
+from scaletune.serve.jobs.db import open_db
+time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # every process migrates at the same instant
+open_db(sys.argv[1])
+print("migrated")
+"""
+
+
+def test_services_starting_at_once_on_a_fresh_postgres_migrate_it_once(postgres):
+    """Replicas of a deployment start together on an empty Postgres: each runs the migrations at
+    the same instant. Without a lock, two create the same tables and one fails on Postgres's unique
+    type names (the failure CI met as a replica that never answered /healthz); the migrations hold
+    a transaction-scoped advisory lock, so the first migrates and the others find the head."""
+    admin = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("CREATE DATABASE at_once"))
+    admin.dispose()
+    url = postgres["url"].rsplit("/", 1)[0] + "/at_once"
+    at = str(time.time() + 8)  # after the four interpreters have imported SQLAlchemy and Alembic
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MIGRATE_AT, url, at], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=REPO_ROOT)  # fmt: skip
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    assert all("migrated" in o for o in outs), outs
+    assert all(PASSWORD not in o for o in outs)
+
+
 def _health(url: str, want: int, timeout: float = 60) -> dict:
     deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
@@ -170,11 +201,15 @@ def test_two_services_on_one_postgres_start_each_queued_job_once(postgres, tmp_p
     for port in ports:
         argv = [sys.executable, "-m", "scaletune", "serve", "--db", url, "--port", str(port),
                 "--jobs-dir", str(home), "--max-concurrent", "20"]  # fmt: skip
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      env=subprocess_env(), cwd=REPO_ROOT))  # fmt: skip
+        with (tmp_path / f"serve-{port}.log").open("w") as sink:  # read when it does not answer
+            procs.append(subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT,
+                                          env=subprocess_env(), cwd=REPO_ROOT))  # fmt: skip
     try:
         for port in ports:
-            assert _health(f"http://127.0.0.1:{port}", 200) == {"status": "ok"}
+            try:
+                assert _health(f"http://127.0.0.1:{port}", 200) == {"status": "ok"}
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{(tmp_path / f'serve-{port}.log').read_text()[-3000:]}") from None
         svc = JobService(url, home, "http://127.0.0.1:1")  # the database's writer here; no watcher runs
         ids = [plant_job(svc, tmp_path / "runs" / f"r{i}", state="queued") for i in range(20)]
         deadline = time.monotonic() + 120

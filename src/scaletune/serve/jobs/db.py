@@ -261,7 +261,7 @@ def upgrade(url: str) -> None:
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     path = sqlite_file(url)
-    if path is None:  # a server database: its own migrations lock is the operator's (docs/serve.md)
+    if path is None:  # a server database: Postgres takes turns under an advisory lock (migrations/env.py)
         command.upgrade(cfg, "head")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
