@@ -126,8 +126,14 @@ def test_services_starting_at_once_on_a_fresh_postgres_migrate_it_once(postgres)
     url = postgres["url"].rsplit("/", 1)[0] + "/at_once"
     at = str(time.time() + 8)  # after the four interpreters have imported SQLAlchemy and Alembic
     procs = [
-        subprocess.Popen([sys.executable, "-c", MIGRATE_AT, url, at], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, env=subprocess_env(), cwd=REPO_ROOT)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", MIGRATE_AT, url, at],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=subprocess_env(),
+            cwd=REPO_ROOT,
+        )  # fmt: skip
         for _ in range(4)
     ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
