@@ -86,6 +86,21 @@ def pytest_collection_modifyitems(config, items) -> None:
 # (scripts/test.sh: test-durations.tsv) and summed per tier at the end of the run, so CI's log shows
 # where the time went and tests/README.md's budgets can be checked against it.
 _DURATIONS: dict[str, float] = {}
+_CPU_AT_START: list[int] = []
+
+
+def _machine_cpu() -> list[int]:
+    """The machine's CPU time since boot as (busy, idle) jiffies, from /proc/stat's first line
+    (idle and iowait count as idle); empty where there is no /proc/stat."""
+    try:
+        fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return []
+    idle = fields[3] + fields[4]
+    return [sum(fields) - idle, idle]
+
+
+_CPU_AT_START[:] = _machine_cpu()  # this conftest loads at collection, after pytest_sessionstart
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -117,6 +132,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("the ten slowest tests:")
     for nodeid, seconds in ranked[:10]:
         write(f"  {seconds:8.1f} s  {nodeid}")
+    now = _machine_cpu()
+    if _CPU_AT_START and now and "PYTEST_XDIST_WORKER" not in os.environ:
+        # Whether more test workers would help: the cores' share the run kept busy (everything on
+        # the machine, the tests' processes and services included).
+        busy, idle = (b - a for a, b in zip(_CPU_AT_START, now))
+        write(f"the machine's CPUs were busy {100 * busy / max(1, busy + idle):.0f} % of the run")
     _process_summary(write)
 
 

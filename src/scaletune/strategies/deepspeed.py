@@ -45,6 +45,18 @@ def unshare_step_counters(optimizer: torch.optim.Optimizer) -> int:
     return shared
 
 
+def _skip_shared_memory_all_reduce() -> None:
+    """Keep DeepSpeed's communication layer from building its shared-memory all-reduce on the CPU
+    accelerator. Its torch backend compiles that C++ extension when it starts, whatever runs (about
+    2 CPU-minutes and a compiler on the machine, the first time; then shared-memory segments between
+    the ranks), but only `inference_all_reduce` uses it (deepspeed/comm/torch.py, `build_shm_op`,
+    DeepSpeed 0.19): training reduces through torch.distributed (gloo). An op marked incompatible is
+    one `build_shm_op` leaves unbuilt, as on a machine where it cannot build."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     engine_places_model = True
@@ -69,6 +81,9 @@ class DeepSpeedStrategy(Strategy):
         super().setup()  # DeepSpeed uses this group (one of one at world size 1)
         import deepspeed
         import torch.distributed as dist
+
+        if not self.env.cuda_available:
+            _skip_shared_memory_all_reduce()
 
         # DeepSpeed's communication layer adopts that group now, not at `initialize`: ZeRO-3's
         # zero.Init during loading reads the world size from it (else 1, and its batch check fails).
