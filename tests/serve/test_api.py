@@ -37,7 +37,8 @@ def test_submit_streams_to_succeeded(server, uninterrupted):
     job_id, out, events = uninterrupted
     c = client(server, server.read)
     states = [d["state"] for _, k, d in events if k == "state"]
-    assert states[0] == "queued" and "starting" in states and states[-1] == "succeeded", states
+    # recorded while its config is checked, then queued (a submit answers 201 once the check ends)
+    assert states[:2] == ["checking", "queued"] and "starting" in states and states[-1] == "succeeded", states
     assert {d["phase"] for _, k, d in events if k == "state" and d.get("phase")} >= {"loading model", "training"}
     metric_steps = [d["step"] for _, k, d in events if k == "metric"]
     assert metric_steps == [1, 2, 3, 4]

@@ -41,7 +41,8 @@ def test_schema_declares_the_bearer_scheme_and_the_answers(server, tmp_path):
     assert set(summary["required"]) >= {"id", "state", "target", "run_dir", "created"}
     assert set(summary["properties"]) == set(live["/api/jobs/{job_id}"])  # every field the API answers
     assert any(j["id"] == job_id for j in live["/api/jobs"])
-    assert set(answer("/api/jobs", "post", "201")["properties"]) == {"id", "state", "plan"}
+    assert set(answer("/api/jobs", "post", "201")["properties"]) == {"id", "state", "plan", "replayed"}
+    assert answer("/api/jobs", "post", "202") == answer("/api/jobs", "post", "201")  # `checking`: the same shape
     assert set(answer("/healthz", "get", "200")["properties"]) == {"status", "detail"}
     # One refusal shape declared, FastAPI's own (HTTPValidationError) nowhere.
     problems = answer("/api/jobs", "post", "422")

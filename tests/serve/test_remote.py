@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import make_config, run_cli, subprocess_env
+from tests.helpers import SHARED_DATA, make_config, run_cli, subprocess_env
 from tests.serve.serve_helpers import client, free_port, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
@@ -266,3 +266,77 @@ def test_a_listing_outside_the_folder_is_refused(tmp_path, listed):
         listed = "final/sub/ok"  # the control: a path inside is written where it belongs
         assert download(c, "job1", "final", dest, lambda s: None) == [dest / "sub" / "ok"]
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == [dest / "sub" / "ok"]
+
+
+def test_a_check_longer_than_the_timeout_makes_one_job_and_says_where_it_is(server, tiny_model_dir, tmp_path):
+    """Issue 40, item 2: `remote submit --timeout 6 --wait` of a config whose check (the preflight)
+    takes longer: 400,000 records to read, the stand-in for a service slowed by load, and two
+    problems only the check finds. The answer comes within the timeout, `checking`, with the job's
+    id and where to follow it; the check goes on at the service and the job fails `bad input` with
+    every problem (`--wait` exits 2, the problems in the log tail it prints). Before, a check longer
+    than the client's fixed 60 s read as an unreachable service while the job was made, and a second
+    submit made another. A good config sent twice with one request id is one job. GET /api/jobs and
+    the database's state events are the control."""
+    import json as _json
+
+    server.svc.dispatchers["local"].python = stub(tmp_path)
+    records = _json.loads((SHARED_DATA / "alpaca_5000.json").read_text())
+    with (tmp_path / "big.jsonl").open("w") as f:
+        for _ in range(80):
+            f.writelines(_json.dumps(r) + "\n" for r in records)
+    bad = make_config(tiny_model_dir, tmp_path / "bad", training={"max_steps": 2, "micro_batch_size": 0})
+    bad["model"]["dtype"] = "float99"
+    bad["data"]["train"] = {"path": str(tmp_path / "big.jsonl"), "format": "alpaca"}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    api = client(server, server.read)
+    before = {j["id"] for j in api.get("/api/jobs").json()}
+
+    start = time.monotonic()
+    proc = remote(server, "submit", str(tmp_path / "bad.yaml"), "--timeout", "6", "--wait", token=server.submit)
+    job_id = proc.stdout.strip()
+    assert proc.returncode == 2, proc.stderr
+    assert f"job {job_id}: the service is still checking its config" in proc.stderr, proc.stderr
+    assert f"{server.url}/jobs/{job_id}" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"job {job_id} (bad): failed (bad input)" in proc.stderr
+    tail = proc.stderr.split("--- the end of job")[1]
+    assert "training.micro_batch_size: Input should be" in tail and "model.dtype: Input should be" in tail, tail
+    states = [d["state"] for d in _state_events(server.svc.Session, job_id)]
+    assert states == ["checking", "failed"], states
+    assert time.monotonic() - start > 6  # the check outlasted the timeout: the answer came before it ended
+
+    good = config_file(tiny_model_dir, tmp_path, "good")
+    first = remote(server, "submit", str(good), "--request-id", "ci-42", "--wait", token=server.submit)
+    assert first.returncode == 0, first.stderr
+    again = remote(server, "submit", str(good), "--request-id", "ci-42", token=server.submit)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    good_id = first.stdout.strip()
+    assert f"job {good_id} was submitted before with request id ci-42 (now succeeded); no second job" in again.stderr
+    made = {j["id"] for j in api.get("/api/jobs").json()} - before
+    assert made == {job_id, good_id}, made
+    for p in (proc, first, again):
+        assert not any(s in p.stdout + p.stderr for s in secrets(server))
+
+
+def test_an_answer_before_the_check_ends_is_202_and_the_job_goes_on(server, tiny_model_dir, tmp_path):
+    """POST /api/jobs with `wait_s: 0`: 202 `checking` at once; the check goes on and queues the job,
+    which runs to its end (states checking, queued, starting, running, succeeded)."""
+    server.svc.dispatchers["local"].python = stub(tmp_path)
+    body = {"config": config_file(tiny_model_dir, tmp_path).read_text(), "wait_s": 0}
+    r = client(server, server.submit).post("/api/jobs", json=body)
+    assert r.status_code == 202 and r.json()["state"] == "checking", r.text
+    job_id = r.json()["id"]
+    job = wait_state(client(server, server.read), job_id, TERMINAL)
+    assert job["state"] == "succeeded", job
+    states = [d["state"] for d in _state_events(server.svc.Session, job_id)]
+    changes = [st for i, st in enumerate(states) if i == 0 or states[i - 1] != st]  # a phase repeats its state
+    assert changes == ["checking", "queued", "starting", "running", "succeeded"], states
+
+
+def _state_events(Session, job_id: str) -> list[dict]:
+    from sqlalchemy import select
+
+    from scaletune.serve.jobs.db import Event
+
+    with Session() as s:
+        rows = s.scalars(select(Event).where(Event.job_id == job_id, Event.kind == "state").order_by(Event.id))
+        return [e.data for e in rows]

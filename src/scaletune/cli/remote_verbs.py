@@ -98,15 +98,34 @@ def submit(
         bool,
         typer.Option(help="Follow the job until it ends and exit with its outcome: 0 succeeded, 2 bad input, 1 else."),
     ] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="Seconds to wait for the service's answer. It checks the config meanwhile; a check that takes longer "
+            "goes on there, with the job `checking`, and its id is printed.",
+        ),
+    ] = 60.0,
+    request_id: Annotated[
+        str | None,
+        typer.Option(
+            help="This submission's id (default: a new one): sending it again gives the job it made, never a second "
+            "one (for a submit whose answer was lost, or a script's retry).",
+        ),
+    ] = None,
 ) -> None:
     """Submit CONFIG (read here, sent as text; its paths are the service's) and print the job's id.
-    A config the service refuses exits 2 with every problem it lists. With --wait, the job's states,
-    steps and errors follow on stderr and the exit code is the job's outcome; a failed job's log tail
-    is printed.
+    A config the service refuses exits 2 with every problem it lists. The service answers within
+    --timeout: a config whose check (the preflight) takes longer is answered `checking`, with the
+    job's id; the check goes on there. With --wait, the job's states, steps and errors follow on
+    stderr and the exit code is the job's outcome; a failed job's log tail is printed.
 
     Example: `scaletune remote submit my.yaml --url https://scaletune.example.org`
     """
-    from scaletune.remote.follow import describe, outcome
+    import uuid
+
+    from scaletune.remote.client import Unavailable
+    from scaletune.remote.follow import describe, outcome, submitted_text
     from scaletune.remote.follow import wait as wait_for
 
     try:
@@ -114,9 +133,20 @@ def submit(
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{config}: cannot be read: {exc}", title="invalid arguments") from None
     res = _resources(resource)
+    rid = request_id or uuid.uuid4().hex
+    # The service waits for the check this long, leaving the rest of --timeout for its answer.
+    wait_s = max(0.0, timeout - min(10.0, timeout / 2))
     with _client(url) as client:
-        job_id = client.submit(text, overrides or [], target, res)["id"]
+        try:
+            job = client.submit(text, overrides or [], target, res, request_id=rid, wait_s=wait_s, timeout_s=timeout)
+        except Unavailable as exc:
+            raise Unavailable(
+                f"{exc}; if the service received the submission, its job exists: the same command with "
+                f"--request-id {rid} answers that job, never a second one"
+            ) from None
+        job_id = job["id"]
         typer.echo(job_id)
+        _say(submitted_text(job, client.url, rid))
         if not wait:
             return
         job = wait_for(client, job_id, _say)

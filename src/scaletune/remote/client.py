@@ -25,7 +25,7 @@ import httpx
 from scaletune.errors import UserError
 
 URL_ENV, TOKEN_ENV = "SCALETUNE_URL", "SCALETUNE_TOKEN"
-TIMEOUT_S = 60.0  # one request; a submission runs the service's full preflight meanwhile
+TIMEOUT_S = 60.0  # one request (a submission's: `remote submit --timeout`)
 # The event stream sends a heartbeat every 10 s (serve/api/jobs.py HEARTBEAT_S): a stream silent this
 # long is dead (a proxy dropped it, the service restarted) and is opened again.
 STREAM_READ_S = 45.0
@@ -98,11 +98,29 @@ class Client:
         self.close()
 
     # -- the routes --------------------------------------------------------------------------
-    def submit(self, config: str, overrides: list[str], target: str = "local", resources: dict | None = None) -> dict:
-        """POST /api/jobs: the new job's `{id, state}`. Sent once, never retried: a retry after
-        a lost answer could start the job twice."""
-        body = {"config": config, "overrides": list(overrides), "target": target, "resources": resources or {}}
-        return self._json(self._send("POST", "api/jobs", json=body))
+    def submit(
+        self,
+        config: str,
+        overrides: list[str],
+        target: str = "local",
+        resources: dict | None = None,
+        *,
+        request_id: str | None = None,
+        wait_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> dict:
+        """POST /api/jobs: the job's `{id, state}`: `queued`, or `checking` when the service's
+        check of the config outlasts `wait_s` (it goes on there), with `replayed` when `request_id`
+        was sent before (that job, not a new one: so a submission whose answer was lost can be sent
+        again). `timeout_s`: this request's limit (default TIMEOUT_S)."""
+        body: dict[str, Any] = {"config": config, "overrides": list(overrides), "target": target}
+        body["resources"] = resources or {}
+        if request_id is not None:
+            body["request_id"] = request_id
+        if wait_s is not None:
+            body["wait_s"] = wait_s
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
+        return self._json(self._send("POST", "api/jobs", json=body, timeout=timeout))
 
     def job(self, job_id: str) -> dict:
         """GET /api/jobs/ID: the job's summary (state, phase, step, reason, exit code, ...)."""

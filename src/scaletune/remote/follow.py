@@ -30,6 +30,21 @@ def outcome(job: dict) -> int:
     return 1
 
 
+def submitted_text(answer: dict, url: str, request_id: str) -> str:
+    """What `remote submit` says of the service's answer (POST /api/jobs): the job's state and
+    where to follow it."""
+    job_id, state = answer["id"], answer["state"]
+    page = f"{url}/jobs/{job_id}"
+    if answer.get("replayed"):
+        return f"job {job_id} was submitted before with request id {request_id} (now {state}); no second job: {page}"
+    if state == S.CHECKING:
+        return (
+            f"job {job_id}: the service is still checking its config (longer than --timeout); the check goes on "
+            f"there and the job is queued or fails with its problems: scaletune remote status {job_id}, or {page}"
+        )
+    return f"job {job_id} {state}: {page}"
+
+
 def describe(job: dict) -> str:
     """A job as lines for a person: its state with phase, step, reason and message."""
     head = f"job {job.get('id')} ({job.get('name')}): {job.get('state')}"
@@ -38,8 +53,8 @@ def describe(job: dict) -> str:
     if job.get("reason"):
         head += f" ({job['reason']})"
     lines = [head]
-    if job.get("message"):
-        lines.append(f"  message: {job['message']}")
+    if job.get("message"):  # a failed check's message holds a problem a line
+        lines.append("  message: " + "\n    ".join(str(job["message"]).splitlines()))
     for key in ("target", "target_id", "step", "exit_code", "run_dir", "created", "updated"):
         if job.get(key) not in (None, ""):
             lines.append(f"  {key}: {job[key]}")

@@ -28,6 +28,7 @@ from scaletune.serve.api.schemas import (
 from scaletune.serve.edge import auth
 from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read, still_allowed
 from scaletune.serve.edge.teams import need_owner, record
+from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs.db import Job
 from scaletune.serve.jobs.records import MAX_INT
 from scaletune.serve.jobs.service import JobNotFound, JobService
@@ -62,16 +63,31 @@ def bad(exc: UserError) -> JSONResponse:
     status_code=201,
     response_model=Submitted,
     response_model_exclude_unset=True,  # a queued job's answer has no `plan` key
-    responses={200: {"model": Submitted, "description": "dry run: the plan, nothing submitted"}, **E422},
+    responses={
+        200: {"model": Submitted, "description": "dry run: the plan, nothing submitted; or a request_id sent before"},
+        202: {"model": Submitted, "description": "recorded; its check outlasted wait_s and goes on (`checking`)"},
+        **E422,
+    },
 )
 def create_job(req: JobRequest, response: Response, c: Submitter, svc: Svc):
     try:
-        out = svc.submit(req.config, req.overrides, req.target, req.resources, req.dry_run, owner=c.name)
+        out = svc.submit(
+            req.config,
+            req.overrides,
+            req.target,
+            req.resources,
+            req.dry_run,
+            owner=c.name,
+            request_id=req.request_id,
+            wait_s=req.wait_s,
+        )
     except UserError as exc:
         return bad(exc)
-    response.status_code = 200 if req.dry_run else 201
-    if not req.dry_run:
-        record(svc.Session, c.name, "job.submit", out["id"], stored(svc, out["id"], f"target {req.target}"))
+    if req.dry_run or out.get("replayed"):
+        response.status_code = 200
+        return out
+    response.status_code = 202 if out["state"] == S.CHECKING else 201
+    record(svc.Session, c.name, "job.submit", out["id"], stored(svc, out["id"], f"target {req.target}"))
     return out
 
 

@@ -20,6 +20,19 @@ class JobRequest(BaseModel):
     target: str = Field("local", description="local | slurm | modal")
     resources: dict[str, Any] = Field(default_factory=dict, description="Target resources (nodes, gpus_per_node, ...).")
     dry_run: bool = Field(False, description="Return the resolved plan and what would be submitted; submit nothing.")
+    request_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._:-]{1,64}$",
+        description="The client's id for this submission: the same token sending it again gets the same job "
+        "(200, `replayed`) instead of a second one. `remote submit` sends one (--request-id).",
+    )
+    wait_s: float | None = Field(
+        None,
+        ge=0,
+        le=3600,
+        description="Seconds to wait for the config's check (the preflight): past them the answer is 202 with the "
+        "job `checking`, which becomes `queued` or `failed` (reason `bad input`) on its own. Default: until it ends.",
+    )
 
 
 class ResumeRequest(BaseModel):
@@ -72,7 +85,7 @@ class JobSummary(BaseModel):
 
     id: str
     name: str
-    state: str = Field(description="queued starting running stopping stopped succeeded failed cancelled")
+    state: str = Field(description="checking queued starting running stopping stopped succeeded failed cancelled")
     phase: str | None = Field(None, description="loading data, loading model, training, checkpointing, exporting")
     stage: str | None = None
     step: int = 0
@@ -94,10 +107,13 @@ class JobSummary(BaseModel):
 
 
 class Submitted(BaseModel):
-    """201: the job queued (`id`, `state`); a dry run (200): `id` null, `state` dry_run and the plan."""
+    """201: the job queued (`id`, `state`); 202: recorded, its check going on (`checking`); 200: a
+    request id sent before (`replayed`: that job, in its state now), or a dry run (`id` null, `state`
+    dry_run and the plan)."""
 
     id: str | None
     state: str
+    replayed: bool | None = Field(None, description="the job an earlier request with this request_id made")
     plan: dict[str, Any] | None = Field(None, description="dry run only: the resolved plan and what would run")
 
 

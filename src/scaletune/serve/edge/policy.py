@@ -218,16 +218,16 @@ def data_area(jobs_home: Path) -> Path:
 
 
 # -- the rules on the raw mapping ---------------------------------------------------------------
-def _walk(node: Any, path: tuple = (), depth: int = 0) -> Iterator[tuple[tuple, Any]]:
+def walk(node: Any, path: tuple = (), depth: int = 0) -> Iterator[tuple[tuple, Any]]:
     yield path, node
     if depth > MAX_DEPTH:
         return
     if isinstance(node, dict):
         for k, v in node.items():
-            yield from _walk(v, (*path, str(k)), depth + 1)
+            yield from walk(v, (*path, str(k)), depth + 1)
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            yield from _walk(v, (*path, str(i)), depth + 1)
+            yield from walk(v, (*path, str(i)), depth + 1)
 
 
 def _get(data: Any, *keys: str) -> Any:
@@ -280,7 +280,7 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
     Every problem starts with `policy:` and ends with the admin setting that allows it, if any.
     """
     problems: list[str] = []
-    for path, value in _walk(data):
+    for path, value in walk(data):
         key = ".".join(path)
         if path and path[-1] == "factory" and value is not None and not policy.allow_factories:
             problems.append(

@@ -35,6 +35,7 @@ class Job(Base):
     """One submitted run. `secret_refs` names environment variables (references), never values."""
 
     __tablename__ = "jobs"
+    __table_args__ = (UniqueConstraint("owner", "request_id", name="uq_jobs_owner_request_id"),)
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(200), default="")
     state: Mapped[str] = mapped_column(String(16), index=True)
@@ -56,6 +57,9 @@ class Job(Base):
     flag: Mapped[str | None] = mapped_column(String(200), nullable=True)
     token_hash: Mapped[str] = mapped_column(String(64))
     owner: Mapped[str] = mapped_column(String(64), default="")  # the API token's name that submitted it
+    # The client's id for its submission (`remote submit --request-id`): the same owner sending the
+    # same id again gets this job back instead of a second one (unique with `owner`; NULLs apart).
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     stop_requested: Mapped[int] = mapped_column(Integer, default=0)
     # {file name: bytes the watcher has read}, so a restarted service reads on where it stopped.

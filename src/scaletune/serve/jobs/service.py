@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from scaletune.errors import UserError
 from scaletune.report import TOKEN_ENV, URL_ENV
@@ -21,6 +21,7 @@ from scaletune.serve.edge import policy as P
 from scaletune.serve.edge.auth import digest
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs import submission
+from scaletune.serve.jobs.checking import in_child, remove_job_folder
 from scaletune.serve.jobs.db import Event, Job, Metric, open_db, sqlite_file
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, make_dispatchers
 from scaletune.serve.jobs.records import apply_report, set_state
@@ -93,6 +94,13 @@ class JobService:
             env=env,
         )
 
+    def hold_secrets(self, job_id: str, values: dict[str, str]) -> None:
+        """Keep a job's submitted secret values for its start (in memory only)."""
+        self._secrets.setdefault(job_id, {}).update(values)
+
+    def drop_secrets(self, job_id: str) -> None:
+        self._secrets.pop(job_id, None)
+
     def get(self, job_id: str) -> Job | None:
         with self.Session() as s:
             return s.get(Job, job_id)
@@ -118,6 +126,30 @@ class JobService:
 
         Raises:
             UserError: every problem of the request, the policy or the config (the API answers 422).
+        """
+        from scaletune.serve.jobs.validate import ChecksBusy, check
+
+        job, fresh, child, secrets_ = self.draft_job(config, overrides, target, resources, job_id=job_id)
+        try:
+            plan = check(self.files(job), self.dispatchers[target], in_child=child, dry_run=dry_run)
+        except (UserError, ChecksBusy):
+            if fresh:
+                remove_job_folder(Path(job.job_dir))
+            raise
+        if secrets_:
+            self.hold_secrets(job.id, secrets_)
+        return job, plan
+
+    def draft_job(
+        self, config: str, overrides: list[str], target: str, resources: dict, *, job_id: str | None = None
+    ) -> tuple[Job, bool, bool, dict[str, str]]:
+        """What is checked before the config's own check: the request, the policy on the raw
+        mapping; then the job folder with the config written (secrets taken out) and the record
+        (not stored). Returns (job, whether its folder is new, whether its check runs in a child
+        process, its submitted secrets).
+
+        Raises:
+            UserError: every problem of the request or the policy.
         """
         problems = []
         if target not in TARGETS:
@@ -151,7 +183,7 @@ class JobService:
         job = Job(
             id=job_id,
             name=run_dir.name,
-            state=S.QUEUED,
+            state=S.CHECKING,
             step=0,
             target=target,
             config_yaml=sub.text,
@@ -163,58 +195,78 @@ class JobService:
             token_hash="",
             stop_requested=0,
         )
-        from scaletune.serve.jobs.validate import ChecksBusy, check
-
-        files = self.files(job)
-        try:
-            plan = check(files, self.dispatchers[target], in_child=_in_child(sub.data), dry_run=dry_run)
-        except (UserError, ChecksBusy):
-            if fresh:
-                _remove(job_dir)
-            raise
-        if sub.secrets:
-            self._secrets.setdefault(job_id, {}).update(sub.secrets)
-        return job, plan
+        return job, fresh, in_child(sub.data), dict(sub.secrets)
 
     def _other_runs(self, job_id: str) -> list[Path]:
         with self.Session() as s:
             return [Path(r) for r in s.scalars(select(Job.run_dir).where(Job.id != job_id))]
 
     def submit(
-        self, config: str, overrides: list[str], target: str, resources: dict, dry_run: bool = False, owner: str = ""
+        self,
+        config: str,
+        overrides: list[str],
+        target: str,
+        resources: dict,
+        dry_run: bool = False,
+        owner: str = "",
+        *,
+        request_id: str | None = None,
+        wait_s: float | None = None,
     ) -> dict:
-        """Check and queue a job owned by `owner` (the submitting token's name); a dry run returns
-        the plan and keeps nothing.
+        """Record a job owned by `owner` (the submitting token's name) as `checking` and check it
+        (`checking.submit_checked`): `{id, state}`, the state `queued`, or `checking` when the check
+        outlasts `wait_s` (None: wait for it). The same `request_id` from the same owner again
+        answers that job, with `replayed`. A dry run returns the plan and keeps nothing.
 
         Raises:
-            UserError: every problem of the config, the policy or the target, at once.
+            UserError: every problem of the config, the policy or the target, at once (found inside
+                the wait: the job is not kept).
+            ChecksBusy: every check slot stayed busy (nothing kept).
         """
-        job, plan = self.prepare_job(config, overrides, target, resources, dry_run=dry_run)
-        job.owner = owner
+        from scaletune.serve.jobs.checking import submit_checked
+
         if dry_run:
+            job, plan = self.prepare_job(config, overrides, target, resources, dry_run=True)
             self._secrets.pop(job.id, None)
-            _remove(Path(job.job_dir))
+            remove_job_folder(Path(job.job_dir))
             return {"id": None, "state": "dry_run", "plan": plan}
+        if request_id is not None and (known := self._requested(owner, request_id)) is not None:
+            return known
+        job, fresh, child, secrets_ = self.draft_job(config, overrides, target, resources)
+        job.owner, job.request_id = owner, request_id
         with self.lock, self.Session() as s:
             s.add(job)
-            s.flush()
-            set_state(s, job, S.QUEUED)
+            try:
+                s.flush()
+            except IntegrityError:  # the same request id, recorded by a request that came first
+                s.rollback()
+                if fresh:
+                    remove_job_folder(Path(job.job_dir))
+                known = self._requested(owner, request_id or "")
+                assert known is not None, "a unique constraint failed without its row"
+                return known
+            set_state(s, job, S.CHECKING)
             s.commit()
-        self.kick()
-        return {"id": job.id, "state": job.state}
+        return submit_checked(self, job, child, secrets_, wait_s)
+
+    def _requested(self, owner: str, request_id: str) -> dict | None:
+        """The job `owner` submitted with `request_id`, as a replayed answer (None: none)."""
+        with self.Session() as s:
+            job = s.scalars(select(Job).where(Job.owner == owner, Job.request_id == request_id)).first()
+            return None if job is None else {"id": job.id, "state": job.state, "replayed": True}
 
     # -- control ---------------------------------------------------------------------------
     def stop(self, job_id: str) -> Job:
         with self.lock, self.Session() as s:
             job = self._need(s, job_id)
-            if job.state == S.QUEUED:
+            if job.state in (S.QUEUED, S.CHECKING):  # a check that ends later leaves it stopped
                 set_state(s, job, S.STOPPED)
             elif job.state in (S.STARTING, S.RUNNING):
                 job.stop_requested = 1
                 self._call(job, "stop")
                 set_state(s, job, S.STOPPING)
             else:
-                raise UserError(f"job {job_id} is {job.state}: only a queued or running job can be stopped")
+                raise UserError(f"job {job_id} is {job.state}: only a checking, queued or running job can be stopped")
             s.commit()
             return job
 
@@ -322,8 +374,12 @@ class JobService:
 
     # -- the watcher -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the watcher (after re-attaching to the jobs a previous service left running)."""
+        """Start the watcher (after re-attaching to the jobs a previous service left running) and
+        check again the jobs a previous service left `checking`."""
+        from scaletune.serve.jobs.checking import recheck_orphans
+
         self.watcher.start()
+        recheck_orphans(self)
 
     def shutdown(self) -> None:
         self.watcher.shutdown()
@@ -340,38 +396,9 @@ class JobService:
         return token
 
 
-def _in_child(data: dict) -> bool:
-    """Whether a (policy-allowed) config is checked in a child process with the job's environment,
-    never in the service: one that names code the check would import (a factory, remote code), or a
-    model or tokenizer named by a hub id (`models.loading.names_hub_id`; a planner preset's name is
-    read from scaletune's own table): its check downloads, and a download made in the service would
-    go out with the service's credentials (its HF_TOKEN, the token `hf auth login` stored) and into
-    the cache every job reads (issue 34, cases 2 and 3)."""
-    from scaletune.models import PRESETS
-    from scaletune.models.loading import names_hub_id
-
-    for path, v in P._walk(data):
-        if path and path[-1] in ("factory", "trust_remote_code") and v:
-            return True
-        if path and path[-1] in ("name_or_path", "tokenizer") and isinstance(v, str) and v:
-            if v not in PRESETS and names_hub_id(v):
-                return True
-    return False
-
-
 def _write_private(path: Path, text: str) -> None:
     """Write `text` readable by the service's user only (0600), whatever the umask."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
-
-
-def _remove(job_dir: Path) -> None:
-    """A job folder the service made for a check (its config, nothing the run wrote)."""
-    if not job_dir.is_dir() or any(job_dir.glob("*.log")):
-        return
-    for p in job_dir.iterdir():
-        # The check's own Hugging Face home (a hub id's config fetched to judge it) is a folder.
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    job_dir.rmdir()

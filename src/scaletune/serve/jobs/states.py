@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-QUEUED, STARTING, RUNNING, STOPPING = "queued", "starting", "running", "stopping"
+# `checking`: submitted and recorded, its config being checked as `scaletune train` checks it (the
+# preflight: model, data, environment); then queued, or failed with reason `bad input`.
+CHECKING, QUEUED, STARTING, RUNNING, STOPPING = "checking", "queued", "starting", "running", "stopping"
 STOPPED, SUCCEEDED, FAILED, CANCELLED = "stopped", "succeeded", "failed", "cancelled"
 
-STATES = (QUEUED, STARTING, RUNNING, STOPPING, STOPPED, SUCCEEDED, FAILED, CANCELLED)
+STATES = (CHECKING, QUEUED, STARTING, RUNNING, STOPPING, STOPPED, SUCCEEDED, FAILED, CANCELLED)
 ACTIVE = frozenset({STARTING, RUNNING, STOPPING})  # a process / SLURM job / Modal call exists
 TERMINAL = frozenset({STOPPED, SUCCEEDED, FAILED, CANCELLED})
 RESUMABLE = frozenset({STOPPED, FAILED, CANCELLED})
