@@ -20,7 +20,7 @@ def test_every_mesh_problem_in_one_message(tiny_model_dir, tmp_path):
     err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
     degrees = "tensor_parallel 3, context_parallel 2"
-    assert "cannot start training (3 problems)" in err, err
+    assert "invalid config (3 problems)" in err, err  # the config alone: as `launch` and `plan` head it
     strategy = f"{degrees} needs distributed.strategy fsdp (or auto), not deepspeed zero_stage 2"
     assert_located(err, config, "  tensor_parallel: 3", strategy)
     assert_located(

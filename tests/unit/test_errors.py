@@ -106,5 +106,5 @@ def test_a_launched_rank_other_than_local_0_says_one_line(tmp_path, monkeypatch,
         said[local_rank] = capsys.readouterr().err.strip()
     assert "learning_rate" in said["0"] and "max_steps" in said["0"], said["0"]
     assert said["1"].splitlines() == [
-        "error (local rank 1): cannot start training; the problems are listed by local rank 0"
+        "error (local rank 1): invalid config; the problems are listed by local rank 0"
     ], said["1"]

@@ -90,9 +90,13 @@ def prepare(
     valid = loaded is None or not loaded.problems
     positions = _model_positions(base, problems, config_valid=valid) if base is not None else None
     spec = None
+    # The config's own problems alone are headed as `launch`, `plan` and `config show` head them
+    # ("invalid config"); with the model's, data's or machine's, "cannot start training".
+    config_title = None
     try:
         spec = resolve(cfg, env, choose_auto=choose_auto, world_size=world_size, max_positions=positions)
     except UserError as exc:
+        config_title = exc.title if not problems else None
         problems = exc.problems + problems
     # The data are checked even when the config is not valid: one message, not one run each.
     probe = spec or (decide(base, env, world_size=world_size, max_positions=positions) if base is not None else None)
@@ -100,9 +104,10 @@ def prepare(
         try:
             validate_data(stage.data)
         except UserError as exc:
+            config_title = None
             problems += [p for p in exc.problems if p not in problems]
     if spec is None:
-        raise UserError(problems, title="cannot start training")
+        raise UserError(problems, title=config_title or "cannot start training")
     # Imported only for a valid config: the checkpoint package imports torch (a typo is answered without it).
     from scaletune.checkpoint import resolve_resume
     from scaletune.doctor import environment_problems
