@@ -90,6 +90,9 @@ def test_random_model_accuracy_equals_log_probs_computed_directly(tiny_model_dir
     (path,) = out.glob("lm_eval-*.json")
     assert path.with_suffix(".md").read_text() in proc.stdout
     report = json.loads(path.read_text())
+    # The control below scores the task's own text with no chat template: the label says so.
+    said = "prompts: each task's own, zero-shot (no chat template)"
+    assert said in proc.stdout and said in report["model"] and "prompts: chat" not in proc.stdout
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     got = _check_against_harness(report, model, tok)

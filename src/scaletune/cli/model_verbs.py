@@ -238,7 +238,7 @@ def eval_(
         raise UserError(problems, title="invalid arguments")
     loaded = _load(target, dtype, template, trust_remote_code)
     if tasks is not None:
-        from scaletune.inference.lm_eval_tasks import default_out_dir, run_tasks, write_report
+        from scaletune.inference.lm_eval_tasks import default_out_dir, run_tasks, tasks_description, write_report
 
         report = run_tasks(loaded, names, limit=limit, batch_size=batch_size)
         out_dir = output or default_out_dir(target)
@@ -246,7 +246,7 @@ def eval_(
         if json_out:
             typer.echo(json.dumps({"results": report["results"], "file": str(path) if path else None}))
             return
-        typer.echo(f"{loaded.description}; {report['seconds']} s\n{report['table']}")
+        typer.echo(f"{tasks_description(loaded)}; {report['seconds']} s\n{report['table']}")
         typer.echo(f"results: {path}" if path else "results not written (not a run; give --output DIR)", err=True)
         return
     assert data is not None

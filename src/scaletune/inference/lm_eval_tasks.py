@@ -137,12 +137,19 @@ def run_tasks(
     report["samples"] = {task: [_sample(s) for s in rows] for task, rows in (out.get("samples") or {}).items()}
     report["table"] = make_table(out)
     report.update(
-        model=loaded.description,
+        model=tasks_description(loaded),
         limit=limit,
         seconds=round(time.perf_counter() - start, 2),
         lm_eval_version=getattr(lm_eval, "__version__", None),
     )
     return json.loads(json.dumps(report, default=handle_non_serializable))
+
+
+def tasks_description(loaded: LoadedModel) -> str:
+    """What was evaluated, and how: each task writes its own zero-shot prompts, and the harness
+    applies no chat template (`simple_evaluate` without `apply_chat_template`), whatever the run
+    was trained with."""
+    return f"{loaded.loaded}, prompts: each task's own, zero-shot (no chat template)"
 
 
 def _sample(s: dict[str, Any]) -> dict[str, Any]:

@@ -113,7 +113,7 @@ class LoadedModel:
             prompt) or none (the text as it is).
         chat_template: the Jinja template for `chat` (the run's, else the tokenizer's, else ChatML).
         data: the run's `data` section (format, template, max_seq_length), or None.
-        description: one line naming what was loaded.
+        description: one line naming what was loaded and how prompts are written.
     """
 
     model: Any
@@ -126,6 +126,12 @@ class LoadedModel:
     @property
     def device(self) -> Any:
         return next(self.model.parameters()).device
+
+    @property
+    def loaded(self) -> str:
+        """The description without how prompts are written (for benchmarks, whose tasks write
+        their own)."""
+        return self.description.split(", prompts: ", 1)[0]
 
 
 def trained_template(data: DataConfig | None, tokenizer: Any) -> Template:
