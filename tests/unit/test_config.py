@@ -189,6 +189,24 @@ def test_resolved_config_round_trips_and_redacts_secrets(tmp_path):
     assert again.training == cfg.training and again.model == cfg.model
 
 
+def test_a_template_is_shown_only_where_it_applies(tmp_path):
+    """Issue 40, item 10: `config show` (and the run's config.yaml) said `template: alpaca` under
+    `format: messages`, a key that format ignores. It is shown for alpaca sources only, and the
+    dumped config still loads as the same config."""
+    (tmp_path / "m.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}]}\n')
+    cfg = load_config(
+        write(tmp_path, BASE),
+        [
+            f"data.train={{path: {tmp_path / 'm.jsonl'}, format: messages}}",
+            f"data.eval={{path: {tmp_path / 'e.json'}}}",
+        ],
+    )
+    data = yaml.safe_load(dump_config(cfg))["data"]
+    assert data["train"]["format"] == "messages" and "template" not in data["train"], data["train"]
+    assert data["eval"]["format"] == "alpaca" and data["eval"]["template"] == "alpaca", data["eval"]
+    assert Config.model_validate(yaml.safe_load(dump_config(cfg))).data == cfg.data
+
+
 def test_override_syntax():
     assert parse_override("a.b=3") == (["a", "b"], 3)
     assert parse_override("a=x=y") == (["a"], "x=y")

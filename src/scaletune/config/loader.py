@@ -229,5 +229,17 @@ def redacted(cfg: Config) -> dict:
 
 def dump_config(cfg: Config) -> str:
     """The fully resolved config as YAML, every default filled in (written as `config.yaml`), with
-    secret `distributed.env` values redacted (:mod:`scaletune.config.secrets`)."""
-    return yaml.safe_dump(redacted(cfg), sort_keys=False, default_flow_style=False)
+    secret `distributed.env` values redacted (:mod:`scaletune.config.secrets`). A data source's
+    `template` is shown for `format: alpaca` only: other formats have their own and ignore it."""
+    return yaml.safe_dump(_without_unused_templates(redacted(cfg)), sort_keys=False, default_flow_style=False)
+
+
+def _without_unused_templates(node: Any) -> Any:
+    if isinstance(node, dict):
+        out = {k: _without_unused_templates(v) for k, v in node.items()}
+        if "format" in out and "path" in out and out.get("format") != "alpaca":
+            out.pop("template", None)
+        return out
+    if isinstance(node, list):
+        return [_without_unused_templates(v) for v in node]
+    return node
