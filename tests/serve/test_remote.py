@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.helpers import SHARED_DATA, make_config, run_cli, subprocess_env
-from tests.serve.serve_helpers import client, free_port, wait_state
+from tests.serve.serve_helpers import TEST_POLICY, client, free_port, wait_state
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 
@@ -340,3 +340,42 @@ def _state_events(Session, job_id: str) -> list[dict]:
     with Session() as s:
         rows = s.scalars(select(Event).where(Event.job_id == job_id, Event.kind == "state").order_by(Event.id))
         return [e.data for e in rows]
+
+
+def test_a_job_left_checking_by_a_stopped_service_is_checked_again_at_start(tiny_model_dir, tmp_path):
+    """A service that stopped during a check left its job `checking` (its record and folder, as
+    `JobService.submit` writes them before the check). The next service on that database checks it
+    again when it starts: the job is queued and runs to its end; a second one whose config is bad
+    fails `bad input` with its problem in its message."""
+    from scaletune.serve.jobs.service import JobService
+
+    db, home = f"sqlite:///{tmp_path / 'serve.db'}", tmp_path / "jobs"
+    first = JobService(db, home, "http://127.0.0.1:1", policy=TEST_POLICY)  # never started: it "stopped"
+    good = config_file(tiny_model_dir, tmp_path, "good").read_text()
+    bad = config_file(tiny_model_dir, tmp_path, "bad").read_text().replace("max_steps: 2", "max_steps: -2")
+    assert bad != good
+    left = {}
+    for name, text in (("good", good), ("bad", bad)):
+        job, _, _, _ = first.draft_job(text, [], "local", {})
+        with first.lock, first.Session() as s:
+            s.add(job)
+            s.commit()
+        left[name] = job.id
+    first.shutdown()
+
+    again = JobService(db, home, "http://127.0.0.1:1", policy=TEST_POLICY)
+    again.dispatchers["local"].python = stub(tmp_path)
+    again.start()
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            jobs = {n: again.get(i) for n, i in left.items()}
+            if all(j.state in TERMINAL for j in jobs.values()):
+                break
+            time.sleep(0.3)
+        assert (jobs["good"].state, jobs["bad"].state, jobs["bad"].reason) == ("succeeded", "failed", "bad input")
+        assert "training.max_steps" in jobs["bad"].message, jobs["bad"].message
+        changes = [d["state"] for d in _state_events(again.Session, left["good"])]
+        assert changes[:2] == ["queued", "starting"], changes  # planted without its `checking` event
+    finally:
+        again.shutdown()
