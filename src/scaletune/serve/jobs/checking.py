@@ -53,7 +53,7 @@ class PendingCheck:
         self.error: BaseException | None = None
 
 
-def submit_checked(svc: JobService, job: Job, in_child: bool, secrets: dict[str, str], wait_s: float | None) -> dict:
+def submit_checked(svc: JobService, job: Job, child: bool, secrets: dict[str, str], wait_s: float | None) -> dict:
     """Check the recorded `checking` job in a thread and answer for the request: the job's
     `{id, state}` (`queued`, or `checking` when `wait_s` passed first; None: wait for the end).
 
@@ -63,7 +63,7 @@ def submit_checked(svc: JobService, job: Job, in_child: bool, secrets: dict[str,
     """
     pending = PendingCheck()
     thread = threading.Thread(
-        target=_run, args=(svc, job, in_child, secrets, pending), name=f"check-{job.id}", daemon=True
+        target=_run, args=(svc, job, child, secrets, pending), name=f"check-{job.id}", daemon=True
     )
     thread.start()
     pending.done.wait(wait_s)
@@ -78,19 +78,25 @@ def recheck_orphans(svc: JobService) -> list[str]:
     """Check again the jobs a stopped service left `checking`; returns their ids."""
     with svc.Session() as s:
         orphans = list(s.scalars(select(Job).where(Job.state == S.CHECKING)))
-    for job in orphans:
-        from scaletune.serve.jobs.submission import read
+    from scaletune.serve.jobs.submission import read
 
-        child = in_child(read(job.config_yaml, list(job.overrides), svc.policy.max_depth).data)
+    for job in orphans:
+        try:
+            child = in_child(read(job.config_yaml, list(job.overrides), svc.policy.max_depth).data)
+        except UserError as exc:  # the stored text no longer reads (a policy's depth lowered since)
+            _apply(svc, job.id, exc, {}, answering=False)
+            continue
         args = (svc, job, child, {}, PendingCheck(answering=False))
         threading.Thread(target=_run, args=args, name=f"recheck-{job.id}", daemon=True).start()
     return [j.id for j in orphans]
 
 
-def _run(svc: JobService, job: Job, in_child: bool, secrets: dict[str, str], pending: PendingCheck) -> None:
+def _run(svc: JobService, job: Job, child: bool, secrets: dict[str, str], pending: PendingCheck) -> None:
+    """Check `job` (in a child process where `child`), retrying while every slot is busy and
+    nobody waits, then hand the outcome over (`PendingCheck`)."""
     while True:
         try:
-            check(svc.files(job), svc.dispatchers[job.target], in_child=in_child)
+            check(svc.files(job), svc.dispatchers[job.target], in_child=child)
             error: BaseException | None = None
         except ChecksBusy as exc:
             with pending.lock:
