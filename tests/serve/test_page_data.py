@@ -380,7 +380,10 @@ def test_previews_of_looping_templates_take_two_slots_and_health_still_answers(s
     got = [a.result() for a in answers]
     codes = sorted(code for code, _, _ in got)
     assert codes.count(422) <= 2 and codes.count(503) >= 4, [(c, round(t, 1), x[:120]) for c, t, x in got]
-    assert all(t < 2 for c, t, _ in got if c == 503), got
+    # "At once": before the renders holding the slots end (a 503 that waited for a slot would come
+    # after them). Not a fixed 2 s: on a loaded CI machine the answer itself took longer.
+    rendered = [t for c, t, _ in got if c == 422]
+    assert all(t < (max(rendered) if rendered else 5.0) for c, t, _ in got if c == 503), got
     # Under a second as a rule; one slow answer (the burst's first, on a CI machine whose other
     # worker trains beside it, took 1.9 s) is the machine, not starvation, which timed out (10 s).
     assert sorted(health)[len(health) // 2] < 1.0 and max(health) < 5.0, health
