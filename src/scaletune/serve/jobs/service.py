@@ -21,7 +21,7 @@ from scaletune.serve.edge import policy as P
 from scaletune.serve.edge.auth import digest
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs import submission
-from scaletune.serve.jobs.checking import in_child, remove_job_folder
+from scaletune.serve.jobs.checking import in_child, remove_job_folder, submit_checked
 from scaletune.serve.jobs.db import Event, Job, Metric, open_db, sqlite_file
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, make_dispatchers
 from scaletune.serve.jobs.records import apply_report, set_state
@@ -223,11 +223,9 @@ class JobService:
                 the wait: the job is not kept).
             ChecksBusy: every check slot stayed busy (nothing kept).
         """
-        from scaletune.serve.jobs.checking import submit_checked
-
         if dry_run:
             job, plan = self.prepare_job(config, overrides, target, resources, dry_run=True)
-            self._secrets.pop(job.id, None)
+            self.drop_secrets(job.id)
             remove_job_folder(Path(job.job_dir))
             return {"id": None, "state": "dry_run", "plan": plan}
         if request_id is not None and (known := self._requested(owner, request_id)) is not None:
