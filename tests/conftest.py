@@ -23,6 +23,25 @@ if not torch.cuda.is_available():
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cores_per_worker() -> int | None:
+    """This pytest-xdist worker's share of the cores (None outside xdist or with one worker).
+
+    `scripts/test.sh` runs one worker per core, so two tests' processes always share the machine;
+    a process that sized its OpenMP pool from the whole machine (torch's default, and scaletune's
+    own `CpuBudget` for one rank) runs threads that spin against the other worker's. Measured on
+    2 cores: two tiny single-process runs at once took 21.7 s and 21 CPU-s each with 2 threads,
+    16-17 s and 15-16.5 CPU-s each with 1 (16.4 s alone, no faster with 2)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+
+
+# Every process a test starts inherits it (a test about sizing from the cores removes it: `run_cli`
+# with `cores`, the plain-command cases of tests/distributed/test_edge_matrix.py).
+if (_share := _cores_per_worker()) is not None and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
+
 # The units `scripts/test.sh` hands to its pytest-xdist workers: a test module by default, so a
 # module's fixtures (a server, a browser, a Postgres) start once; the modules whose tests share
 # package-scoped runs (`run_once`, `finished_runs`) as one unit, so each of those runs trains once;
@@ -86,7 +105,37 @@ def pytest_collection_modifyitems(config, items) -> None:
 # (scripts/test.sh: test-durations.tsv) and summed per tier at the end of the run, so CI's log shows
 # where the time went and tests/README.md's budgets can be checked against it.
 _DURATIONS: dict[str, float] = {}
+# And the CPU seconds each test cost: the test worker's own and its finished child processes'
+# (every process a test started and waited for: the CLI, torchrun and its ranks, a service and the
+# jobs it ran, Chromium, Postgres), so the tiers' CPU is visible, not only what Python processes log.
+_CPU: dict[str, list[float]] = {}
+_CPU_MARK = pytest.StashKey[tuple[float, float]]()
 _CPU_AT_START: list[int] = []
+
+
+def _process_cpu() -> tuple[float, float]:
+    """(this process's CPU seconds, its waited-for descendants' CPU seconds), user + system."""
+    import resource
+
+    me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_MARK] = _process_cpu()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU spent since the last (a user property, which
+    pytest-xdist sends back with the report)."""
+    outcome = yield
+    now = _process_cpu()
+    before = item.stash.get(_CPU_MARK, now)
+    item.stash[_CPU_MARK] = now
+    outcome.get_result().user_properties.append(("cpu", (now[0] - before[0], now[1] - before[1])))
 
 
 def _machine_cpu() -> list[int]:
@@ -105,6 +154,11 @@ _CPU_AT_START[:] = _machine_cpu()  # this conftest loads at collection, after py
 
 def pytest_runtest_logreport(report) -> None:
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+    cpu = _CPU.setdefault(report.nodeid, [0.0, 0.0])
+    for name, value in report.user_properties:
+        if name == "cpu":
+            cpu[0] += value[0]
+            cpu[1] += value[1]
 
 
 def _tier(nodeid: str) -> str:
@@ -119,16 +173,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     ranked = sorted(_DURATIONS.items(), key=lambda kv: -kv[1])
     path = os.environ.get("SCALETUNE_TEST_DURATIONS")
-    if path:
-        Path(path).write_text("".join(f"{d:.2f}\t{n}\n" for n, d in ranked))
-    tiers: dict[str, list[float]] = {}
+    cpu = {n: _CPU.get(n, [0.0, 0.0]) for n, _ in ranked}
+    if path:  # seconds, the test, the worker's CPU-s, its child processes' CPU-s
+        Path(path).write_text("".join(f"{d:.2f}\t{n}\t{cpu[n][0]:.2f}\t{cpu[n][1]:.2f}\n" for n, d in ranked))
+    tiers: dict[str, list[tuple[float, float, float]]] = {}
     for nodeid, seconds in ranked:
-        tiers.setdefault(_tier(nodeid), []).append(seconds)
+        tiers.setdefault(_tier(nodeid), []).append((seconds, *cpu[nodeid]))
     write = terminalreporter.write_line
     write("")
-    write(f"test time by tier ({len(ranked)} tests{'; all of them in ' + path if path else ''}):")
-    for tier, times in sorted(tiers.items(), key=lambda kv: -sum(kv[1])):
-        write(f"  {tier:<16} {sum(times):8.1f} s  {len(times):5d} tests")
+    write(f"test time and CPU by tier ({len(ranked)} tests{'; all of them in ' + path if path else ''}):")
+    for tier, rows in sorted(tiers.items(), key=lambda kv: -sum(r[0] for r in kv[1])):
+        own, kids = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        write(
+            f"  {tier:<16} {sum(r[0] for r in rows):8.1f} s  {len(rows):5d} tests  "
+            f"CPU {own + kids:8.0f} s ({own:.0f} in the test workers, {kids:.0f} in their child processes)"
+        )
     write("the ten slowest tests:")
     for nodeid, seconds in ranked[:10]:
         write(f"  {seconds:8.1f} s  {nodeid}")

@@ -130,11 +130,12 @@ def make_env(
     )
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
+def subprocess_env(**extra: str | None) -> dict[str, str]:
     """This process's environment for a child that runs scaletune: offline, DeepSpeed on its CPU
     accelerator where no CUDA GPU is visible (on a GPU, DeepSpeed must find CUDA), the checkout
     (src/ and the repository, for `tests.*`) first on PYTHONPATH (tests/instrument before them while
-    SCALETUNE_PROCESS_LOG is set), no launcher variables inherited; `extra` set last."""
+    SCALETUNE_PROCESS_LOG is set), no launcher variables inherited; `extra` set last (a value of
+    None removes the variable)."""
     import torch
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
@@ -145,7 +146,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     if env.get("SCALETUNE_PROCESS_LOG"):  # each child logs its CPU at exit (tests/instrument/sitecustomize.py)
         paths.insert(0, str(REPO_ROOT / "tests" / "instrument"))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
-    env.update(extra)
+    for name, value in extra.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -197,7 +202,11 @@ def run_cli(
     cores: set[int] | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU); `input`
-    is its standard input (none: an empty one); `cores` its affinity mask (`taskset`'s)."""
+    is its standard input (none: an empty one); `cores` its affinity mask (`taskset`'s), and then
+    no OMP_NUM_THREADS (the test worker's share, tests/conftest.py): the process sizes its threads
+    from those cores."""
+    if cores:
+        env = {"OMP_NUM_THREADS": None, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
         capture_output=True,

@@ -73,21 +73,23 @@ def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_
     tests/distributed/test_edge_matrix.py's.)"""
     import shutil
 
-    train(_dropout_stages(tiny_model_dir, tmp_path / "run"), tmp_path)
+    # Through torchrun: the RNG is each rank's; the plain command's parent adds nothing here.
+    train(_dropout_stages(tiny_model_dir, tmp_path / "run"), tmp_path, launcher="torchrun")
     full = tmp_path / "run"
     for step in (4, 6):
         assert (full / "checkpoints" / f"step-{step}" / "rng" / "rank-1.pt").is_file()
     for step in (4, 6):
         ckpt = full / "checkpoints" / f"step-{step}"
         cfg = _dropout_stages(tiny_model_dir, tmp_path / f"from-{step}", resume=str(ckpt))
-        train(cfg, tmp_path, name=f"from-{step}.yaml")
+        train(cfg, tmp_path, name=f"from-{step}.yaml", launcher="torchrun")
         assert_same_steps(tmp_path / f"from-{step}", full, 1e-5, f"dropout 0.1, 2 ranks: from step {step}", first=step)
         got, want = steps(tmp_path / f"from-{step}"), steps(full)[step:]
         assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in want], rel=1e-7)
     no_rng = tmp_path / "no-rng"
     shutil.copytree(full / "checkpoints" / "step-6", no_rng)
     shutil.rmtree(no_rng / "rng")
-    train(_dropout_stages(tiny_model_dir, tmp_path / "control", resume=str(no_rng)), tmp_path, name="control.yaml")
+    control = _dropout_stages(tiny_model_dir, tmp_path / "control", resume=str(no_rng))
+    train(control, tmp_path, name="control.yaml", launcher="torchrun")
     got, want = steps(tmp_path / "control"), steps(full)[6:]
     assert [m["step"] for m in got] == [m["step"] for m in want] == [7, 8]
     assert got[0]["loss"] != want[0]["loss"]  # step 7 already runs on other dropout masks

@@ -35,11 +35,16 @@ def data():
 
 def driver(out: Path) -> None:
     import deepspeed
+    import deepspeed.ops
     import torch
     from torch import nn
 
     from scaletune.models.loss import chunked_head_cross_entropy
 
+    # As scaletune's DeepSpeed strategy does on CPUs (strategies/deepspeed.py): no shared-memory
+    # all-reduce, which DeepSpeed's communication layer otherwise compiles at start (about 2 CPU-min
+    # on a fresh machine, and every other DeepSpeed test of the run waiting on its build lock).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     hidden, targets, weight = data()
