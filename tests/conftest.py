@@ -4,6 +4,7 @@ builders are in tests/helpers.py (import them from there, never from this file).
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,15 +25,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def _cores_per_worker() -> int | None:
-    """This pytest-xdist worker's share of the cores (None outside xdist or with one worker).
+    """This pytest-xdist worker's share of the cores (None outside xdist or with one worker): the
+    cores this process may use (affinity, cgroup quota: scaletune's own `cpu_budget`) split between
+    the workers as between a node's ranks.
 
     `scripts/test.sh` runs one worker per core, so two tests' processes always share the machine;
     a process that sized its OpenMP pool from the whole machine (torch's default, and scaletune's
     own `CpuBudget` for one rank) runs threads that spin against the other worker's. Measured on
     2 cores: two tiny single-process runs at once took 21.7 s and 21 CPU-s each with 2 threads,
     16-17 s and 15-16.5 CPU-s each with 1 (16.4 s alone, no faster with 2)."""
+    from scaletune.env import cpu_budget
+
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
-    return max(1, len(os.sched_getaffinity(0)) // workers) if workers > 1 else None
+    return cpu_budget(workers, environ={}).threads if workers > 1 else None
 
 
 # Every process a test starts inherits it (a test about sizing from the cores removes it: `run_cli`
@@ -115,8 +120,6 @@ _CPU_AT_START: list[int] = []
 
 def _process_cpu() -> tuple[float, float]:
     """(this process's CPU seconds, its waited-for descendants' CPU seconds), user + system."""
-    import resource
-
     me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 

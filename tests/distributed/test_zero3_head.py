@@ -35,16 +35,17 @@ def data():
 
 def driver(out: Path) -> None:
     import deepspeed
-    import deepspeed.ops
     import torch
     from torch import nn
 
     from scaletune.models.loss import chunked_head_cross_entropy
+    from scaletune.strategies.deepspeed import skip_shared_memory_all_reduce
 
-    # As scaletune's DeepSpeed strategy does on CPUs (strategies/deepspeed.py): no shared-memory
-    # all-reduce, which DeepSpeed's communication layer otherwise compiles at start (about 2 CPU-min
-    # on a fresh machine, and every other DeepSpeed test of the run waiting on its build lock).
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    # As scaletune's DeepSpeed strategy does on CPUs: no shared-memory all-reduce, which DeepSpeed's
+    # communication layer otherwise compiles at start (about 2 CPU-min on a fresh machine, and every
+    # other DeepSpeed test of the run waiting on its build lock).
+    if not torch.cuda.is_available():
+        skip_shared_memory_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     hidden, targets, weight = data()

@@ -45,7 +45,7 @@ def unshare_step_counters(optimizer: torch.optim.Optimizer) -> int:
     return shared
 
 
-def _skip_shared_memory_all_reduce() -> None:
+def skip_shared_memory_all_reduce() -> None:
     """Keep DeepSpeed's communication layer from building its shared-memory all-reduce on the CPU
     accelerator. Its torch backend compiles that C++ extension when it starts, whatever runs (about
     2 CPU-minutes and a compiler on the machine, the first time; then shared-memory segments between
@@ -83,7 +83,7 @@ class DeepSpeedStrategy(Strategy):
         import torch.distributed as dist
 
         if not self.env.cuda_available:
-            _skip_shared_memory_all_reduce()
+            skip_shared_memory_all_reduce()
 
         # DeepSpeed's communication layer adopts that group now, not at `initialize`: ZeRO-3's
         # zero.Init during loading reads the world size from it (else 1, and its batch check fails).
