@@ -189,8 +189,14 @@ def test_batch_arithmetic(tmp_path):
 
 
 def test_deepspeed_cpu_adam_builds_here(tmp_path):
-    c = cfg(tmp_path, distributed={"strategy": "deepspeed", "offload_optimizer": True, "zero_stage": 2})
-    assert doctor.check_deepspeed_ops(c).status == "OK"
+    # ZeRO-Offload on GPUs steps with DeepSpeed's CPU Adam: the doctor asks its builder (a real one).
+    c = cfg(tmp_path, GPU8, distributed={"strategy": "deepspeed", "offload_optimizer": True, "zero_stage": 2})
+    res = doctor.check_deepspeed_ops(c)
+    assert res.status == "OK" and "CPUAdamBuilder compatible" in res.message
+    # Without GPUs the run steps with torch's AdamW (steps_with_cpu_adam): no op to build.
+    cpu = cfg(tmp_path, distributed={"strategy": "deepspeed", "offload_optimizer": True, "zero_stage": 2})
+    res = doctor.check_deepspeed_ops(cpu)
+    assert res.status == "OK" and "no custom op needed" in res.message
 
 
 def test_deepspeed_op_that_cannot_build(monkeypatch):

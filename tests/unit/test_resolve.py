@@ -102,7 +102,9 @@ def test_dtype_auto_is_one_precision_everywhere(env, want):
 def test_engine_deepspeed_json_equals_config_deepspeed():
     """The engine's DeepSpeed config and `scaletune config deepspeed` given the same settings are
     the same JSON; the only key the CLI adds is the optimizer DeepSpeed must own under offload when
-    the HF Trainer drives it (scaletune's engine hands DeepSpeed its own CPU Adam instead).
+    the HF Trainer drives it (scaletune's engine hands DeepSpeed its own CPU Adam instead). On a
+    machine without GPUs the engine steps with torch's AdamW and adds the one key DeepSpeed needs
+    to accept it under offload.
 
     One case: both sides call `deepspeed_json`, so other stages and dtypes would only feed it other
     values; here every setting either side passes on differs from the generator's default (stage 3,
@@ -113,8 +115,9 @@ def test_engine_deepspeed_json_equals_config_deepspeed():
     from scaletune.cli import app
 
     dist = {"strategy": "deepspeed", "zero_stage": 3, "offload_optimizer": True, "offload_params": True}
-    spec = decide(tiny_cfg("bfloat16", **dist), make_env(2))
-    engine = engine_config(spec)
+    engine = engine_config(decide(tiny_cfg("bfloat16", **dist), make_env(2, gpus=2)))
+    on_cpu = engine_config(decide(tiny_cfg("bfloat16", **dist), make_env(2)))
+    assert on_cpu.pop("zero_force_ds_cpu_optimizer") is False and on_cpu == engine
     args = [
         "config",
         "deepspeed",

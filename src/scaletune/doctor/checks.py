@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Literal
 
 from scaletune.env import DistributedEnv
+from scaletune.strategies.deepspeed_config import steps_with_cpu_adam
 
 if TYPE_CHECKING:
     from scaletune.resolve import Problem, RunSpec
@@ -308,7 +309,7 @@ def check_deepspeed_ops(spec: RunSpec | None, builders: list[str] | None = None)
     if builders is None:
         if spec is None or spec.strategy != "deepspeed":
             return ok(name, "DeepSpeed not used")
-        builders = ["CPUAdamBuilder"] if spec.offload_optimizer else []
+        builders = ["CPUAdamBuilder"] if steps_with_cpu_adam(spec) else []
     try:
         import deepspeed  # noqa: F401 - importable, not only installed (a broken build fails here)
     except ImportError:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from scaletune.strategies.base import Strategy
-from scaletune.strategies.deepspeed_config import engine_config
+from scaletune.strategies.deepspeed_config import engine_config, steps_with_cpu_adam
 from scaletune.strategies.optim import apply_trainable
 
 
@@ -142,9 +142,14 @@ class DeepSpeedStrategy(Strategy):
         self._initialize(model)
         self.log.info(
             f"deepspeed: ZeRO-{self.spec.zero_stage}"
-            f"{', optimizer offload' if self.spec.offload_optimizer else ''}"
+            f"{self._offload_label()}"
             f"{', parameter offload' if self.spec.offload_params else ''}"
         )
+
+    def _offload_label(self) -> str:
+        if not self.spec.offload_optimizer:
+            return ""
+        return ", optimizer offload" + ("" if steps_with_cpu_adam(self.spec) else " (no GPU: stepped by torch's AdamW)")
 
     def _initialize(self, model: nn.Module) -> None:
         import deepspeed
@@ -227,7 +232,7 @@ class DeepSpeedStrategy(Strategy):
         }
 
     def _optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        if not self.spec.offload_optimizer:
+        if not steps_with_cpu_adam(self.spec):
             return self.build_optimizer(model)  # ZeRO steps it on its flat fp32 partitions
         # ZeRO-Offload steps the optimizer on the CPU; DeepSpeed's vectorised CPU Adam is the
         # optimizer it is built for (adamw_mode=True: decoupled weight decay as torch's AdamW).

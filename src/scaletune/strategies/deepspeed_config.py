@@ -223,5 +223,25 @@ def engine_config(spec: Any) -> dict[str, Any]:
         gradient_accumulation_steps=b.gradient_accumulation_steps,
         gradient_clipping=t.max_grad_norm or 0.0,
     )
+    if spec.offload_optimizer and not steps_with_cpu_adam(spec):
+        # The client optimizer is torch's AdamW (see steps_with_cpu_adam): DeepSpeed refuses any
+        # optimizer but its own CPU ones under ZeRO-Offload unless told it is meant.
+        generated["zero_force_ds_cpu_optimizer"] = False
     path = spec.config.distributed.deepspeed_config
     return merge_user_config(generated, read_user_config(path), path or "deepspeed_config")
+
+
+def steps_with_cpu_adam(spec: Any) -> bool:
+    """Whether the run steps its optimizer with DeepSpeed's `DeepSpeedCPUAdam` (ZeRO-Offload on GPUs).
+
+    ZeRO-Offload moves the optimizer state and step to the host, where DeepSpeed's vectorised CPU
+    Adam is the optimizer it is built for. On a machine without GPUs (`DS_ACCELERATOR=cpu`) the
+    model, its gradients and its optimizer are on the host already, offloaded or not, so the run
+    steps with torch's AdamW as the other engines there do: CPU Adam is a C++ extension DeepSpeed
+    compiles on first use (`CPUAdamBuilder`, about 4 CPU-minutes on 2 cores), a cost a CPU run
+    would pay for nothing it needs.
+
+    Args:
+        spec: a resolved run (:class:`scaletune.resolve.RunSpec`).
+    """
+    return spec.strategy == "deepspeed" and spec.offload_optimizer and spec.env.cuda_available
