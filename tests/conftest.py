@@ -244,6 +244,21 @@ def _process_summary(write) -> None:
         write(f"  {sum(cpus):8.0f} CPU-s {len(cpus):5d} processes  {module}")
 
 
+@pytest.fixture(autouse=True)
+def _tf32_restored() -> Iterator[None]:
+    """Every test leaves TF32 as it found it. A bf16 run's setup on a GPU turns it on for the
+    process (`torch.set_float32_matmul_precision("high")`, cuDNN's flag); a test that trains
+    in-process (the GPU tier's QLoRA test) would otherwise leave later fp32 comparisons and the
+    TF32 getter test in tests/unit/test_gpu_paths.py running under it."""
+
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    if torch.get_float32_matmul_precision() != matmul:
+        torch.set_float32_matmul_precision(matmul)
+    if torch.backends.cudnn.allow_tf32 != cudnn:
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not ALPACA_5000.is_file():

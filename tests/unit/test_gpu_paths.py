@@ -285,42 +285,52 @@ def _zero3_announced():
 
 
 def test_zero3_loads_a_quantized_base_quantized_on_the_ranks_gpu(tiny_model_dir, monkeypatch):
-    """Under an announced ZeRO-3 config a QLoRA base is still loaded with bitsandbytes' config,
-    whole, on the rank's GPU: transformers skips zero.Init for quantized models and DeepSpeed
-    partitions the model at initialize. Only the GPU is pretended here (bitsandbytes' config and
-    transformers' announcement are real)."""
-    import transformers
+    """Under an announced ZeRO-3 config a QLoRA base is loaded with bitsandbytes' config, whole, on
+    the rank's GPU: transformers skips zero.Init for quantized models and DeepSpeed partitions the
+    model at initialize. Through transformers' real `from_pretrained`, which refuses any device_map
+    while ZeRO-3 is announced (`check_and_set_device_map`): the loader passes none, and the real
+    bitsandbytes quantizer puts the model on `torch.cuda.current_device()`, the GPU the process
+    group's setup made the rank's. Only the GPU is pretended (visible, current device 1); the load
+    stops where it would first touch it, after transformers decided the placement."""
+    import transformers.modeling_utils as mu
 
     from scaletune.config import LoraConfig, ModelConfig, QuantizationConfig
     from scaletune.models import load_model
     from scaletune.models.placement import DevicePlacement
 
-    seen: dict = {}
+    pytest.importorskip("bitsandbytes")  # imported now, on the CPU: a pretended GPU would pick its CUDA backend
+    decided: dict = {}
+    real_quantizer = mu.get_hf_quantizer
 
-    def spy(source, **kwargs):
-        seen.update(kwargs)
-        return torch.nn.Linear(1, 1)
+    def quantizer_then_stop(config, quantization_config, device_map, *args, **kwargs):
+        hf_quantizer, config, device_map = real_quantizer(config, quantization_config, device_map, *args, **kwargs)
+        decided.update(quantizer=hf_quantizer, device_map=device_map)
+        raise _DeviceBoundary  # the next step allocates on the GPU
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(mu, "get_hf_quantizer", quantizer_then_stop)
     qlora = ModelConfig(
         name_or_path=str(tiny_model_dir),
         dtype="bfloat16",
         lora=LoraConfig(),
         quantization=QuantizationConfig(bits=4, storage_dtype="bfloat16"),
     )
-    with _zero3_announced():
+    with _zero3_announced(), pytest.raises(_DeviceBoundary):
         load_model(qlora, DevicePlacement(None, "cuda:1"))
-    q = seen.get("quantization_config")
-    assert q is not None, "ZeRO-3 dropped model.quantization"
-    assert q.load_in_4bit and q.bnb_4bit_quant_storage == torch.bfloat16
-    assert seen["device_map"] == {"": "cuda:1"}
+    q = decided["quantizer"].quantization_config
+    assert q.load_in_4bit and q.bnb_4bit_quant_storage == torch.bfloat16, "ZeRO-3 dropped model.quantization"
+    assert decided["device_map"] == {"": 1}  # bitsandbytes' placement: the rank's GPU, whole
 
-    # Without quantization ZeRO-3 still gets no device_map (zero.Init places the partitions).
-    seen.clear()
-    with _zero3_announced():
+    # Without quantization ZeRO-3 gets no device_map either (zero.Init places the partitions).
+    decided.clear()
+    with _zero3_announced(), pytest.raises(_DeviceBoundary):
         load_model(ModelConfig(name_or_path=str(tiny_model_dir), dtype="bfloat16"), DevicePlacement(None, "cuda:1"))
-    assert "device_map" not in seen and "quantization_config" not in seen
+    assert decided == {"quantizer": None, "device_map": None}
+
+
+class _DeviceBoundary(Exception):
+    """Where a test that pretends a GPU stops, before anything is allocated on it."""
 
 
 # -- issue 20: TF32 read back through every getter --------------------------------------------

@@ -304,9 +304,13 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     if cfg.quantization is not None:
         # Under ZeRO-3 too: transformers skips zero.Init for a quantized model and loads it whole on
         # this rank's GPU, and deepspeed.initialize partitions it (QLoRA under ZeRO-3, the 4-bit
-        # weights stored as model.dtype: resolve.rules).
+        # weights stored as model.dtype: resolve.rules). There no device_map may be passed:
+        # transformers refuses any while ZeRO-3 is announced (`check_and_set_device_map`,
+        # integrations/accelerate.py, 5.17 and 5.24) and its bitsandbytes quantizer then loads onto
+        # `torch.cuda.current_device()` (`update_device_map`), the rank's GPU since the process
+        # group's setup (strategies/process_group.py).
         kwargs["quantization_config"] = bnb_config(cfg.quantization)
-        if device_map is None:
+        if device_map is None and not zero3:
             # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
             # with .to() afterwards, so it must be loaded where it will run.
             device = placement.device if placement.device.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
@@ -330,8 +334,8 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         if source == name and not Path(name).exists():
             raise _hub_failure("model.name_or_path", name, exc) from exc
         raise
-    if zero3 and cfg.quantization is None:
-        pass
+    if zero3:
+        pass  # partitioned by zero.Init, or (quantized) loaded whole onto this rank's GPU
     elif device_map is None:
         model.to(placement.device)
     elif own_map and cfg.quantization is None and hasattr(model, "hf_device_map"):
