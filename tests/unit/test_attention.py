@@ -150,6 +150,41 @@ def test_the_choice_rule(caplog):
     assert "does not support flex_attention" in attention.flex_unavailable(transformers.CLIPConfig(), "cuda:0")
 
 
+def test_flex_under_autocast_gets_one_dtype(tiny_model_dir, monkeypatch):
+    """A run that loads with flex_attention registers the autocast cast (issue 38): under
+    `torch.autocast` a Llama hands attention fp32 queries and keys (its rotary embedding follows the
+    fp32 residual stream) and a bf16 value; flex_attention must see one dtype, the autocast one, and
+    give SDPA's answer (SDPA is on autocast's list). Forward only: the CPU has no flex backward."""
+    import transformers.integrations.flex_attention as tfa
+    from transformers import AttentionInterface
+
+    from scaletune.models import load_model
+    from scaletune.models.attention import flex_attention_in_autocast_dtype
+    from scaletune.models.placement import DevicePlacement
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "flex_attention", tfa.flex_attention_forward)
+    load_model(
+        ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation="flex_attention"),
+        DevicePlacement(None, "cpu"),
+    )
+    assert AttentionInterface._global_mapping["flex_attention"] is flex_attention_in_autocast_dtype
+
+    seen, real = [], tfa.flex_attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return real(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(tfa, "flex_attention_forward", spy)
+    flex, control = tiny("llama-tiny", "flex_attention"), tiny("llama-tiny", "sdpa")
+    ids = torch.randint(3, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = flex(input_ids=ids).logits, control(input_ids=ids).logits
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}, seen
+    diff = (got.float() - want.float()).abs()  # logits of about +-2, each path rounding to bf16
+    assert diff.mean().item() < 5e-3 and diff.max().item() < 0.1, (diff.mean().item(), diff.max().item())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preset", ["llama-tiny", "olmo2-tiny"])

@@ -151,6 +151,49 @@ def packed_mask(hf_config: Any, position_ids: torch.Tensor) -> Any:
     return create_block_mask(same_example_causal, batch, None, length, length, device=seq.device)
 
 
+def flex_attention_in_autocast_dtype(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' ``flex_attention_forward`` with query, key and value in the autocast dtype.
+
+    Under `torch.autocast` the projections come out in the compute dtype, but a model whose rotary
+    embedding is computed in the residual stream's dtype (Llama, Qwen2, Mistral: ``cos``/``sin``
+    cast to the fp32 hidden states, ``q * cos`` promoted) hands attention fp32 queries and keys
+    next to a bf16 value. SDPA is on autocast's cast list and evens them out; flex_attention is
+    not, so it runs fp32 attention or refuses the mix. Measured on the CPU with a Llama of
+    scaletune's `llama-tiny` preset under ``torch.autocast("cpu", torch.bfloat16)``: fp32, fp32 and
+    bf16 before this cast.
+
+    Args:
+        query, key, value: ``[B, H, T, D]`` (key and value ``[B, H_kv, T, D]``), any float dtypes.
+        attention_mask, kwargs: as transformers' attention interface passes them.
+
+    Returns:
+        transformers' ``(output, weights)``.
+    """
+    from transformers.integrations import flex_attention as hf_flex
+
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    return hf_flex.flex_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_autocast_flex_attention() -> None:
+    """Register :func:`flex_attention_in_autocast_dtype` as transformers' ``flex_attention``
+    (`AttentionInterface`, read at each layer's forward), for every model in this process. Outside
+    autocast it is transformers' own function unchanged."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FLEX, flex_attention_in_autocast_dtype)
+
+
 class _AsSdpa:
     """A read-only view of a transformers config that names ``sdpa`` as its attention, so
     `packed_mask` builds the mask that `strategies.parallel.context.ulysses_attention` hands to sdpa."""

@@ -282,6 +282,10 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     import torch
     from transformers import AutoModelForCausalLM
 
+    if cfg.attn_implementation == "flex_attention":
+        from scaletune.models.attention import use_autocast_flex_attention
+
+        use_autocast_flex_attention()  # queries and keys arrive fp32 under autocast (see there)
     if meta:
         return _meta_model(cfg)
 
