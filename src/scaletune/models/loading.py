@@ -279,7 +279,6 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
             custom code not allowed, hub failure.
         RuntimeError: quantization asked without a CUDA GPU or without bitsandbytes.
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
     if cfg.attn_implementation == "flex_attention":
@@ -298,31 +297,10 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
     }
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    device_map = placement.device_map
-    own_map = False
-    # DeepSpeed ZeRO-3 announced (strategies.deepspeed): from_pretrained builds the model partitioned
-    # under deepspeed.zero.Init, where ZeRO places each partition; a device_map or a .to() would undo it.
     zero3 = _zero3_announced()
-    if zero3:
-        device_map = None
     if cfg.quantization is not None:
-        # Under ZeRO-3 too: transformers skips zero.Init for a quantized model and loads it whole on
-        # this rank's GPU, and deepspeed.initialize partitions it (QLoRA under ZeRO-3, the 4-bit
-        # weights stored as model.dtype: resolve.rules). There no device_map may be passed:
-        # transformers refuses any while ZeRO-3 is announced (`check_and_set_device_map`,
-        # integrations/accelerate.py, 5.17 and 5.24) and its bitsandbytes quantizer then loads onto
-        # `torch.cuda.current_device()` (`update_device_map`), the rank's GPU since the process
-        # group's setup (strategies/process_group.py).
         kwargs["quantization_config"] = bnb_config(cfg.quantization)
-        if device_map is None and not zero3:
-            # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
-            # with .to() afterwards, so it must be loaded where it will run.
-            device = placement.device if placement.device.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
-            device_map, own_map = {"": device}, True
-    elif zero3:
-        pass
-    elif device_map is None and placement.device.startswith("cuda"):
-        device_map, own_map = {"": placement.device}, True
+    device_map, own_map = _device_map(cfg, placement, zero3)
     if device_map is not None:
         kwargs["device_map"] = device_map
     if placement.message:
@@ -347,6 +325,36 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         # HF Trainer / accelerate would treat the model as dispatched by a user's device_map.
         del model.hf_device_map
     return model
+
+
+def _device_map(cfg: ModelConfig, placement: DevicePlacement, zero3: bool) -> tuple[dict | str | None, bool]:
+    """The `device_map` for `from_pretrained`, and whether it is one scaletune added (a one-device
+    map to load straight onto the GPU) rather than the user's.
+
+    Under ZeRO-3 announced (strategies.deepspeed) none: from_pretrained builds the model partitioned
+    under deepspeed.zero.Init, where ZeRO places each partition, and a device_map or a .to() would
+    undo it. A quantized model under ZeRO-3 gets none either: transformers skips zero.Init for it and
+    loads it whole on this rank's GPU, and deepspeed.initialize partitions it (QLoRA under ZeRO-3,
+    the 4-bit weights stored as model.dtype: resolve.rules). transformers refuses any device_map
+    while ZeRO-3 is announced (`check_and_set_device_map`, integrations/accelerate.py, 5.17 and
+    5.24), and its bitsandbytes quantizer then loads onto `torch.cuda.current_device()`
+    (`update_device_map`), the rank's GPU since the process group's setup
+    (strategies/process_group.py)."""
+    import torch
+
+    if zero3:
+        return None, False
+    device_map = placement.device_map
+    if device_map is not None:
+        return device_map, False
+    if cfg.quantization is not None:
+        # bitsandbytes quantizes while loading onto the GPU; a quantized model cannot be moved
+        # with .to() afterwards, so it must be loaded where it will run.
+        device = placement.device if placement.device.startswith("cuda") else f"cuda:{torch.cuda.current_device()}"
+        return {"": device}, True
+    if placement.device.startswith("cuda"):
+        return {"": placement.device}, True
+    return None, False
 
 
 def _zero3_announced() -> bool:
