@@ -6,7 +6,10 @@ Every rank scores rows r, r+W, ... of each split (the eval loader's deal, filler
 rank runs the same forwards), and one all-reduce assembles the whole table on every rank. The table
 is cached as safetensors (never a pickle) beside the tokenised data, keyed by the tokenised data
 (records, format, tokenizer, template, max_seq_length: the data set's fingerprint), the model
-(`model.name_or_path`, dtype, and for a local folder its weight files' sizes and times) and where
+(`model.name_or_path`, dtype, and for a local folder its weight files' sizes and times), how the
+log-probs are computed (compute dtype, autocast or bf16 copies, quantization, the engine and its
+world size, micro-batch size, attention kernel and packing, Liger, the device type: each changes
+the numbers, and a table computed one way gives another run a non-zero margin at step 0) and where
 the stage starts: only a first stage, which starts from the model itself, shares its table with
 other runs of that data and model; a later stage starts from what the run trained before it. Each
 run also keeps its stage's table in its run directory (`reference/stage-N.safetensors`), which a run
@@ -48,12 +51,33 @@ def _model_identity(spec: RunSpec) -> dict:
     return ident
 
 
+def _computation(spec: RunSpec) -> dict:
+    """Everything besides the weights and the data that changes a reference log-prob's value."""
+    m, p = spec.config.model, spec.precision
+    return {
+        "compute": str(p.compute),
+        "autocast": p.autocast,
+        "cast_params": p.cast_params,
+        "quantization": m.quantization.model_dump() if m.quantization is not None else None,
+        "engine": spec.strategy_label,
+        "world_size": spec.world_size,
+        "mesh": str(spec.mesh),
+        "micro_batch_size": spec.batch.micro_batch_size,
+        "attention": m.attn_implementation,
+        "packing": any(stage.data.packing for stage in spec.stages),
+        "liger": m.liger,
+        "device": "cuda" if spec.env.cuda_available else "cpu",
+    }
+
+
 def cache_path(spec: RunSpec, stage_index: int, fingerprints: list[str]) -> Path:
     """The shared cache entry of a first stage's reference table (see the module docstring)."""
     from scaletune.data import cache_root
 
     key = json.dumps(
-        {"data": fingerprints, "model": _model_identity(spec), "stage": stage_index}, sort_keys=True, default=str
+        {"data": fingerprints, "model": _model_identity(spec), "computed": _computation(spec), "stage": stage_index},
+        sort_keys=True,
+        default=str,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     return cache_root(None).parent / "reference" / f"{digest}.safetensors"
