@@ -176,6 +176,54 @@ def test_causal_lm_loss_equals_the_models_own_loss(arch, lora):
         assert any("lora_A" in n for n in names) and all("lora" in n for n in names)
 
 
+def sdpa_calls(monkeypatch) -> list[tuple[bool, bool]]:
+    """(an attention mask was passed, is_causal) of every SDPA call transformers makes from now on."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((attn_mask is not None, bool(is_causal)))
+        return real(*args, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(hf_sdpa.torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_right_padded_rows_run_causal_attention_without_a_mask(monkeypatch):
+    """Issue 38: unpacked right-padded rows need no padding mask under causal attention (a real
+    token never sees the padding after it), so the loss hands SDPA none and `is_causal` (the flash
+    kernel; no mask build and no host sync in transformers). The loss and gradients are transformers'
+    own with the mask (test_causal_lm_loss_equals_the_models_own_loss); here, what SDPA was given."""
+    model = tiny_causal_lm("llama")
+    input_ids, attention_mask, labels = batch()
+    calls = sdpa_calls(monkeypatch)
+    CausalLMLoss(model)(input_ids, labels, target_index(labels), attention_mask, torch.arange(12).expand(3, 12))
+    assert calls and set(calls) == {(False, True)}, calls
+    calls.clear()
+    model(input_ids=input_ids, attention_mask=attention_mask)  # the control: transformers with the mask
+    assert calls and set(calls) == {(True, False)}, calls
+
+
+def test_windowed_layers_keep_the_padding_mask(monkeypatch):
+    """A model with sliding-window layers keeps the mask path (transformers builds their masks)."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    input_ids, attention_mask, labels = batch()
+    calls = sdpa_calls(monkeypatch)
+    n = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    ours = CausalLMLoss(model)(input_ids, labels, target_index(labels), attention_mask) / n
+    assert calls and all(masked for masked, _ in calls), calls
+    hf = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    assert abs(ours.item() - hf.item()) <= TOL * abs(hf.item())
+
+
 def test_causal_lm_loss_with_no_targets_is_zero():
     model = tiny_causal_lm("llama")
     input_ids, attention_mask, labels = batch()

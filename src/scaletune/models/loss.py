@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scaletune.models.attention import context_mask, packed_mask
+from scaletune.models.attention import context_mask, full_causal_only, packed_mask
 from scaletune.models.introspection import unwrap
 
 IGNORE_INDEX = -100
@@ -353,7 +353,10 @@ class CausalLMLoss(nn.Module):
 
     forward(input_ids [B,T], labels [B,T] unshifted, target_index [n] from :func:`target_index`,
     attention_mask [B,T] | None, position_ids [B,T] | None) -> 0-dim float32 sum of the
-    next-token cross-entropy over every target position.
+    next-token cross-entropy over every target position. Rows are right-padded, as
+    `data.batching.Collator` pads them: with an `attention_mask` (unpacked rows) and a model of
+    plain causal layers, the mask and position_ids are not passed on (they change nothing the loss
+    reads; without them attention runs causal-only).
 
     LoRA layers are injected in place by peft, so running the decoder of the base model runs them.
 
@@ -433,6 +436,15 @@ class CausalLMLoss(nn.Module):
             # Packed rows (the collator gives them no 2D mask): their mask once per micro-batch,
             # handed to transformers as 4D so it skips its own per-forward mask work and host sync.
             attention_mask = packed_mask(self.causal_lm.config, position_ids)
+        elif attention_mask is not None and full_causal_only(self.causal_lm.config):
+            # Unpacked rows, right-padded (the Collator's): under causal attention a real token never
+            # sees the padding after it, so the padding mask changes nothing the loss reads (the pads'
+            # labels are -100), and real tokens' positions are 0..n-1 either way. Without the mask and
+            # the pads' restarting position_ids (which would read as packed rows), SDPA runs
+            # `is_causal` (the flash kernel, no [B, 1, T, T] mask) and transformers skips its mask
+            # build and its host sync (`padding_mask.all()` in `_ignore_causal_mask_sdpa`) every
+            # micro-batch.
+            attention_mask = position_ids = None
         scored = slice(None) if context else slice(None, -1)
         if self.plain:
             with self._saved_tensors_context():
