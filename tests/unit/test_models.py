@@ -570,7 +570,12 @@ def test_prepare_model_full_and_lora(tiny_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="scaletune")  # what an entry point sets (env.configure_logging)
     logging.getLogger("scaletune").addHandler(caplog.handler)
     try:
-        cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", lora=LoraConfig(r=4, alpha=8))
+        cfg = ModelConfig(
+            name_or_path=str(tiny_model_dir),
+            dtype="float32",
+            lora=LoraConfig(r=4, alpha=8),
+            gradient_checkpointing=True,
+        )
         model = prepare_model(cfg, CPU)
         assert isinstance(model, peft.PeftModel)
         assert model.get_base_model().config.use_cache is False

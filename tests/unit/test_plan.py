@@ -10,8 +10,18 @@ import pytest
 
 from scaletune.config import load_config
 from scaletune.env import DistributedEnv
-from scaletune.plan import ORDER, GiB, activation_bytes, choose_auto, model_shape, plan, plan_name, simulate_fsdp
-from scaletune.resolve import decide
+from scaletune.plan import (
+    ORDER,
+    GiB,
+    activation_bytes,
+    choose_auto,
+    choose_checkpointing,
+    model_shape,
+    plan,
+    plan_name,
+    simulate_fsdp,
+)
+from scaletune.resolve import decide, resolve
 
 
 def cfg_for(name: str, env: DistributedEnv | None = None, **model) -> object:
@@ -169,6 +179,39 @@ def test_plan_names():
     assert plan_name("deepspeed", zero_stage=3) == "zero3"
     assert plan_name("deepspeed", zero_stage=2, offload_optimizer=True) == "zero2-offload"
     assert plan_name("deepspeed", zero_stage=3, offload_optimizer=True, offload_params=True) == "zero3-offload"
+
+
+def test_gradient_checkpointing_auto_is_on_only_where_the_plan_needs_it():
+    """Issue 38: `model.gradient_checkpointing: auto` (the default) is on only where the run's
+    strategy does not fit the GPU without it. The controls are the plans of the same run with
+    checkpointing written on and off: a GPU between the two totals needs it, one at least the
+    larger does not. A CPU has no device memory to plan with: off. A written value stays."""
+
+    def gpu(memory: int) -> DistributedEnv:
+        return DistributedEnv(
+            "none", cuda_available=True, cuda_device_count=1, device_memory_bytes=memory, bf16_supported=True
+        )
+
+    def run(env: DistributedEnv, **model):
+        data = {
+            "model": {"name_or_path": "llama-3.2-1b", "dtype": "bfloat16", **model},
+            "data": {"dummy": {}, "max_seq_length": 4096},
+            "training": {"global_batch_size": 8, "micro_batch_size": 8},
+            "distributed": {"strategy": "single"},
+        }
+        return resolve(load_config(None, data=data), env, choose_checkpointing=choose_checkpointing)
+
+    with_it, without = (plan(run(gpu(GiB), gradient_checkpointing=on)).get("ddp").total for on in (True, False))
+    assert with_it < without
+    tight, roomy = run(gpu((with_it + without) // 2)), run(gpu(without))
+    assert tight.config.model.gradient_checkpointing is True and "does not fit without it" in tight.checkpointing_reason
+    assert roomy.config.model.gradient_checkpointing is False and "fits without it" in roomy.checkpointing_reason
+    cpu = run(DistributedEnv("none"))
+    assert (
+        cpu.config.model.gradient_checkpointing is False and cpu.checkpointing_reason == "no device memory to plan with"
+    )
+    written = run(gpu(without), gradient_checkpointing=True)
+    assert written.config.model.gradient_checkpointing is True and written.checkpointing_reason == "configured"
 
 
 def test_choose_auto_strategy(llama8b):

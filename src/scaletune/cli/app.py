@@ -94,12 +94,17 @@ def resolved(
     """
     from scaletune.config import read_config
     from scaletune.env import DistributedEnv
-    from scaletune.plan import choose_auto
+    from scaletune.plan import choose_auto, choose_checkpointing
     from scaletune.resolve import resolve
 
     env = env or DistributedEnv.from_environ()
     return resolve(
-        read_config(config, overrides or []), env, choose_auto=choose_auto, world_size=world_size, check=check
+        read_config(config, overrides or []),
+        env,
+        choose_auto=choose_auto,
+        choose_checkpointing=choose_checkpointing,
+        world_size=world_size,
+        check=check,
     )
 
 

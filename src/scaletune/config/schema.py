@@ -107,9 +107,11 @@ class ModelConfig(StrictModel):
     device_map: str | None = None
     """One process only: auto, sequential, balanced, balanced_low_0 (split the layers over the visible
     GPUs), cpu, or cuda:N. Set aside under a launcher, where each rank holds its own copy or shard."""
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute each decoder layer's activations in backward instead of keeping them (always
-    non-reentrant, which DDP with LoRA needs)."""
+    non-reentrant, which DDP with LoRA needs). auto: the memory plan decides for the run's strategy,
+    on only where the run does not fit this device's memory without it (recomputing costs about a
+    fifth of a step); off without device memory to plan with (a CPU). The choice is printed at start."""
     lora: LoraConfig | None = None
     """LoRA adapters; null trains every weight (full fine-tuning)."""
     quantization: QuantizationConfig | None = None

@@ -305,7 +305,9 @@ def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = 
         apply_liger_kernels(model)
     if cfg.lora is not None:
         model = apply_lora(model, cfg.lora)
-    if cfg.gradient_checkpointing:
+    # `auto` is the planner's to decide (resolve); a model config no run resolved (inference,
+    # export) keeps it off, as the planner does without device memory.
+    if cfg.gradient_checkpointing is True:
         enable_gradient_checkpointing(model)
     if cfg.compile:
         compile_decoder_layers(model)

@@ -1,7 +1,7 @@
 """The memory planner: model shapes, bytes per rank of every strategy and device mesh, the `auto` choice, report."""
 
 from scaletune.plan.activations import activation_bytes
-from scaletune.plan.choice import choose_auto
+from scaletune.plan.choice import choose_auto, choose_checkpointing
 from scaletune.plan.entry import GiB, StrategyPlan
 from scaletune.plan.estimates import ORDER, Plan, deepspeed_available, plan, plan_name
 from scaletune.plan.mesh import MeshCandidate, MeshChoice, mesh_entry, recommend_for_run, recommend_mesh
@@ -20,6 +20,7 @@ __all__ = [
     "StrategyPlan",
     "activation_bytes",
     "choose_auto",
+    "choose_checkpointing",
     "deepspeed_available",
     "describe_shape",
     "mesh_arithmetic",

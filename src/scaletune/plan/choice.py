@@ -1,17 +1,20 @@
-"""`distributed.strategy: auto`: the planner's choice for a resolved run (the fastest strategy that
-fits this rank's GPU), in the settings resolve applies."""
+"""The planner's choices for a resolved run, in the settings resolve applies:
+`distributed.strategy: auto` (the fastest strategy that fits this rank's GPU) and
+`model.gradient_checkpointing: auto` (on only where the run's strategy does not fit without it)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from scaletune.plan.estimates import plan, scaletune_settings
-from scaletune.resolve import AutoChoice
+from scaletune.resolve import AutoChoice, CheckpointingChoice
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
 
-__all__ = ["choose_auto"]
+__all__ = ["choose_auto", "choose_checkpointing"]
+
+GIB = 2**30
 
 
 def choose_auto(spec: RunSpec) -> AutoChoice:
@@ -37,3 +40,26 @@ def choose_auto(spec: RunSpec) -> AutoChoice:
         offload_optimizer=settings.get("offload_optimizer", False),
         offload_params=settings.get("offload_params", False),
     )
+
+
+def choose_checkpointing(spec: RunSpec) -> CheckpointingChoice:
+    """The planner's answer for `model.gradient_checkpointing: auto` (resolve asks it with the run's
+    strategy decided and checkpointing assumed on).
+
+    Recomputing each layer in backward costs about a fifth of a step (a second forward of the
+    decoder), so it is on only where the plan of the run's strategy (:meth:`Plan.for_run`) does not
+    fit this rank's GPU (`env.device_memory_bytes`) without it: the activations of every layer
+    (`activations_no_ckpt`) in place of the checkpointed ones, with the plan's 10 % allowance on
+    them. Without device memory (a CPU, or a machine the run only plans for): off.
+    """
+    mem = spec.env.device_memory_bytes
+    if mem is None:
+        return CheckpointingChoice(False, "no device memory to plan with")
+    entry = plan(spec, gpu_memory_bytes=mem).for_run(spec)
+    extra = entry.activations_no_ckpt - entry.activations_ckpt
+    without = entry.total - entry.activations + entry.activations_no_ckpt + extra // 10
+    with_it = without - extra - extra // 10
+    per_rank = f"{without / GIB:.1f} GiB a rank without it, {with_it / GIB:.1f} with it, of {mem / GIB:.1f}"
+    if without <= mem:
+        return CheckpointingChoice(False, f"the plan fits without it ({per_rank})")
+    return CheckpointingChoice(True, f"the plan does not fit without it ({per_rank})")

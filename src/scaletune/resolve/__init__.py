@@ -36,6 +36,7 @@ from scaletune.resolve.spec import (
     FLOAT_DTYPES,
     AutoChoice,
     BatchArithmetic,
+    CheckpointingChoice,
     Mesh,
     Precision,
     Problem,
@@ -51,7 +52,9 @@ __all__ = [
     "PACKING_SAFE_ATTENTION",
     "AutoChoice",
     "BatchArithmetic",
+    "CheckpointingChoice",
     "ChooseAuto",
+    "ChooseCheckpointing",
     "Precision",
     "Problem",
     "RunSpec",
@@ -132,6 +135,7 @@ def decide(
     *,
     world_size: int | None = None,
     auto: AutoChoice | None = None,
+    checkpointing: CheckpointingChoice | None = None,
     max_positions: int | None = None,
     resume_from: Path | None = None,
 ) -> RunSpec:
@@ -140,6 +144,8 @@ def decide(
     Args:
         world_size: ranks to plan for (default :func:`wanted_world_size`).
         auto: the planner's answer for `strategy: auto` (default :meth:`AutoChoice.default`).
+        checkpointing: the planner's answer for `model.gradient_checkpointing: auto` (default
+            :meth:`CheckpointingChoice.unplanned`: on).
         max_positions: the model's position limit, where the caller read it.
         resume_from: the checkpoint `training.resume` points at, where the caller found it.
     """
@@ -167,7 +173,11 @@ def decide(
     dist = d.model_copy(
         update={"strategy": strategy, "zero_stage": zero, "offload_optimizer": off_opt, "offload_params": off_par}
     )
-    resolved = cfg.model_copy(update={"distributed": dist, "training": training})
+    model, ckpt_reason = cfg.model, "configured"
+    if model.gradient_checkpointing == "auto":
+        ckpt = checkpointing or CheckpointingChoice.unplanned()
+        model, ckpt_reason = model.model_copy(update={"gradient_checkpointing": ckpt.enabled}), ckpt.reason
+    resolved = cfg.model_copy(update={"distributed": dist, "training": training, "model": model})
     stages = tuple(resolve_stages(resolved))
     batch = batch_arithmetic(training, mesh.data_shard, stages[0].data.max_seq_length, mesh)
     return RunSpec(
@@ -186,10 +196,12 @@ def decide(
         resume_from=resume_from,
         max_positions=max_positions,
         mesh=mesh,
+        checkpointing_reason=ckpt_reason,
     )
 
 
 ChooseAuto = Callable[[RunSpec], AutoChoice]
+ChooseCheckpointing = Callable[[RunSpec], CheckpointingChoice]
 
 
 def resolve(
@@ -197,6 +209,7 @@ def resolve(
     env: DistributedEnv,
     *,
     choose_auto: ChooseAuto | None = None,
+    choose_checkpointing: ChooseCheckpointing | None = None,
     world_size: int | None = None,
     max_positions: int | None = None,
     resume_from: Path | None = None,
@@ -209,6 +222,8 @@ def resolve(
             reported with the rules' problems, each with its file:line).
         choose_auto: the planner (:func:`scaletune.plan.choose_auto`), asked with the run decided
             as `AutoChoice.default` when `strategy` is `auto`.
+        choose_checkpointing: the planner (:func:`scaletune.plan.choose_checkpointing`), asked with
+            the run decided (its strategy chosen) when `model.gradient_checkpointing` is `auto`.
         world_size, max_positions, resume_from: see :func:`decide`.
         check: False skips the rules (the doctor shows them as checks); schema problems still raise.
 
@@ -222,9 +237,15 @@ def resolve(
         raise ConfigError(problems, title="invalid config")
     assert isinstance(base, Config)
     kwargs = {"world_size": world_size, "max_positions": max_positions, "resume_from": resume_from}
+    # `gradient_checkpointing: auto` is on while the strategy is chosen (the fastest that fits with
+    # it), then turned off where that strategy fits without it.
     spec = decide(base, env, **kwargs)
+    auto = None
     if base.distributed.strategy == "auto" and choose_auto is not None and not problems:
-        spec = decide(base, env, auto=choose_auto(spec), **kwargs)
+        auto = choose_auto(spec)
+        spec = decide(base, env, auto=auto, **kwargs)
+    if base.model.gradient_checkpointing == "auto" and choose_checkpointing is not None and not problems:
+        spec = decide(base, env, auto=auto, checkpointing=choose_checkpointing(spec), **kwargs)
     for p in rule_problems(spec) if check else []:
         problems.append(p.text(loaded.where(p.key) if loaded is not None else None))
     if problems:

@@ -39,6 +39,19 @@ class AutoChoice:
 
 
 @dataclass(frozen=True)
+class CheckpointingChoice:
+    """What `model.gradient_checkpointing: auto` became, and why (the planner's answer)."""
+
+    enabled: bool
+    reason: str
+
+    @staticmethod
+    def unplanned() -> CheckpointingChoice:
+        """The choice where no planner was asked (a run decided without one: the memory-safe side)."""
+        return CheckpointingChoice(True, "not planned")
+
+
+@dataclass(frozen=True)
 class Precision:
     """How a run stores and computes (dtype names, torch-free).
 
@@ -192,6 +205,8 @@ class RunSpec:
         resume_from: the checkpoint to resume from, or None.
         max_positions: the model's position limit, where known.
         mesh: the device mesh's degrees (all 1 but data_shard without model parallelism).
+        checkpointing_reason: why `model.gradient_checkpointing` is what `config` holds (the
+            planner's reason for `auto`).
     """
 
     config: Config
@@ -209,6 +224,7 @@ class RunSpec:
     resume_from: Path | None = None
     max_positions: int | None = None
     mesh: Mesh = Mesh()
+    checkpointing_reason: str = "configured"
 
     @property
     def run_dir(self) -> Path:

@@ -81,7 +81,7 @@ def prepare(
             forward's output, patterns that match nothing).
     """
     from scaletune.data import validate_data
-    from scaletune.plan import choose_auto
+    from scaletune.plan import choose_auto, choose_checkpointing
 
     loaded = cfg if isinstance(cfg, LoadedConfig) else None
     base = loaded.best_effort if loaded is not None else cfg
@@ -94,7 +94,14 @@ def prepare(
     # ("invalid config"); with the model's, data's or machine's, "cannot start training".
     config_title = None
     try:
-        spec = resolve(cfg, env, choose_auto=choose_auto, world_size=world_size, max_positions=positions)
+        spec = resolve(
+            cfg,
+            env,
+            choose_auto=choose_auto,
+            choose_checkpointing=choose_checkpointing,
+            world_size=world_size,
+            max_positions=positions,
+        )
     except UserError as exc:
         config_title = exc.title if not problems else None
         problems = exc.problems + problems
@@ -110,32 +117,55 @@ def prepare(
         raise UserError(problems, title=config_title or "cannot start training")
     # Imported only for a valid config: the checkpoint package imports torch (a typo is answered without it).
     from scaletune.checkpoint import resolve_resume
-    from scaletune.doctor import environment_problems
     from scaletune.plan.factory_check import factory_problems
     from scaletune.run.rundir import run_dir_problems
-    from scaletune.strategies.deepspeed_config import engine_config
 
     try:
         spec = dataclasses.replace(spec, resume_from=resolve_resume(spec.config, spec.run_dir))
     except UserError as exc:
         problems += exc.problems
-    warnings: list = []
-    problems += [p.text() for p in (environment_problems(spec, environ, warn=warnings) if here else [])]
-    for w in warnings:
-        print0(f"[scaletune] warning: {w.name}: {w.message}" + (f" (fix: {w.fix})" if w.fix else ""))
-    if spec.strategy == "deepspeed":
-        try:
-            engine_config(spec)
-        except UserError as exc:
-            problems += exc.problems
+    problems += _environment_problems(spec, environ) if here else []
+    problems += _engine_config_problems(spec)
     problems += texts(factory_problems(spec))
     problems += [p.text(where(p.key)) for p in _mesh_model_problems(spec)]
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
         problems += [p.text(where(p.key)) for p in run_dir_problems(spec)]
     if problems:
         raise UserError(problems, title="cannot start training")
-    print0(f"[scaletune] distributed.strategy {spec.requested} -> {spec.strategy_label}: {spec.reason}")
+    _print_decisions(spec)
     return spec
+
+
+def _engine_config_problems(spec: RunSpec) -> list[str]:
+    """DeepSpeed: the engine's config generated once, so a disagreeing user JSON is reported here."""
+    if spec.strategy != "deepspeed":
+        return []
+    from scaletune.strategies.deepspeed_config import engine_config
+
+    try:
+        engine_config(spec)
+    except UserError as exc:
+        return exc.problems
+    return []
+
+
+def _environment_problems(spec: RunSpec, environ: Mapping[str, str] | None) -> list[str]:
+    """This machine's problems for the run (the doctor's fatal checks); its warnings printed."""
+    from scaletune.doctor import environment_problems
+
+    warnings: list = []
+    problems = [p.text() for p in environment_problems(spec, environ, warn=warnings)]
+    for w in warnings:
+        print0(f"[scaletune] warning: {w.name}: {w.message}" + (f" (fix: {w.fix})" if w.fix else ""))
+    return problems
+
+
+def _print_decisions(spec: RunSpec) -> None:
+    """What `auto` became, and why: the strategy and gradient checkpointing."""
+    print0(f"[scaletune] distributed.strategy {spec.requested} -> {spec.strategy_label}: {spec.reason}")
+    if spec.checkpointing_reason != "configured":
+        on = "on" if spec.config.model.gradient_checkpointing else "off"
+        print0(f"[scaletune] model.gradient_checkpointing auto -> {on}: {spec.checkpointing_reason}")
 
 
 def predicted_memory(spec: RunSpec) -> dict | None:
