@@ -2,8 +2,8 @@
 
 A tiny Llama (4 layers, untied head, fp32, seeded), split into 2 pipeline stages (gloo, CPU, the
 1F1B schedule), trained 3 AdamW steps with gradient clipping, each step 4 micro-batches of 2 rows
-per data rank: right-padded unpacked rows of varying length (the runner pads them to one shape and
-rebuilds its stage when a step's shape changes) and packed rows (position_ids restarting per
+per data rank: right-padded unpacked rows of varying length (the runner pads each step to one
+bucketed shape that only grows, rebuilding its stage only when a step does not fit it) and packed rows (position_ids restarting per
 example); full fine-tuning and LoRA (peft); on 2 ranks (pipeline 2) and on 4 (pipeline 2 x data 2,
 each stage FSDP2-sharded over its data ranks as `strategies/parallel/parallelize.shard_model` shards). The control
 is scaletune's `CausalLMLoss` on the whole model and the whole global batch in one process: each

@@ -14,10 +14,18 @@ cross-entropy at target positions), so an FSDP2 root around the stage gathers th
 reduces its gradient with its own hooks, as for `CausalLMLoss`. Each micro-batch's loss is its
 summed token loss divided by the step's global target count; the schedule's own gradient scaling is
 off (`scale_grads=False`), so the gradients are those of one process on the whole batch.
+
+The pipelining API used here (`PipelineStage(module, stage_index, num_stages, device, group=)` with
+shape inference at the schedule's first step, `Schedule1F1B(stage, n, loss_fn=, scale_grads=)`,
+`step(*args, target=, losses=, return_outputs=, **kwargs)`, `eval(...)`) is the same in torch 2.11
+and 2.13; older torch is refused (:func:`require_pipelining_torch`). A schedule infers its stage's
+shapes once and keeps fixed-shape receive buffers, so `PipelineRunner` pads every step to one
+shape (grown only when a step does not fit) and keeps separate training and evaluation schedules.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,13 +38,43 @@ from scaletune.models.introspection import unwrap
 from scaletune.models.loss import IGNORE_INDEX, chunked_head_cross_entropy
 
 __all__ = [
+    "MIN_TORCH",
     "PipelineRunner",
     "PipelineStageModule",
+    "padded_length",
     "pipeline_clip_grad_norm_",
     "pipeline_grad_norm",
+    "require_pipelining_torch",
     "split_stage",
     "stage_layers",
 ]
+
+
+#: The oldest torch whose `torch.distributed.pipelining` this module is written and checked against
+#: (2.11, the GPU machines' torch, and 2.13): the API it uses is the same in both.
+MIN_TORCH = (2, 11)
+
+
+def require_pipelining_torch(version: str | None = None) -> None:
+    """Refuse a torch older than :data:`MIN_TORCH` for pipeline parallelism (called at strategy
+    setup, by :func:`split_stage`, before any step).
+
+    Args:
+        version: a torch version string (``"2.11.0+cu130"``); default the installed ``torch.__version__``.
+
+    Raises:
+        RuntimeError: the version is older than 2.11 (or unreadable).
+    """
+    found = str(torch.__version__ if version is None else version)
+    match = re.match(r"(\d+)\.(\d+)", found)
+    if match is None or (int(match[1]), int(match[2])) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise RuntimeError(
+            f"pipeline parallelism (distributed.pipeline_parallel > 1) needs torch >= {need}, found torch {found}: "
+            f"its torch.distributed.pipelining API (PipelineStage shape inference, Schedule1F1B with scale_grads "
+            f"and step(return_outputs=)) is checked against torch {need} and later; install torch>={need} or use "
+            "pipeline_parallel: 1"
+        )
 
 
 def head_name(base: nn.Module) -> str:
@@ -97,9 +135,8 @@ class PipelineStageModule(nn.Module):
             if mask is not None:
                 return mask
         # Other implementations (eager) or models: transformers' own mask (None for sdpa = is_causal).
-        return create_causal_mask(
-            config=config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
-        )
+        # The cache goes by position: transformers 5.17 names it `past_key_values`, 5.24 `cache`.
+        return create_causal_mask(config, hidden, None, None, position_ids=position_ids)
 
     def forward(
         self, x: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
@@ -158,7 +195,10 @@ def split_stage(
         ValueError: a bad stage index, fewer layers than stages, a model without that layout or
             with other than plain causal attention layers (sliding window, chunked), or a head tied to the input embeddings with more than one stage (they would sit on two
             ranks; torchtitan does not split tied models either).
+        RuntimeError: more than one stage on a torch older than 2.11 (:func:`require_pipelining_torch`).
     """
+    if num_stages > 1:
+        require_pipelining_torch()
     base = unwrap(causal_lm)
     decoder = base.get_decoder()
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -191,14 +231,29 @@ def _pad(t: torch.Tensor, rows: int, length: int, value: int) -> torch.Tensor:
     return out
 
 
+def padded_length(n: int) -> int:
+    """`n` rounded up to a multiple of an eighth of the next power of two, at least 8 (9 -> 16,
+    100 -> 112, 1000 -> 1024, 1025 -> 1280): fewer than 8 positions more up to 32, less than a
+    quarter more above, four lengths per doubling, so a growing longest row rebuilds the pipeline
+    schedule a few times only. Idempotent: a returned length maps to itself."""
+    step = max(8, 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // step) * step
+
+
 class PipelineRunner:
     """Runs one rank's pipeline stage over all micro-batches of a step with the 1F1B schedule.
 
-    Every rank of a pipeline group gets the same micro-batches (they share a data shard). They are
-    padded to one shape per step (rows and length: padding tokens get label -100, and position 0
-    when rows are packed, so nothing they hold is trained on), since a stage sends and receives
-    fixed-shape buffers; the stage and schedule are rebuilt when that shape changes (one metadata
-    exchange between stages). 1F1B runs on gloo (CPU) and NCCL.
+    Every rank of a pipeline group gets the same micro-batches (they share a data shard). A schedule
+    infers its stage's shapes at its first step (a forward, FSDP2 all-gathers included, and one
+    metadata exchange between stages) and then sends and receives fixed-shape buffers, so every
+    micro-batch is padded to one shape ``[rows, length]``: padding tokens get id 0, label -100 (no
+    target, so the loss is unchanged) and position 0 when rows carry position_ids. The shape is the
+    largest rows and :func:`padded_length` of the longest row seen so far; a step that does not fit
+    grows it and rebuilds the schedule, which every rank of a data group does at the same step
+    (they see the same padded shapes, `runner.PipelineStepRunner._same_shape`). Training and
+    evaluation keep one schedule each: torch 2.11 builds a stage's receive buffers with or
+    without gradients once (a schedule first run by `eval` cannot train), 2.13 re-infers the
+    shapes at each switch. 1F1B runs on gloo (CPU) and NCCL.
 
     Args:
         stage_module: this rank's :class:`PipelineStageModule` (possibly wrapped by FSDP2's
@@ -232,30 +287,36 @@ class PipelineRunner:
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.grad_divisor = grad_divisor
         self._scale: torch.Tensor | None = None
-        self._shape: tuple | None = None
-        self._schedule: Any = None
+        #: training (True) / evaluation (False) -> ((rows, length, packed), its schedule)
+        self._built: dict[bool, tuple[tuple[int, int, bool], Any]] = {}
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The stage's forward returned the summed token loss; the schedule backpropagates this.
         assert self._scale is not None
         return output * self._scale
 
-    def _schedule_for(self, shape: tuple) -> Any:
+    def _schedule_for(self, needed: tuple[int, int, bool], training: bool) -> tuple[tuple[int, int, bool], Any]:
+        """The (shape, schedule) a step of shape `needed` runs in: the mode's current one when the
+        step fits in it, else a new one of the grown shape (the old one is dropped)."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        if shape != self._shape:
-            stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
-            self._schedule = Schedule1F1B(stage, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
-            self._shape = shape
-        return self._schedule
+        rows, length, packed = needed
+        built = self._built.get(training)
+        if built is not None:
+            have_rows, have_length, have_packed = built[0]
+            if have_packed == packed and rows <= have_rows and length <= have_length:
+                return built
+            rows, length = max(rows, have_rows), max(length, have_length)
+        shape = (rows, padded_length(length), packed)
+        stage = PipelineStage(self.module, self.stage_index, self.num_stages, self.device, group=self.group)
+        self._built[training] = (shape, Schedule1F1B(stage, self.n_microbatches, loss_fn=self._loss, scale_grads=False))
+        return self._built[training]
 
-    def _inputs(self, micro_batches: list[dict]) -> tuple[tuple, dict, torch.Tensor | None, tuple]:
+    def _needed(self, micro_batches: list[dict]) -> tuple[int, int, bool]:
+        """The rows, length and packing of this step's micro-batches (checked)."""
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"expected {self.n_microbatches} micro-batches, got {len(micro_batches)}")
         packed = micro_batches[0].get("position_ids") is not None
-        rows = max(mb["input_ids"].size(0) for mb in micro_batches)
-        length = max(mb["input_ids"].size(1) for mb in micro_batches)
-        ids, labels, positions = [], [], []
         for mb in micro_batches:
             if (mb.get("position_ids") is not None) != packed:
                 raise ValueError("a step's micro-batches must all be packed or all unpacked")
@@ -267,17 +328,28 @@ class PipelineRunner:
                 and bool((mask[:, 1:] > mask[:, :-1]).any())
             ):
                 raise ValueError("pipeline stages take right-padded rows only (a row's attention mask rises)")
-            ids.append(_pad(mb["input_ids"], rows, length, 0))
-            labels.append(_pad(mb["labels"], rows, length, IGNORE_INDEX))
-            if packed:
-                positions.append(_pad(mb["position_ids"], rows, length, 0))
+        rows = max(mb["input_ids"].size(0) for mb in micro_batches)
+        length = max(mb["input_ids"].size(1) for mb in micro_batches)
+        return rows, length, packed
+
+    def _inputs(
+        self, micro_batches: list[dict], shape: tuple[int, int, bool]
+    ) -> tuple[tuple, dict, torch.Tensor | None]:
+        """The schedule's whole-batch args, kwargs and target: the micro-batches padded to `shape`
+        and concatenated along rows (the schedule splits them back into `n_microbatches`)."""
+        rows, length, packed = shape
+        ids = [_pad(mb["input_ids"], rows, length, 0) for mb in micro_batches]
         # position_ids go to every stage (each builds its mask and rotary embedding), labels to the last.
-        kwargs: dict = {"position_ids": torch.cat(positions).to(self.device)} if packed else {}
+        kwargs: dict = {}
+        if packed:
+            positions = [_pad(mb["position_ids"], rows, length, 0) for mb in micro_batches]
+            kwargs["position_ids"] = torch.cat(positions).to(self.device)
         target = None
         if self.is_last:
+            labels = [_pad(mb["labels"], rows, length, IGNORE_INDEX) for mb in micro_batches]
             target = kwargs["labels"] = torch.cat(labels).to(self.device)
         args = (torch.cat(ids).to(self.device),) if self.is_first else ()
-        return args, kwargs, target, (rows, length, packed)
+        return args, kwargs, target
 
     def step(self, micro_batches: list[dict], denominator: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this step's micro-batches through the pipeline; gradients
@@ -293,11 +365,16 @@ class PipelineRunner:
         Returns:
             0-dim float32: on the last stage the sum of the micro-batches' divided losses, 0 elsewhere
             (all-reduce it over `pp_group` to have it everywhere).
+
+        Raises:
+            ValueError: not `n_microbatches` micro-batches, packed and unpacked ones mixed, or
+                left-padded rows.
         """
-        args, kwargs, target, shape = self._inputs(micro_batches)
+        shape, schedule = self._schedule_for(self._needed(micro_batches), training=True)
+        args, kwargs, target = self._inputs(micro_batches, shape)
         self._scale = self.grad_divisor / denominator.to(self.device, torch.float32)
         losses: list[torch.Tensor] = []
-        self._schedule_for(shape).step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self._scale = None
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).sum() / self.grad_divisor
@@ -311,10 +388,11 @@ class PipelineRunner:
             0-dim float32: on the last stage the summed token loss of all micro-batches (not divided),
             0 elsewhere.
         """
-        args, kwargs, target, shape = self._inputs(micro_batches)
+        shape, schedule = self._schedule_for(self._needed(micro_batches), training=False)
+        args, kwargs, target = self._inputs(micro_batches, shape)
         self._scale = torch.ones((), device=self.device)
         losses: list[torch.Tensor] = []
-        self._schedule_for(shape).eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        schedule.eval(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self._scale = None
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).sum()

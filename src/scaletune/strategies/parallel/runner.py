@@ -107,18 +107,22 @@ class PipelineStepRunner(StepRunner):
         self.stage_index, self.num_stages = parallelism.stage_index, parallelism.num_stages
         self.group = parallelism.group("pipeline")
         self.data_group = parallelism.group(DATA_CONTEXT)
-        self._runners: dict[int, PipelineRunner] = {}
+        self._runners: dict[tuple[int, float], PipelineRunner] = {}
 
     @property
     def eval_group(self) -> int:
         return self.num_stages
 
     def _runner(self, n: int, grad_divisor: float) -> PipelineRunner:
-        if n not in self._runners:
-            self._runners[n] = PipelineRunner(
+        # Keyed by the divisor too: evaluation (divisor 1) may ask first for the micro-batch count
+        # training uses (an eval before the first step, as many stages as micro-batches), and
+        # training must not reuse its runner (gradients off by the data x context degree).
+        key = (n, grad_divisor)
+        if key not in self._runners:
+            self._runners[key] = PipelineRunner(
                 self.host.model, self.stage_index, self.num_stages, self.group, self.host.device, n, grad_divisor
             )
-        return self._runners[n]
+        return self._runners[key]
 
     def _everywhere(self, loss: torch.Tensor) -> torch.Tensor:
         # The last stage's loss on every stage (0 on the others before the sum).
