@@ -150,6 +150,35 @@ def test_the_choice_rule(caplog):
     assert "does not support flex_attention" in attention.flex_unavailable(transformers.CLIPConfig(), "cuda:0")
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "deepspeed"])
+def test_a_run_on_gpus_decides_for_the_ranks_gpu_not_the_load_device(caplog, strategy):
+    """The choice a run on 2 GPUs makes (rank 1, CUDA pretended, nothing loaded): FSDP and DeepSpeed
+    load the weights on the CPU (`placement.device`) and move them to the GPU themselves; the choice
+    follows the GPU the rank computes on. Deciding it for the load device gave these runs sdpa and
+    the line "no flex_attention backward on the CPU" (issue 38)."""
+    from scaletune.resolve import resolve
+    from scaletune.strategies import make_strategy
+    from scaletune.trainer.model_source import PretrainedSource
+    from tests.helpers import make_config, make_env
+
+    cfg = make_config(
+        "olmo2-tiny",  # a preset: its transformers config is read without a folder
+        "runs/x",
+        as_config=True,
+        model={"attn_implementation": None, "dtype": "bfloat16"},
+        data={"packing": True},
+        distributed={"strategy": strategy, "num_processes": 2},
+    )
+    made = make_strategy(resolve(cfg, make_env(2, rank=1, gpus=2)))
+    assert str(made.device) == "cuda:1"
+    caplog.clear()
+    with caplog.at_level("INFO", logger="scaletune"):
+        assert PretrainedSource(made.spec).attention(made) == "flex_attention"
+    assert "attention for packed rows: flex_attention" in caplog.text and "on the CPU" not in caplog.text
+    if strategy != "ddp":  # the control: the load device, which the choice was made for before
+        assert made.placement.device == "cpu"
+
+
 def test_flex_under_autocast_gets_one_dtype(tiny_model_dir, monkeypatch):
     """A run that loads with flex_attention registers the autocast cast (issue 38): under
     `torch.autocast` a Llama hands attention fp32 queries and keys (its rotary embedding follows the

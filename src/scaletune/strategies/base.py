@@ -67,8 +67,9 @@ class Strategy(MemoryProbe, ABC):
         self._grad_bytes: int | None = None
         #: fp16 outside DeepSpeed: dynamic loss scaling (`torch.amp.GradScaler`), built in `wrap`.
         self.scaler: Any = None
-        #: True when the last `step` skipped the optimizer update (fp16 gradients overflowed).
-        self.skipped_step = False
+        #: True when the last `step` skipped the optimizer update (fp16 gradients overflowed): a bool,
+        #: or with a loss scaler a 0-dim bool tensor on the device (read when the step is logged).
+        self.skipped_step: bool | torch.Tensor = False
         #: Frozen weights a checkpoint holds anyway: they trained in an earlier stage
         #: (:meth:`keep_frozen`). Empty: checkpoints hold the trainable weights only.
         self.checkpointed_frozen: frozenset[str] = frozenset()
@@ -262,8 +263,8 @@ class Strategy(MemoryProbe, ABC):
         The learning-rate schedule is the loop's (it steps it right after, skipped step or not).
 
         Returns:
-            The total gradient norm before clipping, a 0-dim tensor (no host sync here without a
-            scaler; the scaler's own skip decision syncs once).
+            The total gradient norm before clipping, a 0-dim tensor. No host sync here, scaler or
+            not: the skip decision stays a tensor too (`skipped_step`), read when the step is logged.
         """
         assert self.optimizer is not None and self.model is not None
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -272,11 +273,15 @@ class Strategy(MemoryProbe, ABC):
             self.scaler.unscale_(self.optimizer)
         norm = self.clip_grad_norm(params, max_norm if max_norm is not None else float("inf"))
         if self.scaler is not None:
-            scale = self.scaler.get_scale()
+            # The scale tensor itself, copied on its device: `get_scale()` would read it to the host,
+            # a sync at every step (twice), though only logged steps report the skip. With a fused
+            # AdamW, `scaler.step` hands it the inf flag on the device and syncs nothing either.
+            scale = self.scaler._get_scale_async().clone()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            # update() backs the scale off exactly when step() found inf/NaN gradients and skipped.
-            self.skipped_step = self.scaler.get_scale() < scale
+            # update() backs the scale off (in place) exactly when step() found inf/NaN gradients and
+            # skipped: a 0-dim bool tensor on the device.
+            self.skipped_step = self.scaler._get_scale_async() < scale
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -27,8 +27,9 @@ class LoopStrategy(Protocol):
     model: nn.Module | None
     #: The optimizer whose param groups the schedule drives (a new one after `retarget`).
     optimizer: torch.optim.Optimizer | None
-    #: True when the last `step` skipped the update (fp16 gradients overflowed).
-    skipped_step: bool
+    #: True when the last `step` skipped the update (fp16 gradients overflowed); a 0-dim bool tensor
+    #: on the device where a loss scaler decides it (read when the step is logged, not at each step).
+    skipped_step: bool | torch.Tensor
 
     # -- set-up and loading
     def setup(self) -> None: ...

@@ -71,6 +71,8 @@ def kto_kl_pass(strategy: Any, batches: list) -> float:
             if counted:
                 total += out.detach().to(total.device, torch.float64)
     total = strategy.all_reduce_sum(total)
+    # A host read at every step, logged or not: the step's losses need the value, as a float (the
+    # docstring says why not a tensor), before their forwards start.
     kl = float((total[0] / total[1].clamp(min=1)).clamp(min=0).float())
     for mb, _ in batches:
         mb["kl"] = kl

@@ -39,6 +39,7 @@ from scaletune.trainer.handoff import OpenRunDirectory, Prepared, Resumed, RunDi
 from scaletune.trainer.metrics import (
     RunLogger,
     ThroughputWindow,
+    host_values,
     plot_losses,
     rank_resources,
     read_metrics,
@@ -304,7 +305,10 @@ class Trainer:
         window.add(result.tokens)  # summed on the device, read when the step is logged
         last = position.stage_step == plan.total
         t = stage.training
-        stop = not last and stop_agreed(self.strategy.all_reduce_sum)  # `scaletune serve` asked to stop
+        # `scaletune serve` asked to stop. At every step, not only logged ones, so a stop comes at
+        # the next step whatever log_every is; a run serve does not watch reads nothing here, a
+        # watched one with several ranks pays one small all-reduce and its read per step.
+        stop = not last and stop_agreed(self.strategy.all_reduce_sum)
         will_save = last or stop or bool(t.save_every and position.step % t.save_every == 0)
         if position.stage_step % t.log_every == 0 or last or will_save:
             self.log_step(plan, lr, result, window)
@@ -327,10 +331,16 @@ class Trainer:
         )
 
     def log_step(self, plan: StagePlan, lr: float, result: StepResult, window: ThroughputWindow) -> None:
-        """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it)."""
-        # One device-to-host read for both (at log_every 1 this is the step's only sync).
-        both = torch.stack([result.loss.float(), result.grad_norm.float().to(result.loss.device)]).tolist()
-        loss, grad_norm = both[0], both[1]
+        """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it).
+
+        Everything read from the device or NVML is read here, on logged steps only (`after_step`):
+        between them a step leaves its values on the device and reads nothing.
+        """
+        # One device-to-host read for all the step's values (at log_every 1, the step's only sync
+        # on one rank; more ranks add rank_resources' all-reduce).
+        loss, grad_norm, skipped, tokens, window_tokens = host_values(
+            result.loss, result.grad_norm, result.skipped, result.tokens, window.tokens
+        )
         now, position = time.perf_counter(), self.position
         self.logger.log(
             {
@@ -342,8 +352,8 @@ class Trainer:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 **self.preference.metrics(result.stats),
-                "tokens": int(result.tokens),
-                "tokens_per_s": window.close(now),
+                "tokens": int(tokens),
+                "tokens_per_s": window.close(now, window_tokens),
                 "elapsed_s": round(now - self.start_time, 3),
                 # The page's progress bar and ETA (all stages' steps), memory per rank (a collective).
                 "total_steps": sum(p.total for p in self.prepared.plans),
@@ -353,11 +363,11 @@ class Trainer:
                     self.env.rank,
                     peak_device_bytes(self.strategy.memory_devices()),
                 ),
-                **({"skipped": True} if result.skipped else {}),
+                **({"skipped": True} if skipped else {}),
             }
         )
         # An fp16 step the loss scaler skipped has an infinite gradient norm by design, not divergence.
-        if not (math.isfinite(loss) and (math.isfinite(grad_norm) or result.skipped)):
+        if not (math.isfinite(loss) and (math.isfinite(grad_norm) or skipped)):
             good = latest_checkpoint(self.spec.run_dir)
             raise DivergenceError(
                 f"training diverged at step {position.step}: loss {loss}, grad_norm {grad_norm}; "

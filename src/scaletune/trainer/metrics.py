@@ -46,11 +46,33 @@ class ThroughputWindow:
         GPU's count is not read back to the host each step; :meth:`close` reads the sum once)."""
         self.tokens = self.tokens + tokens
 
-    def close(self, now: float) -> float:
-        """Tokens per second over the window ending at `now`; a new window starts there."""
-        rate = float(self.tokens) / max(now - self.since, 1e-9)
+    def close(self, now: float, tokens: float | None = None) -> float:
+        """Tokens per second over the window ending at `now`; a new window starts there.
+
+        Args:
+            tokens: the window's sum (:attr:`tokens`) where the caller has read it already (the loop
+                reads it with the step's loss, `host_values`); else it is read here.
+        """
+        rate = float(self.tokens if tokens is None else tokens) / max(now - self.since, 1e-9)
         self.since, self.tokens = now, 0.0
         return rate
+
+
+def host_values(*values: float | torch.Tensor) -> list[float]:
+    """`values` as Python floats, the tensors among them (0-dim, any devices) read in one copy.
+
+    A logged step's loss, gradient norm, skip flag and token counts live on the device until the
+    step is logged; reading each with `float()` would wait for the device once per value, this
+    waits once for all of them. Numbers pass through.
+    """
+    import torch
+
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    device = tensors[0].device
+    read = iter(torch.stack([t.detach().to(device, torch.float64).reshape(()) for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
 
 
 #: Per-rank lists in a metrics line up to this many ranks: serve takes lists of up to 256 values.

@@ -83,17 +83,29 @@ class PretrainedSource(ModelSource):
     prefix = "causal_lm."
     model_first = False
 
-    def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
-        from scaletune.models import load_config, prepare_model
+    def attention(self, strategy: LoopStrategy) -> str | None:
+        """The `attn_implementation` the model loads with (`models.attention.packed_attention`).
+
+        Decided for the device the rank computes on (`strategy.device`), not where the weights load
+        (`strategy.placement.device`): FSDP and DeepSpeed load on the CPU and move the model to the
+        rank's GPU themselves, so the load device made every FSDP / ZeRO run on GPUs keep sdpa and log
+        "no flex_attention backward on the CPU" (issue 38).
+        """
+        from scaletune.models import load_config
         from scaletune.models.attention import packed_attention
+
+        m = self.spec.config.model
+        packing = any(stage.data.packing for stage in self.spec.stages)
+        return packed_attention(m, load_config(m) if packing else None, packing=packing, device=str(strategy.device))
+
+    def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
+        from scaletune.models import prepare_model
 
         spec = self.spec
         m = spec.config.model
-        packing = any(stage.data.packing for stage in spec.stages)
-        attn = packed_attention(
-            m, load_config(m) if packing else None, packing=packing, device=strategy.placement.device
+        model_cfg = m.model_copy(
+            update={"dtype": spec.precision.storage, "attn_implementation": self.attention(strategy)}
         )
-        model_cfg = m.model_copy(update={"dtype": spec.precision.storage, "attn_implementation": attn})
         return prepare_model(model_cfg, strategy.placement, meta=strategy.load_meta()), None
 
     def load_reference(self, strategy: LoopStrategy) -> nn.Module:
@@ -104,20 +116,15 @@ class PretrainedSource(ModelSource):
         Raises:
             UserError: what `models.prepare_model` raises.
         """
-        from scaletune.models import load_config, prepare_model
-        from scaletune.models.attention import packed_attention
+        from scaletune.models import prepare_model
 
         spec = self.spec
         m = spec.config.model
-        # The policy's attention implementation (`load`), so both compute alike.
-        packing = any(stage.data.packing for stage in spec.stages)
-        attn = packed_attention(
-            m, load_config(m) if packing else None, packing=packing, device=strategy.placement.device
-        )
         cfg = m.model_copy(
             update={
                 "dtype": spec.precision.storage,
-                "attn_implementation": attn,
+                # The policy's attention implementation (`load`), so both compute alike.
+                "attn_implementation": self.attention(strategy),
                 "lora": None,
                 "quantization": None,
                 "gradient_checkpointing": False,

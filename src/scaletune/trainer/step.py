@@ -39,7 +39,9 @@ class StepResult:
     loss: torch.Tensor  # global mean loss (0-dim, on device)
     grad_norm: torch.Tensor
     tokens: torch.Tensor  # non-padding tokens, global count (float64, on device: read it at log time)
-    skipped: bool = False  # fp16: the loss scaler skipped the update (gradients overflowed)
+    # fp16: the loss scaler skipped the update (gradients overflowed); a 0-dim bool tensor on the
+    # device where `torch.amp.GradScaler` decided it (read at log time), a bool from DeepSpeed.
+    skipped: bool | torch.Tensor = False
     stats: torch.Tensor | None = None  # a preference objective's global stats sums (float64, on device)
 
 
