@@ -124,8 +124,8 @@ def prepare(
         spec = dataclasses.replace(spec, resume_from=resolve_resume(spec.config, spec.run_dir))
     except UserError as exc:
         problems += exc.problems
-    problems += _environment_problems(spec, environ) if here else []
-    problems += _engine_config_problems(spec)
+    problems += _check_environment(spec, environ) if here else []
+    problems += _check_engine_config(spec)
     problems += texts(factory_problems(spec))
     problems += [p.text(where(p.key)) for p in _mesh_model_problems(spec)]
     if env.is_main:  # rank 0 alone decides: it may already have created the directory
@@ -136,7 +136,7 @@ def prepare(
     return spec
 
 
-def _engine_config_problems(spec: RunSpec) -> list[str]:
+def _check_engine_config(spec: RunSpec) -> list[str]:
     """DeepSpeed: the engine's config generated once, so a disagreeing user JSON is reported here."""
     if spec.strategy != "deepspeed":
         return []
@@ -149,7 +149,7 @@ def _engine_config_problems(spec: RunSpec) -> list[str]:
     return []
 
 
-def _environment_problems(spec: RunSpec, environ: Mapping[str, str] | None) -> list[str]:
+def _check_environment(spec: RunSpec, environ: Mapping[str, str] | None) -> list[str]:
     """This machine's problems for the run (the doctor's fatal checks); its warnings printed."""
     from scaletune.doctor import environment_problems
 
