@@ -1,6 +1,7 @@
 """bf16 on one GPU: `single`, `fsdp` and DeepSpeed ZeRO-2/3 at one process give the same losses and
 gradient norms (within bf16's rounding), FSDP with CPU offload trains under the mixed gloo/NCCL
-backend, and the planner predicts the measured first-step peak device memory within 15%."""
+backend, packed rows under autocast train with the default flex_attention as with sdpa, and the
+planner predicts the measured first-step peak device memory within 15%."""
 
 from __future__ import annotations
 
@@ -90,3 +91,31 @@ def test_planned_peak_memory_within_15_percent_of_measured(strategy, mid_model_d
     assert abs(predicted - peak) <= 0.15 * peak, (
         f"{strategy['strategy']}: planned {predicted / 2**30:.2f} GiB, measured peak {peak / 2**30:.2f} GiB"
     )
+
+
+@pytest.mark.parametrize("engine", ["single", "fsdp"])
+def test_packed_rows_under_autocast_train_with_flex_as_with_sdpa(engine, tiny_llama_dir, tmp_path):
+    """Issue 38: packed rows on CUDA default to flex_attention (the rank's GPU decides it, FSDP
+    included), which under autocast gets query, key and value in bf16
+    (`models.attention.flex_attention_in_autocast_dtype`; a Llama's rotary embedding hands it fp32
+    queries and keys). The control: the same run with `attn_implementation: sdpa` written."""
+    runs = {}
+    for attn in ("default", "sdpa"):
+        out = tmp_path / attn
+        model = {"dtype": "bfloat16"} | ({"attn_implementation": "sdpa"} if attn == "sdpa" else {})
+        cfg = make_config(
+            tiny_llama_dir,
+            out / "run",
+            {"model": {"attn_implementation": None}},
+            model=model,
+            data={"packing": True, "max_seq_length": 256},
+            training=STEPS,
+            distributed={"strategy": engine, "num_processes": 1},
+        )
+        proc = train(cfg, out)
+        runs[attn] = metrics(out / "run")
+        if attn == "default":
+            assert "attention for packed rows: flex_attention" in proc.stderr, proc.stderr[-3000:]
+    loss = {k: [m["loss"] for m in v if "loss" in m] for k, v in runs.items()}
+    assert loss["sdpa"][-1] < loss["sdpa"][0] - 0.3
+    assert_close(loss["default"], loss["sdpa"], 2e-2, f"{engine}: packed flex vs sdpa (bf16 autocast)")

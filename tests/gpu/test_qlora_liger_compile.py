@@ -23,6 +23,32 @@ def batch(vocab: int, rows: int = 4, length: int = 256, seed: int = 0) -> dict:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
+def test_qlora_under_zero3_loads_and_trains(tiny_model_dir, tmp_path):
+    """Issue 38: QLoRA under DeepSpeed ZeRO-3 (the engine resolve sends FSDP + QLoRA users to) loads
+    without a device_map, which transformers refuses while ZeRO-3 is announced, and trains: through
+    `scaletune train`, one process."""
+    from tests.helpers import metrics, train
+
+    cfg = make_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        model={
+            "dtype": "bfloat16",
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
+            "quantization": {"bits": 4, "storage_dtype": "bfloat16"},
+        },
+        training={"max_steps": 4, "save_every": 0, "learning_rate": 2e-3},
+        distributed={"strategy": "deepspeed", "zero_stage": 3, "num_processes": 1},
+    )
+    proc = train(cfg, tmp_path)
+    rows = [m for m in metrics(tmp_path / "run") if "loss" in m]
+    assert len(rows) == 4 and all(torch.isfinite(torch.tensor([m["loss"], m["grad_norm"]])).all() for m in rows), (
+        proc.stderr[-3000:]
+    )
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
 def test_qlora_matmuls_run_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
     from scaletune.config import load_config
     from scaletune.env import DistributedEnv
