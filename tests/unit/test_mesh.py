@@ -82,6 +82,34 @@ def test_every_config_problem_at_once(tmp_path):
         assert needle in text, text
 
 
+def test_packed_rows_under_context_parallelism_are_refused_above_the_stated_length(tmp_path):
+    """Issue 38: the dense document mask of packed rows (and SDPA's bias from it) grows with the
+    square of the length: above MAX_PACKED_CONTEXT_LENGTH packed rows under context parallelism are
+    one clear refusal; unpacked rows (causal, no mask) of the same length pass, as packed ones at it."""
+    from scaletune.resolve.mesh import MAX_PACKED_CONTEXT_LENGTH
+
+    def problems(length: int, packing: bool) -> str:
+        c = make_config(
+            "llama-3.2-1b",
+            tmp_path / "run",
+            as_config=True,
+            data={"train": None, "dummy": {}, "max_seq_length": length, "packing": packing},
+            training={"micro_batch_size": 1, "global_batch_size": 2},
+            distributed={"strategy": "fsdp", "num_processes": None, "context_parallel": 2},
+        )
+        try:
+            resolve(c, make_env(4, gpus=4))
+        except ConfigError as err:
+            return "\n".join(err.problems)
+        return ""
+
+    too_long = problems(2 * MAX_PACKED_CONTEXT_LENGTH, packing=True)
+    assert "data.max_seq_length 65536 with data.packing under distributed.context_parallel" in too_long, too_long
+    assert "12 GiB per row" in too_long and "set data.packing: false" in too_long
+    assert "document mask" not in problems(2 * MAX_PACKED_CONTEXT_LENGTH, packing=False)
+    assert "document mask" not in problems(MAX_PACKED_CONTEXT_LENGTH, packing=True)
+
+
 def test_pipeline_rules(tmp_path):
     """Pipeline 2 on 2 ranks (global 8, micro 2: 4 micro-batches a step) resolves; with 1 micro-batch
     a step (1F1B needs one per stage), with tensor 2, with activation offload: one error naming each."""

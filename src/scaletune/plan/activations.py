@@ -35,7 +35,11 @@ The device mesh (tensor degree t, context degree c; `plan/mesh.py`):
   `2 (a / (t c)) s^2 b` bytes: the full `s^2` per head, not `(s/c)^2`).
 * Packed rows under sdpa, and every packed row under context parallelism, carry one dense bool
   `[b, 1, s, s]` document mask (`models.attention.packed_mask`, over the whole rows), `b s^2`
-  bytes shared by every layer.
+  bytes shared by every layer; SDPA's fused kernels take a float bias, so each attention call
+  turns the mask into one (`b s^2 p` bytes, the compute dtype) and keeps it for its backward: one
+  layer's under checkpointing (the layer recomputed), every layer's without. At 131,072 tokens a
+  row that is 16 GiB of mask and 32 GiB of bias a layer in bf16: context parallelism refuses
+  packed rows above `resolve.mesh.MAX_PACKED_CONTEXT_LENGTH`.
 """
 
 from __future__ import annotations
@@ -124,11 +128,13 @@ def activation_bytes(
             shape.lora_modules if lora_modules is None else lora_modules, tokens, p, lora.dropout > 0
         )
     # Packed rows under sdpa (and under context parallelism, which attends over whole rows) carry
-    # one dense bool [b, 1, s, s] document mask (`models.attention.packed_mask`), shared by every layer.
+    # one dense bool [b, 1, s, s] document mask (`models.attention.packed_mask`), shared by every
+    # layer, and each layer's SDPA call a float bias made from it, saved for its backward.
     packed = spec.stages[0].data.packing if spec.stages else cfg.data.packing
-    mask = b * s * s if packed and (context > 1 or impl == "sdpa") else 0
+    masked = packed and (context > 1 or impl == "sdpa")
+    mask, bias = (b * s * s, b * s * s * p) if masked else (0, 0)
     loss = min(LOSS_CHUNK, tokens) * (-(-shape.vocab // t)) * (p + 12)
     edges = tokens * h * rw * 2  # embedding output, final norm input/output at the targets
     if checkpointing:
-        return L * tokens * h * rw + per_layer + loss + edges + mask
-    return L * per_layer + loss + edges + mask
+        return L * tokens * h * rw + per_layer + bias + loss + edges + mask
+    return L * (per_layer + bias) + loss + edges + mask

@@ -13,6 +13,11 @@ from scaletune.resolve.spec import Mesh, RunSpec
 # What the model-parallel layouts are built for (strategies/parallel/tensor.py, context.py, pipeline.py).
 MESH_STRATEGY = "fsdp"
 DEGREE_KEYS = ("tensor_parallel", "context_parallel", "pipeline_parallel")
+# Packed rows under context parallelism attend over whole rows with a dense [B, 1, T, T] document
+# mask (`models.attention.context_mask`), which SDPA turns into a float bias in every layer (the
+# planner counts both: plan/activations.py). At 32,768 tokens that is 3 GiB a row in bf16 (one
+# layer's bias with the mask); twice the length, four times that.
+MAX_PACKED_CONTEXT_LENGTH = 32768
 
 
 def mesh_for(distributed: Any, world_size: int) -> Mesh:
@@ -85,8 +90,20 @@ def mesh_problems(spec: RunSpec) -> list[Problem]:
         )
     if m.context > 1:
         for st in spec.stages:
+            key = "data.max_seq_length" if st.index == 0 else f"stages.{st.index}.data.max_seq_length"
+            if st.data.packing and st.data.max_seq_length > MAX_PACKED_CONTEXT_LENGTH:
+                gib = st.data.max_seq_length**2 * 3 / 2**30  # the bool mask and a bf16 bias, per row
+                out.append(
+                    Problem(
+                        "device mesh",
+                        key,
+                        f"{key} {st.data.max_seq_length} with data.packing under distributed.context_parallel "
+                        f"needs a dense [B, 1, T, T] document mask and SDPA's bias from it: {gib:,.0f} GiB per "
+                        f"row (packed rows are refused above {MAX_PACKED_CONTEXT_LENGTH:,} tokens)",
+                        "set data.packing: false (unpacked rows attend causally, with no mask) or a shorter max_seq_length",
+                    )
+                )
             if st.data.max_seq_length % m.context:
-                key = "data.max_seq_length" if st.index == 0 else f"stages.{st.index}.data.max_seq_length"
                 out.append(
                     Problem(
                         "device mesh",
