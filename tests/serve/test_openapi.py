@@ -73,7 +73,7 @@ def test_docs_load_only_the_services_own_files(server):
         assert docs.status_code == 200, docs.text
         urls = [a or b for a, b in re.findall(r"""(?:src|href)=["']([^"']+)|url:\s*'([^']+)'""", docs.text)]
         assert sorted(urls) == sorted(
-            ["/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css", "/docs/assets/favicon-32x32.png"]
+            ["/docs/assets/swagger-ui-bundle.js", "/docs/assets/swagger-ui.css", "/docs/assets/favicon.png"]
             + ["/openapi.json"]
         ), urls
         for url in urls:

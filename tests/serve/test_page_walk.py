@@ -108,6 +108,17 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         driver.find_element(By.ID, "login").click()
         wait_for(lambda: dom(driver, "#no-jobs", visible=True), 30, "the empty state of the job list")
 
+        # 0. The API docs render in the browser with the page's session (Swagger UI 5 reads the
+        # OpenAPI 3.1 FastAPI writes; 4.15 answered "Unable to render this definition").
+        driver.get(srv.url + "/docs")
+        wait_for(lambda: len(dom(driver, ".opblock-summary-path")) > 10, 60, "the API's operations in /docs")
+        title = dom(driver, ".swagger-ui .info .title")[0]
+        assert title.startswith("scaletune serve") and "OAS 3.1" in title, title
+        assert "/api/jobs" in dom(driver, ".opblock-summary-path", "data-path")
+        assert "Unable to render" not in driver.page_source
+        driver.get(srv.url + "/")
+        wait_for(lambda: dom(driver, "#no-jobs", visible=True), 30, "the job list again")
+
         # 1. Bring data: the upload lands in the data area with every record.
         driver.find_element(By.ID, "data-file").send_keys(str(data_file))
         driver.find_element(By.ID, "data-upload").click()

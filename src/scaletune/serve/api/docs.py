@@ -1,6 +1,8 @@
 """/openapi.json and /docs (Swagger UI), both behind a read token; Swagger UI's script and style are
-served from the `swagger-ui-bundle` package (the serve extra), so /docs works without internet
-and its page loads nothing from another origin. Every URL carries the mount prefix (--root-path)."""
+served from the `fastapi-offline` package's copy of Swagger UI 5 (the serve extra), so /docs works
+without internet and its page loads nothing from another origin. Swagger UI 5 reads OpenAPI 3.1,
+the version FastAPI writes (4.x answered "Unable to render this definition"). Every URL carries
+the mount prefix (--root-path)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from scaletune.serve.edge.access import read
 from scaletune.serve.edge.guard import NONCE_KEY
 
 # The files /docs loads (the package ships more: sources maps, other bundles, a demo page).
-ASSETS = {"swagger-ui-bundle.js", "swagger-ui.css", "favicon-32x32.png"}
+ASSETS = {"swagger-ui-bundle.js", "swagger-ui.css", "favicon.png"}
 # Swagger UI sets style attributes and draws data: images; its one inline script runs by nonce.
 DOCS_CSP = (
     "default-src 'none'; script-src 'self' 'nonce-{nonce}'; style-src 'self' 'unsafe-inline'; "
@@ -45,7 +47,7 @@ def docs(request: Request):
         title="scaletune serve API",
         swagger_js_url=f"{root}/docs/assets/swagger-ui-bundle.js",
         swagger_css_url=f"{root}/docs/assets/swagger-ui.css",
-        swagger_favicon_url=f"{root}/docs/assets/favicon-32x32.png",
+        swagger_favicon_url=f"{root}/docs/assets/favicon.png",
     )
     nonce = getattr(request.state, NONCE_KEY, "")
     html = page.body.decode().replace("<script>", f'<script nonce="{nonce}">')
@@ -59,10 +61,10 @@ def docs_asset(name: str):
     """Swagger UI's own files, the same for everyone: no token needed."""
     if name not in ASSETS:
         raise HTTPException(404, "not a file of the API docs")
-    try:
-        from swagger_ui_bundle import swagger_ui_path
-    except ImportError:
-        raise HTTPException(
-            501, "the API docs need the swagger-ui-bundle package (pip install 'scaletune[serve]')"
-        ) from None
-    return FileResponse(str(swagger_ui_path / name), headers={"cache-control": "public, max-age=86400"})
+    import importlib.resources
+    import importlib.util
+
+    if importlib.util.find_spec("fastapi_offline") is None:
+        raise HTTPException(501, "the API docs need the fastapi-offline package (pip install 'scaletune[serve]')")
+    path = importlib.resources.files("fastapi_offline") / "static" / name
+    return FileResponse(str(path), headers={"cache-control": "public, max-age=86400"})
