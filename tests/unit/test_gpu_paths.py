@@ -57,12 +57,9 @@ def test_fsdp_asks_for_cpu_collectives_exactly_when_offloading(monkeypatch):
         monkeypatch.setenv(var, value)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     env = make_env(2, gpus=2)
-    precision = torch.get_float32_matmul_precision()  # setup sets TF32 for a bf16 run on GPUs
-    try:
-        for section in ({"strategy": "fsdp"}, {"strategy": "fsdp", "offload_params": True}, {"strategy": "ddp"}):
-            make_strategy(resolve(config(distributed=section), env)).setup()
-    finally:
-        torch.set_float32_matmul_precision(precision)  # the legacy setter, as setup's: getters stay readable
+    # setup sets TF32 for a bf16 run on GPUs; tests/conftest.py's `_tf32_restored` turns it back
+    for section in ({"strategy": "fsdp"}, {"strategy": "fsdp", "offload_params": True}, {"strategy": "ddp"}):
+        make_strategy(resolve(config(distributed=section), env)).setup()
     assert started == ["nccl", "cpu:gloo,cuda:nccl", "nccl"]
 
 

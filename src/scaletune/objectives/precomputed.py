@@ -64,7 +64,7 @@ def _computation(spec: RunSpec) -> dict:
         "mesh": str(spec.mesh),
         "micro_batch_size": spec.batch.micro_batch_size,
         "attention": m.attn_implementation,
-        "packing": any(stage.data.packing for stage in spec.stages),
+        "packing": spec.packs,
         "liger": m.liger,
         "device": "cuda" if spec.env.cuda_available else "cpu",
     }

@@ -56,9 +56,10 @@ def choose_checkpointing(spec: RunSpec) -> CheckpointingChoice:
     if mem is None:
         return CheckpointingChoice(False, "no device memory to plan with")
     entry = plan(spec, gpu_memory_bytes=mem).for_run(spec)
+    assert entry.activations == entry.activations_ckpt, "asked with checkpointing assumed on"
+    with_it = entry.total
     extra = entry.activations_no_ckpt - entry.activations_ckpt
-    without = entry.total - entry.activations + entry.activations_no_ckpt + extra // 10
-    with_it = without - extra - extra // 10
+    without = with_it + extra + extra // 10
     per_rank = f"{without / GIB:.1f} GiB a rank without it, {with_it / GIB:.1f} with it, of {mem / GIB:.1f}"
     if without <= mem:
         return CheckpointingChoice(False, f"the plan fits without it ({per_rank})")

@@ -241,6 +241,11 @@ class RunSpec:
         return self.config.model.factory is not None
 
     @property
+    def packs(self) -> bool:
+        """Some stage packs its rows (`data.packing`)."""
+        return any(stage.data.packing for stage in self.stages)
+
+    @property
     def freezes_per_stage(self) -> bool:
         """Some stage names what trains (`trainable` / `frozen`)."""
         return any(s.trainable is not None or s.frozen is not None for s in self.stages)

@@ -94,8 +94,7 @@ class PretrainedSource(ModelSource):
         from scaletune.models import load_config
         from scaletune.models.attention import packed_attention
 
-        m = self.spec.config.model
-        packing = any(stage.data.packing for stage in self.spec.stages)
+        m, packing = self.spec.config.model, self.spec.packs
         return packed_attention(m, load_config(m) if packing else None, packing=packing, device=str(strategy.device))
 
     def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
