@@ -62,17 +62,9 @@ SHARED_RUN_GROUPS = {
 }
 
 
-# Modules whose tests go to the workers one by one: each test is a minute or more of its own runs, and
-# what they share (a module-scoped single-process reference) is cheaper to compute on both workers
-# than to wait for on one.
-SPREAD = {"tests/distributed/test_edge_matrix.py"}
-
-
 def worker_group(nodeid: str) -> str:
     """The xdist unit of the test `nodeid` (its path relative to the repository, then `::`)."""
     path = nodeid.split("::", 1)[0]
-    if path in SPREAD:
-        return nodeid
     return "system" if path.startswith("tests/system/") else SHARED_RUN_GROUPS.get(path, path)
 
 

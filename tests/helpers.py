@@ -179,6 +179,30 @@ def run_torchrun(
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
 
 
+SEQUENTIAL_RUNS = REPO_ROOT / "tests" / "distributed" / "sequential_runs.py"
+
+
+def train_sequentially(jobs: dict[str, list[str]], folder: Path, *, nproc: int, timeout: int = 1800) -> dict[str, str]:
+    """Each `scaletune` command line of `jobs` (name -> argv after `scaletune`), one after another,
+    in the ranks of one `torchrun --nproc-per-node nproc` (tests/distributed/sequential_runs.py:
+    torch and transformers imported once for them all). Returns name -> rank 0's output of that job.
+
+    Raises AssertionError naming the job that failed, with the end of its output."""
+    folder.mkdir(parents=True, exist_ok=True)
+    logs = {name: folder / f"{name}.log" for name in jobs}
+    spec = [{"argv": [str(a) for a in argv], "log": str(logs[name])} for name, argv in jobs.items()]
+    (folder / "jobs.json").write_text(json.dumps(spec, indent=1))
+    proc = run_torchrun(SEQUENTIAL_RUNS, folder / "jobs.json", nproc=nproc, timeout=timeout)
+    for name, log in logs.items():
+        status = log.with_name(f"{log.name}.exit")
+        said = log.read_text() if log.exists() else ""
+        assert status.exists() and status.read_text() == "0", (
+            f"{name} ({' '.join(jobs[name])}) did not finish (torchrun exit {proc.returncode}):\n"
+            f"{said[-4000:]}\n{proc.stderr[-3000:]}"
+        )
+    return {name: log.read_text() for name, log in logs.items()}
+
+
 def finish_driver(out: Path, results: dict) -> None:
     """The end of a driver that runs under torchrun (tests/distributed/test_*_parallel.py): rank 0
     writes `results` to `out` as JSON, then every rank leaves the process group together. (A rank

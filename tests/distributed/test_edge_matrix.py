@@ -1,8 +1,8 @@
 """The edges a user meets after the even-shard parity runs, under ddp, fsdp, ZeRO-1, ZeRO-2 and
-ZeRO-3 at world sizes 2 and 3, each started as users start it (`scaletune train CONFIG key=value ...
-distributed.num_processes=N`, which re-executes under torchrun, or `torchrun -m scaletune train`)
-and compared with the single-process run of the same config (fp32: loss, grad_norm, lr and
-eval_loss of metrics.jsonl within 1e-5, relative; the sample answers equal).
+ZeRO-3 at world sizes 2 and 3, each the command line a user types (`scaletune train CONFIG
+key=value ... distributed.num_processes=N`) and compared with the single-process run of the same
+config (fp32: loss, grad_norm, lr and eval_loss of metrics.jsonl within 1e-5, relative; the sample
+answers equal).
 
 One config holds every edge, so each (strategy, world size) is one run:
 
@@ -38,9 +38,16 @@ which those checks prove whole and equal to the control's, so an engine's merge 
 Also: a dataset smaller than one global batch (exit 2, one message, no traceback) and your own
 model (`model.factory`, examples/digits) across two processes through the real command.
 
-Half of the same-world-size resumes start through torchrun and half through the plain command;
-the resumes on the other world size start through torchrun (the ranks reshard; what the plain
-command adds, its preflight before it re-executes, is the same-world-size resumes' and the runs').
+How they start (:data:`USER_CASES`): ZeRO-3 at 2 and ZeRO-2 at 3 exactly as users start them, the
+run through the plain command (which re-executes under torchrun and sizes each rank's threads), the
+same-world-size resume through the plain command and `torchrun -m scaletune train` respectively,
+the resharding resume through torchrun. The other eight cases pass the same command lines to
+`scaletune.cli.main` one after another in the ranks of three torchruns
+(tests/distributed/sequential_runs.py): their subject is the engines' arithmetic and files, which
+does not depend on the process being fresh, and what the plain command adds around the loop is the
+user cases' (and every other distributed module's). A torchrun's ranks import torch and
+transformers once for their 4-12 runs; each run's own processes did it before (the module took
+1,888 CPU-s in CI at a9454a0, 121 processes).
 """
 
 from __future__ import annotations
@@ -48,14 +55,23 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.helpers import BUNDLED_ALPACA, REPO_ROOT, assert_same_logits, logits, metrics, run_cli, run_torchrun
+from tests.helpers import (
+    BUNDLED_ALPACA,
+    REPO_ROOT,
+    assert_same_logits,
+    logits,
+    metrics,
+    run_cli,
+    run_torchrun,
+    train_sequentially,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -69,27 +85,22 @@ STRATEGIES = {
     "zero2": ["distributed.strategy=deepspeed", "distributed.zero_stage=2"],
     "zero3": ["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
 }
-# (strategy, world size, how the same-world-size resume starts): every engine at world sizes 2 and
-# 3. The cases are spread over the test workers one by one (tests/conftest.py SPREAD): about two
-# minutes each on 2 busy cores.
-CASES = [
-    ("fsdp", 2, "torchrun"),
-    ("zero3", 3, "torchrun"),
-    ("ddp", 3, "scaletune"),
-    ("zero2", 2, "scaletune"),
-    ("zero1", 3, "torchrun"),
-    ("fsdp", 3, "scaletune"),
-    ("zero3", 2, "scaletune"),
-    ("ddp", 2, "torchrun"),
-    ("zero2", 3, "torchrun"),
-    ("zero1", 2, "scaletune"),
-]
+# Every engine at world sizes 2 and 3. Two cases start every run of theirs as users start them: the
+# run through the plain command (`scaletune train ... distributed.num_processes=N`, re-executed under
+# torchrun), its resume on the same world size through the command named here, the other through
+# `torchrun -m scaletune train`. The other eight run the same command lines one after another in
+# the ranks of three torchruns (tests/distributed/sequential_runs.py), which import torch and
+# transformers once for all of them where each run's processes did before.
+USER_CASES = {("zero3", 2): "scaletune", ("zero2", 3): "torchrun"}
+CASES = [(strategy, world) for world in (2, 3) for strategy in STRATEGIES]
+DRIVEN = [case for case in CASES if case not in USER_CASES]
 STAGE_END = 6  # stage a's last step: a stage-end checkpoint (stage_complete)
 MID_STAGE = 8  # stage b's second of four steps, layer 0 frozen
 # Which checkpoint a run of world size W resumes on W (the other on the other world size): with two
 # runs an engine, each engine meets all four cells of {stage end, mid-stage} x {same, other}.
 SAME_WORLD = {2: STAGE_END, 3: MID_STAGE}
 OTHER_WORLD = {2: 3, 3: 2}
+OTHER_STEP = {STAGE_END: MID_STAGE, MID_STAGE: STAGE_END}
 # LoRA: the head stays frozen. A full fine-tune's gradient norm agrees across engines only to a few
 # 1e-4 (the float32 norm of the head's 6.4M gradient values, summed in another order: GRAD_REL in
 # tests/helpers.py); the adapters' norm agrees to 1e-5 like the loss.
@@ -260,42 +271,95 @@ def test_the_single_process_adapter_exports_and_merges(module_tmp_path, referenc
     assert_lora_exports(reference, reference, module_tmp_path / "single-exports", "single process", merge=True)
 
 
-def resume(edge_yaml: Path, run: Path, out: Path, step: int, strategy: str, world: int, via: str) -> str:
-    """Resume `run`'s step-`step` checkpoint into `out` on `world` processes; its output."""
-    checkpoint = run / "checkpoints" / f"step-{step}"
-    proc = scaletune_train(
-        edge_yaml,
-        f"output_dir={out}",
-        f"training.resume={checkpoint}",
-        *STRATEGIES[strategy],
-        nproc=world,
-        via=via,
-    )
-    trained(proc, f"{strategy} resumed from step {step} on {world} processes")
-    assert min(m["step"] for m in metrics(out)) == step + 1
-    return proc.stdout + proc.stderr
+def cells(world: int) -> list[tuple[int, int, float]]:
+    """The two resumes of a run on `world` processes: (checkpoint step, world size it resumes on,
+    the bound its steps keep to the single process)."""
+    same = SAME_WORLD[world]
+    return [(same, world, REL), (OTHER_STEP[same], OTHER_WORLD[world], RESHARD_REL)]
 
 
-@pytest.mark.parametrize(("strategy", "world", "resume_via"), CASES)
-def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_path, edge_yaml, reference):
+def run_args(edge_yaml: Path, out: Path, strategy: str, world: int, resume: Path | None = None) -> list[str]:
+    """The command line (after `scaletune`) of a case's run, or of its resume from `resume`."""
+    args = ["train", str(edge_yaml), f"output_dir={out}", *STRATEGIES[strategy], f"distributed.num_processes={world}"]
+    return args + ([f"training.resume={resume}"] if resume is not None else [])
+
+
+@dataclass
+class Case:
+    """What a (strategy, world size) case left: its run and output, and each resume's (by
+    (checkpoint step, world size resumed on))."""
+
+    run: Path
+    said: str
+    resumed: dict[tuple[int, int], tuple[Path, str]] = field(default_factory=dict)
+
+
+def checkpoint(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step}"
+
+
+@pytest.fixture(scope="module")
+def driven(module_tmp_path, edge_yaml) -> dict[tuple[str, int], Case]:
+    """The eight cases of :data:`DRIVEN`, each run and resume the command line a user types, in
+    three torchruns: the runs at world size 2; the runs at 3 and every resume onto 3; every resume
+    onto 2."""
+    root = module_tmp_path / "driven"
+    runs = {(strategy, world): root / f"{strategy}-{world}" for strategy, world in DRIVEN}
+    resumes = {
+        (case, step, on): root / f"{case[0]}-{case[1]}-from-{step}-on-{on}"
+        for case in DRIVEN
+        for step, on, _ in cells(case[1])
+    }
+    phases: dict[str, tuple[int, dict[str, list[str]]]] = {"runs-2": (2, {}), "runs-3": (3, {}), "resumes-2": (2, {})}
+    for (strategy, world), out in runs.items():
+        phases[f"runs-{world}"][1][out.name] = run_args(edge_yaml, out, strategy, world)
+    for (case, step, on), out in resumes.items():
+        phase = "runs-3" if on == 3 else "resumes-2"
+        phases[phase][1][out.name] = run_args(edge_yaml, out, case[0], on, checkpoint(runs[case], step))
+    said: dict[str, str] = {}
+    for name, (nproc, jobs) in phases.items():
+        said |= train_sequentially(jobs, root / f"{name}-logs", nproc=nproc, timeout=TIMEOUT * len(jobs))
+    cases = {case: Case(out, said[out.name]) for case, out in runs.items()}
+    for (case, step, on), out in resumes.items():
+        cases[case].resumed[(step, on)] = (out, said[out.name])
+    return cases
+
+
+def by_command(edge_yaml: Path, root: Path, strategy: str, world: int) -> Case:
+    """A case of :data:`USER_CASES`: the run through the plain command, then its two resumes."""
+    run = root / f"{strategy}-{world}"
+    proc = scaletune_train(edge_yaml, f"output_dir={run}", *STRATEGIES[strategy], nproc=world)
+    trained(proc, f"{strategy} at world size {world}")
+    # The plain command gives each CPU rank its share of the cores it may use (torchrun would give 1).
+    threads = max(1, len(os.sched_getaffinity(0)) // world)
+    assert f"starting {world} processes: OMP_NUM_THREADS={threads} " in proc.stderr, proc.stderr[-3000:]
+    assert f"CPU threads: {threads} per rank (OMP_NUM_THREADS: " in proc.stderr
+    case = Case(run, proc.stdout + proc.stderr)
+    for (step, on, _), via in zip(cells(world), (USER_CASES[(strategy, world)], "torchrun")):
+        out = root / f"{strategy}-{world}-from-{step}-on-{on}"
+        resume = f"training.resume={checkpoint(run, step)}"
+        proc = scaletune_train(edge_yaml, f"output_dir={out}", resume, *STRATEGIES[strategy], nproc=on, via=via)
+        trained(proc, f"{strategy} x{world} resumed from step {step} on {on} ({via})")
+        case.resumed[(step, on)] = (out, proc.stdout + proc.stderr)
+    return case
+
+
+@pytest.mark.parametrize(("strategy", "world"), CASES)
+def test_edges_match_the_single_process(strategy, world, module_tmp_path, edge_yaml, reference, request):
     """Every logged step and eval of the run equals the single process within 1e-5, the sample
     answers too. At world size 2 its LoRA export is checked by content (:func:`assert_lora_exports`).
     Its two resumes (at stage a's end and inside stage b; one on this world size, one on
     the other) go on exactly as the single process did, and the adapters stage b freezes end
     bit-identical to this run's."""
-    run = module_tmp_path / f"{strategy}-{world}"
-    start = time.monotonic()
-    proc = scaletune_train(edge_yaml, f"output_dir={run}", *STRATEGIES[strategy], nproc=world)
-    trained(proc, f"{strategy} at world size {world}")
-    took = time.monotonic() - start
-    # The plain command gives each CPU rank its share of the cores it may use (torchrun would give 1).
-    threads = max(1, len(os.sched_getaffinity(0)) // world)
-    assert f"starting {world} processes: OMP_NUM_THREADS={threads} " in proc.stderr, proc.stderr[-3000:]
-    assert f"CPU threads: {threads} per rank (OMP_NUM_THREADS: " in proc.stderr
+    if (strategy, world) in USER_CASES:
+        case = by_command(edge_yaml, module_tmp_path, strategy, world)
+    else:
+        case = request.getfixturevalue("driven")[(strategy, world)]
+    run = case.run
     if strategy.startswith("zero"):  # DeepSpeed's CPU shared-memory all-reduce is neither built nor loaded
-        assert "shm_comm" not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+        assert "shm_comm" not in case.said, case.said[-3000:]
     for phase in ("sample answers before training", "sample answers after training"):  # counted, not silent
-        assert f"[scaletune] {phase}: " in proc.stderr, phase
+        assert f"[scaletune] {phase}: " in case.said, phase
     full = agreement(run, reference)
     samples, expected = ([json.loads(line) for line in (r / "samples.jsonl").open()] for r in (run, reference))
     assert samples == expected and all("trained" in s for s in samples)
@@ -307,16 +371,11 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
     if world == 2:  # LoRA out of every engine (each engine has one case at world size 2)
         assert_lora_exports(run, reference, module_tmp_path / f"{strategy}-{world}-exports", f"{strategy} x2")
 
-    cells = [
-        (SAME_WORLD[world], world, resume_via, REL),
-        ({STAGE_END: MID_STAGE, MID_STAGE: STAGE_END}[SAME_WORLD[world]], OTHER_WORLD[world], "torchrun", RESHARD_REL),
-    ]
     report = {}
-    for step, on, via, rel in cells:
-        out = module_tmp_path / f"{strategy}-{world}-from-{step}-on-{on}"
-        start = time.monotonic()
-        said = resume(edge_yaml, run, out, step, strategy, on, via)
-        name = f"step {step} on {on} ({via}, {time.monotonic() - start:.0f} s)"
+    for step, on, rel in cells(world):
+        out, said = case.resumed[(step, on)]
+        name = f"step {step} on {on}"
+        assert min(m["step"] for m in metrics(out)) == step + 1, name
         if step == STAGE_END:
             assert "resumed at the end of stage a (step 6): stage b starts, its schedule continued" in said, said[
                 -3000:
@@ -324,7 +383,7 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
         if on != world:
             assert f"resharded step-{step}: written by {world} rank(s)" in said, said[-3000:]
         else:
-            assert f"resumed from {run / 'checkpoints' / f'step-{step}'}" in said, said[-3000:]
+            assert f"resumed from {checkpoint(run, step)}" in said, said[-3000:]
         report[name] = agreement(out, reference, after=step)
         got = frozen_adapters(out)
         assert got.keys() == frozen.keys()
@@ -332,10 +391,7 @@ def test_edges_match_the_single_process(strategy, world, resume_via, module_tmp_
             assert torch.equal(got[key], tensor), f"{strategy} x{world} -> {name}: frozen {key} changed"
         for key, diff in report[name].items():
             assert diff <= rel, f"{strategy} x{world} resumed from {name}: {key} differs by {diff:.2e} relative"
-    print(
-        f"\n[edge] {strategy} x{world}: {took:.0f} s; worst relative difference: {json.dumps(full)}; "
-        f"resumed: {json.dumps(report)}"
-    )
+    print(f"\n[edge] {strategy} x{world}: worst relative difference: {json.dumps(full)}; resumed: {json.dumps(report)}")
     for key, diff in full.items():
         assert diff <= REL, f"{strategy} x{world}: {key} differs by {diff:.2e} relative"
 

@@ -4,6 +4,7 @@ sockets for the port, fixed (and real) disk numbers, a real DeepSpeed op builder
 from __future__ import annotations
 
 import collections
+import gc
 import shutil
 import socket
 import time
@@ -347,10 +348,18 @@ def test_preflight_names_every_fatal_problem_fast(tmp_path):
     with pytest.raises(UserError):
         preflight(c, environ)  # the modules it imports on first use, outside the measure
     # This thread's CPU, not the wall clock: a loaded machine (CI's other worker) stretches the latter.
-    t0 = time.thread_time()
-    with pytest.raises(UserError) as info:
-        preflight(c, environ)
-    assert time.thread_time() - t0 < 1.0
+    # Without the garbage collector's full passes, which a test worker holding the objects of earlier
+    # tests pays at any allocation (1.1-1.3 s here once in a while, where the preflight is 0.3 s).
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.thread_time()
+        with pytest.raises(UserError) as info:
+            preflight(c, environ)
+        took = time.thread_time() - t0
+    finally:
+        gc.enable()
+    assert took < 1.0
     text = info.value.format()
     assert "distributed variables" in text and "quantization" in text and "batch arithmetic" in text
     ok = preflight(cfg(tmp_path), {})

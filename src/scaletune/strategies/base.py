@@ -97,8 +97,13 @@ class Strategy(MemoryProbe, ABC):
     def teardown(self) -> None:
         self._wait_group = None
         if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+            self.destroy_process_group()
             self._owns_group = False
+
+    def destroy_process_group(self) -> None:
+        """End the default group this strategy started (an engine that caches groups of its own
+        releases them here too, so a later run in the same process starts clean)."""
+        dist.destroy_process_group()
 
     def barrier(self) -> None:
         """Wait for every rank, typically while rank 0 works alone (tokenisation, checkpoint

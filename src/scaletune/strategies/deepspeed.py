@@ -134,6 +134,18 @@ class DeepSpeedStrategy(Strategy):
             self._hf_ds_config = None
         super().teardown()
 
+    def destroy_process_group(self) -> None:
+        # DeepSpeed keeps its data-parallel (and other) groups in module globals
+        # (deepspeed/utils/groups.py); destroying through deepspeed.comm releases them, where
+        # torch's own call leaves them pointing at the destroyed group, and the next engine of the
+        # process fails in its first broadcast ("Group ... is not registered").
+        from deepspeed.comm import comm
+
+        if comm.cdb is None:  # the run ended before DeepSpeed's communication was set up
+            super().destroy_process_group()
+        else:
+            comm.destroy_process_group()
+
     def make_scaler(self) -> Any:
         return None  # DeepSpeed's fp16 mode scales the loss itself (dynamic, `fp16.loss_scale: 0`)
 

@@ -20,6 +20,7 @@ Two groups, two timeouts:
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 from collections.abc import Iterable, MutableMapping, Sequence
@@ -127,6 +128,9 @@ def derive_gloo_ifname(
     log.info(f"GLOO_SOCKET_IFNAME={name} (derived from NCCL_SOCKET_IFNAME={spec}: gloo needs one concrete name)")
 
 
+_GROUPS_STARTED = itertools.count()  # default groups this process started on torchrun's store
+
+
 def init_process_group(
     env: DistributedEnv,
     backend: str = "auto",
@@ -171,11 +175,13 @@ def init_process_group(
         # torchrun keeps one store across restarts: without a per-attempt prefix, restarted ranks
         # read the addresses the killed ranks published and gloo fails with "connectFullMesh ...
         # Connection refused" (pytorch#167288).
+        # The same holds for a group started again in the same process (a second run of the
+        # trainer in one torchrun's ranks): each gets a prefix of its own, counted alike on every rank.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
         )
-        kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}", store)
+        kwargs["store"] = dist.PrefixStore(f"scaletune/attempt-{attempt}/group-{next(_GROUPS_STARTED)}", store)
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     return True
 
