@@ -203,6 +203,28 @@ def train_sequentially(jobs: dict[str, list[str]], folder: Path, *, nproc: int, 
     return {name: log.read_text() for name, log in logs.items()}
 
 
+def train_batch(
+    configs: dict[str, dict], folder: Path, *, timeout: int = 600
+) -> dict[str, subprocess.CompletedProcess]:
+    """`scaletune train` of each config (name -> a :func:`make_config` dict), those of one world size
+    (`distributed.num_processes`) one after another in the ranks of one torchrun
+    (:func:`train_sequentially`). Returns name -> a record of the run as :func:`train` returns it:
+    returncode 0 and rank 0's output as stderr (a run that fails raises AssertionError)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    by_world: dict[int, dict[str, list[str]]] = {}
+    for name, cfg in configs.items():
+        path = folder / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        by_world.setdefault(cfg.get("distributed", {}).get("num_processes", 1), {})[name] = ["train", str(path)]
+    said: dict[str, str] = {}
+    for world, jobs in sorted(by_world.items()):
+        said |= train_sequentially(jobs, folder / f"world-{world}", nproc=world, timeout=timeout * len(jobs))
+    return {
+        name: subprocess.CompletedProcess(["scaletune", "train", str(folder / f"{name}.yaml")], 0, "", said[name])
+        for name in configs
+    }
+
+
 def finish_driver(out: Path, results: dict) -> None:
     """The end of a driver that runs under torchrun (tests/distributed/test_*_parallel.py): rank 0
     writes `results` to `out` as JSON, then every rank leaves the process group together. (A rank

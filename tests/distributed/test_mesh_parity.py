@@ -1,6 +1,4 @@
-"""Tensor, context and pipeline parallelism through the user's command: `scaletune train` with
-`num_processes` (re-executed under torchrun) and under `torchrun` itself, at world sizes 2 and 4, each
-layout against the single-process run of the same config (fp32, the same global batches): the loss
+"""Tensor, context and pipeline parallelism at world sizes 2 and 4, each layout against the single-process run of the same config (fp32, the same global batches): the loss
 and gradient norm of every one of the 8 steps, the token count, the exported final/ model's logits,
 the planner's bytes per rank, a checkpoint written with tensor 2 resumed with tensor 1 and one
 written with pipeline 2 resumed with pipeline 1 and 2, and evaluation through the pipeline.
@@ -9,7 +7,12 @@ The single-process references are the parity runs of tests/distributed/test_pari
 `run_once` names and sections, trained once per session) and their packed twins here.
 
 Every layout appears once; together the cases cover packed and unpacked rows, LoRA (with gradient
-checkpointing) and full fine-tuning (the other cells of the 6 x 2 x 2 product: see CASES)."""
+checkpointing) and full fine-tuning (the other cells of the 6 x 2 x 2 product: see MESH_CASES).
+
+How they start: data 2 x tensor 2 (world size 4) and pipeline 2 through the user's command,
+`scaletune train` with `num_processes` (re-executed under torchrun), tensor 2 under `torchrun -m
+scaletune train`; the other four layouts' command lines one after another in the ranks of one
+torchrun per world size (run_once: their subject is the layout's arithmetic and files)."""
 
 from __future__ import annotations
 
@@ -19,11 +22,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.parity_cases import LAYOUTS, PACKED, SINGLE, resume_run
+from tests.distributed.parity_cases import (
+    LAYOUTS,
+    MESH_CASES,
+    SHARED_RUNS,
+    USER_LAYOUTS,
+    layout_name,
+    resume_run,
+    single_name,
+)
 from tests.helpers import (
     BUNDLED_ALPACA,
     GRAD_REL,
-    LORA,
     assert_same_logits,
     assert_same_steps,
     logits,
@@ -38,46 +48,30 @@ pytestmark = pytest.mark.distributed
 
 REL = 1e-4
 STATES = ("params", "grads", "optimizer")
-# (layout, method, packed) through the command: every layout of LAYOUTS (tensor 2 with full
-# fine-tuning on unpacked rows is the torchrun test below, whose checkpoint the resume test reads),
-# each of tensor, context and pipeline with both methods and both row kinds. The other cells of the
+# (layout, method, packed): every layout of LAYOUTS (tensor 2 with full fine-tuning on unpacked rows
+# is the torchrun test below, whose checkpoint the resume test reads), each of tensor, context and
+# pipeline with both methods and both row kinds (parity_cases.MESH_CASES). The other cells of the
 # 6 x 2 x 2 product add no code path of their own: the method and the row kind under each layout
 # are held against one process per parameter by the drivers (tests/distributed/test_tensor_parallel.py:
 # full and LoRA; test_context_parallel.py: padded and packed rows, with and without checkpointing;
 # test_pipeline_parallel.py: pipeline 2 and pipeline 2 x data 2, full and LoRA, padded and packed).
-CASES = [
-    ("context2", "full", True),
-    ("data2-tensor2", "lora", True),
-    ("data2-context2", "lora", False),
-    ("pipeline2", "full", False),
-    ("pipeline2", "lora", True),
-    ("data2-pipeline2", "full", True),
-]
 
 
 def reference(run_once, method: str, packed: bool):
     """The single-process run (test_parity's for unpacked rows) of the same config."""
-    name = {"full": "single", "lora": "single-lora"}[method] + ("-packed" if packed else "")
-    return run_once(
-        name,
-        model=LORA if method == "lora" else {},
-        distributed=SINGLE,
-        **({"data": PACKED} if packed else {}),
-    )[0]
+    name = single_name(method, packed)
+    return run_once(name, **SHARED_RUNS[name])[0]
 
 
 def layout_run(run_once, layout: str, method: str, packed: bool):
-    name = f"{layout}-{method}{'-packed' if packed else ''}"
-    return run_once(
-        name,
-        launcher="scaletune",  # the plain command (re-executed); torchrun's is torchrun_tensor2
-        model=LORA if method == "lora" else {},
-        distributed={"strategy": "fsdp", **LAYOUTS[layout]},
-        **({"data": PACKED} if packed else {}),
-    )
+    """The layout's run: through the plain command (re-executed under torchrun) for
+    parity_cases.USER_LAYOUTS, else in run_once's torchrun of its world size."""
+    name = layout_name(layout, method, packed)
+    launcher = "scaletune" if (layout, method, packed) in USER_LAYOUTS else "batch"
+    return run_once(name, launcher=launcher, **SHARED_RUNS[name])
 
 
-@pytest.mark.parametrize("layout, method, packed", CASES)
+@pytest.mark.parametrize("layout, method, packed", MESH_CASES)
 def test_layout_reproduces_the_single_process_run(layout, method, packed, run_once):
     run, proc = layout_run(run_once, layout, method, packed)
     ref = reference(run_once, method, packed)

@@ -1,8 +1,11 @@
-"""Loss parity: every strategy at world size 2 (started as `torchrun --nproc-per-node 2 -m
-scaletune train`: run_once) reproduces the single-process loss and gradient norm (fp32) of the
-same global batch, step by step over 8 optimizer steps; the exported final/
-gives the same logits; the single-process runs reproduce the golden file and train (they beat an
-lr=0 run of the same batches)."""
+"""Loss parity: every strategy at world size 2 reproduces the single-process loss and gradient norm
+(fp32) of the same global batch, step by step over 8 optimizer steps; the exported final/ gives the
+same logits; the single-process runs reproduce the golden file and train (they beat an lr=0 run of
+the same batches).
+
+The runs are run_once's (tests/distributed/conftest.py): those of one world size one after another
+in the ranks of one torchrun, each the command line a user types; the device_map case starts as
+`torchrun --nproc-per-node 2 -m scaletune train`, its subject being the launcher."""
 
 from __future__ import annotations
 
@@ -17,11 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed.parity_cases import SINGLE
+from tests.distributed.parity_cases import FULL_CASES, LORA_CASES, SHARED_RUNS, SINGLE
 from tests.helpers import (
     ALPACA_5000,
     GRAD_REL,
-    LORA,
     REPO_ROOT,
     SMALL_TOKENIZER,
     assert_close,
@@ -43,40 +45,24 @@ GOLDEN_COMMAND = (
 )
 REL = 1e-4
 
-CASES = {
-    "ddp": {"strategy": "ddp"},
-    "fsdp": {"strategy": "fsdp"},
-    "fsdp-offload": {"strategy": "fsdp", "offload_params": True},
-    "zero1": {"strategy": "deepspeed", "zero_stage": 1},
-    "zero2": {"strategy": "deepspeed", "zero_stage": 2},
-    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
-    "zero2-offload-optimizer": {"strategy": "deepspeed", "zero_stage": 2, "offload_optimizer": True},
-    "zero3-offload-params": {
-        "strategy": "deepspeed",
-        "zero_stage": 3,
-        "offload_params": True,
-        "offload_optimizer": True,
-    },
-}
-LORA_CASES = {"ddp-lora-gc": {"strategy": "ddp"}, "fsdp-lora-gc": {"strategy": "fsdp"}}
 # The single-process runs the golden file holds: kind -> (run_once name, model section).
-GOLDEN_RUNS = {"full": ("single", {}), "lora": ("single-lora", LORA)}
+GOLDEN_RUNS = {"full": "single", "lora": "single-lora"}
 
 
-def world2(run_once, case: str, lora: bool = False):
-    dist = {**(LORA_CASES if lora else CASES)[case], "num_processes": 2}
-    return run_once(case, model=LORA if lora else {}, distributed=dist)
+def shared(run_once, name: str):
+    """The run_once run `name` of parity_cases.SHARED_RUNS."""
+    return run_once(name, **SHARED_RUNS[name])
 
 
 def reference(run_once, kind: str) -> Path:
-    name, model = GOLDEN_RUNS[kind]
-    return run_once(name, model=model, distributed=SINGLE)[0]
+    return shared(run_once, GOLDEN_RUNS[kind])[0]
 
 
-def config_of(run: Path) -> dict:
-    """The config file a run_once run was started with, its machine-specific paths named instead:
-    what the golden values depend on (with the model preset and the data, named here)."""
-    cfg = yaml.safe_load((run.parent / "config.yaml").read_text())
+def config_of(run: Path, proc) -> dict:
+    """The config file a run_once run was started with (the last argument of its command line),
+    its machine-specific paths named instead: what the golden values depend on (with the model
+    preset and the data, named here)."""
+    cfg = yaml.safe_load(Path(proc.args[-1]).read_text())
     assert cfg["output_dir"] == str(run) and cfg["data"]["train"]["path"] == str(ALPACA_5000)
     cfg["output_dir"] = "<output_dir>"
     cfg["model"]["name_or_path"] = (
@@ -128,7 +114,7 @@ def test_reference_matches_golden(run_once):
         kind: {"loss": [m["loss"] for m in steps(r)], "grad_norm": [m["grad_norm"] for m in steps(r)]}
         for kind, r in runs.items()
     }
-    configs = {kind: config_of(r) for kind, r in runs.items()}
+    configs = {kind: config_of(r, shared(run_once, GOLDEN_RUNS[kind])[1]) for kind, r in runs.items()}
     if update:
         GOLDEN.write_text(json.dumps({"provenance": provenance(configs), **got}, indent=2) + "\n")
     golden = json.loads(GOLDEN.read_text())
@@ -147,10 +133,9 @@ def test_reference_matches_golden(run_once):
         assert_close(got[kind]["grad_norm"], golden[kind]["grad_norm"], GRAD_REL, f"single-process {kind} grad_norm")
 
 
-# The control run: the LoRA config with learning rate 0. Its adapters keep lora_B = 0, so it
-# computes exactly the base model, on the same batches as both golden runs (the batches depend
-# only on the seed and the data): the control for the full run too.
-CONTROL = ("single-lora-lr0", {"model": LORA, "distributed": SINGLE, "training": {"learning_rate": 0.0}})
+# The control run ("single-lora-lr0"): the LoRA config with learning rate 0. Its adapters keep
+# lora_B = 0, so it computes exactly the base model, on the same batches as both golden runs (the
+# batches depend only on the seed and the data): the control for the full run too.
 # The last step's loss must be below the control's by at least this (measured: full 0.50, LoRA 0.078).
 MARGIN = {"full": 0.3, "lora": 0.05}
 
@@ -160,7 +145,7 @@ def test_loss_moves_because_of_training(run_once):
     from 11.545 to 11.523 in 8 steps), so "the last loss is below the first" proves nothing.
     Each trained run is compared with the lr=0 run of the same batches instead: equal before its
     first update, below at every step after it, and by MARGIN at the last step."""
-    control = steps(run_once(CONTROL[0], **CONTROL[1])[0])
+    control = steps(shared(run_once, "single-lora-lr0")[0])
     assert all(m["lr"] == 0 for m in control)
     for kind in GOLDEN_RUNS:
         trained = steps(reference(run_once, kind))
@@ -173,9 +158,9 @@ def test_loss_moves_because_of_training(run_once):
         assert after[-1][1] >= MARGIN[kind], f"{kind}: last step only {after[-1][1]:.4f} below the lr=0 control"
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", FULL_CASES)
 def test_full_finetune_parity(case, run_once):
-    run, _ = world2(run_once, case)
+    run, _ = shared(run_once, case)
     ref = reference(run_once, "full")
     # DDP computes the gradient norm as the single process does; FSDP and ZeRO sum it otherwise.
     grad_rel = REL if case == "ddp" else GRAD_REL
@@ -188,7 +173,7 @@ def test_full_finetune_parity(case, run_once):
 # DDP is where LoRA with gradient checkpointing used to fail ("mark a variable ready only once").
 @pytest.mark.parametrize("case", LORA_CASES)
 def test_lora_gradient_checkpointing_parity(case, run_once):
-    run, proc = world2(run_once, case, lora=True)
+    run, proc = shared(run_once, case)
     assert "Expected to mark a variable ready only once" not in proc.stderr
     ref = reference(run_once, "lora")
     assert_same_steps(run, ref, REL, f"{case} at world size 2 vs single process")
@@ -198,7 +183,10 @@ def test_lora_gradient_checkpointing_parity(case, run_once):
 def test_device_map_auto_under_two_processes(run_once):
     """The seed failure: device_map auto asked for under a launcher trains, with the message."""
     run, proc = run_once(
-        "ddp-device-map", model={"device_map": "auto"}, distributed={"strategy": "ddp", "num_processes": 2}
+        "ddp-device-map",
+        launcher="torchrun",  # its subject is the launcher: `torchrun -m scaletune train`
+        model={"device_map": "auto"},
+        distributed={"strategy": "ddp", "num_processes": 2},
     )
     assert "device_map" in proc.stderr and "set aside" in proc.stderr
     assert_same_steps(run, reference(run_once, "full"), REL, "ddp with device_map auto")

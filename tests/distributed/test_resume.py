@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed.parity_cases import SINGLE, STRATEGIES, resume_run
+from tests.distributed.parity_cases import SHARED_RUNS, SINGLE, STRATEGIES, resume_run
 from tests.helpers import (
     GRAD_REL,
     LORA,
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("case", ["single", "ddp", "fsdp", "zero2"])
 def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
     """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
-    full, _ = run_once(case, distributed=STRATEGIES[case])
+    full, _ = run_once(case, **SHARED_RUNS[case])
     ckpt = full / "checkpoints" / "step-4"
     progress = json.loads((ckpt / "progress.json").read_text())
     assert progress["step"] == 4 and progress["sample_offset"] == 32 and progress["world_size"] in (1, 2)
@@ -104,8 +104,8 @@ def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_
 def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4 (the gradient norm within GRAD_REL)."""
-    ref = run_once("single", distributed=SINGLE)[0]
-    two, _ = run_once(case, distributed=STRATEGIES[case])
+    ref = run_once("single", **SHARED_RUNS["single"])[0]
+    two, _ = run_once(case, **SHARED_RUNS[case])
     one_dist = {**STRATEGIES[case], "num_processes": 1}
     one, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", one_dist, "one", save_every=2)
     assert "resharded step-4: written by 2 rank(s)" in proc.stderr and "now 1" in proc.stderr
@@ -118,8 +118,8 @@ def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_p
 @pytest.mark.parametrize("case", ["fsdp", "zero3"])
 def test_export_from_sharded_checkpoint(case, run_once, tmp_path):
     """`scaletune export` of the final sharded checkpoint = the single-process model's logits."""
-    two, _ = run_once(case, distributed=STRATEGIES[case])
-    ref = run_once("single", distributed=SINGLE)[0]
+    two, _ = run_once(case, **SHARED_RUNS[case])
+    ref = run_once("single", **SHARED_RUNS["single"])[0]
     proc = run_cli(["export", str(two / "checkpoints" / "step-8"), "-o", str(tmp_path / "export")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "export" / "model.safetensors").is_file()
@@ -127,7 +127,7 @@ def test_export_from_sharded_checkpoint(case, run_once, tmp_path):
 
 
 def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
-    run, _ = run_once("single-lora", model=LORA, distributed=SINGLE)
+    run, _ = run_once("single-lora", **SHARED_RUNS["single-lora"])
     proc = run_cli(["export", str(run), "-o", str(tmp_path / "merged"), "--merge-lora"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
@@ -140,7 +140,7 @@ def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
 
 
 def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
-    full, _ = run_once("single", distributed=SINGLE)
+    full, _ = run_once("single", **SHARED_RUNS["single"])
     ckpt = full / "checkpoints" / "step-4"
     # A path that does not exist, a folder that is not a checkpoint: exit 2, nothing written.
     for bad, message in ((tmp_path / "nope", "does not exist"), (tiny_model_dir, "is not a checkpoint")):
