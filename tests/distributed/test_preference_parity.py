@@ -1,8 +1,9 @@
-"""Preference training (issue 24) is the same computation on 1 or 2 ranks: DPO through `scaletune
-train` at world size 2 (re-executed under torchrun) under DDP, FSDP2 and DeepSpeed ZeRO-2/3, with
-each reference mode, reproduces the single-process loss and gradient norm at every step (fp32), the
+"""Preference training (issue 24) is the same computation on 1 or 2 ranks: DPO at world size 2 under
+DDP, FSDP2 and DeepSpeed ZeRO-2/3, with each reference mode, reproduces the single-process loss and gradient norm at every step (fp32), the
 eval set (5 pairs: uneven over 2 ranks) included; one micro-batch of 4 pairs equals 4 of 1; and an
-SFT -> DPO run resumed inside its DPO stage continues as the uninterrupted run.
+SFT -> DPO run resumed inside its DPO stage continues as the uninterrupted run. DDP with the `base`
+reference starts through `scaletune train` at world size 2 (re-executed under torchrun); the other
+runs' command lines run one after another in the ranks of one torchrun per world size.
 
 Data: 24 training and 5 held-out pairs from the real Alpaca records (chosen = the record's output,
 rejected = the output of the record 7 places on), rendered with the tiny model's ChatML template.
@@ -26,6 +27,7 @@ from tests.helpers import (
     metrics,
     steps,
     train,
+    train_batch,
 )
 
 pytestmark = pytest.mark.distributed
@@ -51,43 +53,6 @@ def pair_files(tmp_path_factory) -> tuple[Path, Path]:
         path.write_text("\n".join(json.dumps(p) for p in _pairs(part, 7)) + "\n")
         out.append(path)
     return out[0], out[1]
-
-
-@pytest.fixture(scope="module")
-def dpo_run(tiny_model_dir, tmp_path_factory, pair_files):
-    """`dpo_run(name, model={...}, distributed={...}, training={...})` -> run dir, trained once per name."""
-    cache: dict[str, Path] = {}
-    train_file, eval_file = pair_files
-
-    def run(name: str, **sections) -> Path:
-        if name not in cache:
-            tmp = tmp_path_factory.mktemp(name)
-            base = {
-                "data": {
-                    "train": {"path": str(train_file), "format": "preference"},
-                    "eval": {"path": str(eval_file), "format": "preference"},
-                    "max_seq_length": 64,
-                },
-                "training": {
-                    "objective": "dpo",
-                    "global_batch_size": 8,
-                    "micro_batch_size": 2,
-                    "max_steps": 3,
-                    "warmup_steps": 0,
-                    "learning_rate": 1e-3,
-                    "eval_every": 0,
-                    "eval_on_start": True,
-                    "save_every": 0,
-                },
-            }
-            cfg = make_config(tiny_model_dir, tmp / "run", base, **sections)
-            train(cfg, tmp)
-            cache[name] = tmp / "run"
-        return cache[name]
-
-    yield run
-    for run_dir in cache.values():
-        shutil.rmtree(run_dir.parent, ignore_errors=True)
 
 
 def _evals(run: Path) -> list[dict]:
@@ -125,11 +90,8 @@ CASES = [("base", "ddp"), ("base", "zero3"), ("precomputed", "zero3"), ("model",
 
 
 @pytest.mark.parametrize(("mode", "engine"), CASES)
-def test_dpo_parity_at_world_size_2(mode, engine, dpo_run):
-    model = MODES[mode]
-    pref = {"preference": {"beta": 0.1, "reference": mode}}
-    ref = dpo_run(f"single-{mode}", model=model, distributed=SINGLE, training=pref)
-    run = dpo_run(f"{engine}-{mode}", model=model, distributed={**ENGINES[engine], "num_processes": 2}, training=pref)
+def test_dpo_parity_at_world_size_2(mode, engine, dpo_runs):
+    ref, run = dpo_runs[f"single-{mode}"], dpo_runs[f"{engine}-{mode}"]
     first = steps(ref)[0]
     # Before the first update the policy is the reference: every reward is 0, the loss log 2.
     assert first["loss"] == pytest.approx(0.693147, abs=1e-5) and first["reward_margin"] == pytest.approx(0, abs=1e-5)
@@ -153,14 +115,9 @@ def test_dpo_parity_at_world_size_2(mode, engine, dpo_run):
             assert 0.45 * whole < rank["reference"] < 0.6 * whole, (engine, rank, whole)
 
 
-def test_micro_batch_split_does_not_change_the_step(dpo_run):
+def test_micro_batch_split_does_not_change_the_step(dpo_runs):
     """One micro-batch of 4 pairs per step equals 4 micro-batches of 1 (gradient accumulation)."""
-    one = {"global_batch_size": 4, "micro_batch_size": 4, "eval_on_start": False}
-    four = {"global_batch_size": 4, "micro_batch_size": 1, "eval_on_start": False}
-    no_eval = {"eval": None}
-    a = dpo_run("single-1x4", distributed=SINGLE, training=one, data=no_eval)
-    b = dpo_run("single-4x1", distributed=SINGLE, training=four, data=no_eval)
-    assert_same_steps(b, a, REL, "4 micro-batches of 1 pair vs 1 of 4")
+    assert_same_steps(dpo_runs["single-4x1"], dpo_runs["single-1x4"], REL, "4 micro-batches of 1 pair vs 1 of 4")
 
 
 OBJECTIVES = ["ipo", "orpo", "simpo", "kto"]
@@ -207,16 +164,75 @@ def objective_stages(kto_files: tuple[Path, Path]) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("objective", OBJECTIVES)
-def test_other_objectives_parity_under_ddp(objective, dpo_run, kto_files):
-    """IPO, ORPO, SimPO and KTO (its KL pass over the whole global batch) under DDP at world size 2,
-    one stage each of the same two runs (world sizes 1 and 2)."""
+def dpo_base(pair_files: tuple[Path, Path]) -> dict:
+    """Every run's config before its own sections: DPO on the pairs, 3 steps of 8 pairs in
+    micro-batches of 2, an eval before the first step and at the end."""
+    train_file, eval_file = pair_files
+    return {
+        "data": {
+            "train": {"path": str(train_file), "format": "preference"},
+            "eval": {"path": str(eval_file), "format": "preference"},
+            "max_seq_length": 64,
+        },
+        "training": {
+            "objective": "dpo",
+            "global_batch_size": 8,
+            "micro_batch_size": 2,
+            "max_steps": 3,
+            "warmup_steps": 0,
+            "learning_rate": 1e-3,
+            "eval_every": 0,
+            "eval_on_start": True,
+            "save_every": 0,
+        },
+    }
+
+
+def module_runs(kto_files: tuple[Path, Path]) -> dict[str, dict]:
+    """Every run of this module by name, its sections over :func:`dpo_base`."""
+    runs: dict[str, dict] = {}
+    for mode, engine in CASES:
+        pref = {"preference": {"beta": 0.1, "reference": mode}}
+        runs[f"single-{mode}"] = {"model": MODES[mode], "distributed": SINGLE, "training": pref}
+        two = {**ENGINES[engine], "num_processes": 2}
+        runs[f"{engine}-{mode}"] = {"model": MODES[mode], "distributed": two, "training": pref}
+    no_eval = {"eval": None}
+    for name, micro in (("single-1x4", 4), ("single-4x1", 1)):
+        split = {"global_batch_size": 4, "micro_batch_size": micro, "eval_on_start": False}
+        runs[name] = {"distributed": SINGLE, "training": split, "data": no_eval}
     training = {"preference": {"beta": 0.1, "reference": "precomputed"}}
     stages = objective_stages(kto_files)
-    ref = dpo_run("single-objectives", distributed=SINGLE, training=training, stages=stages)
-    run = dpo_run(
-        "ddp-objectives", distributed={"strategy": "ddp", "num_processes": 2}, training=training, stages=stages
-    )
+    runs["single-objectives"] = {"distributed": SINGLE, "training": training, "stages": stages}
+    ddp = {"strategy": "ddp", "num_processes": 2}
+    runs["ddp-objectives"] = {"distributed": ddp, "training": training, "stages": stages}
+    return runs
+
+
+# Through the plain command (`scaletune train` of 2 processes, re-executed under torchrun); the
+# others' command lines one after another in the ranks of one torchrun per world size
+# (tests/helpers.py train_batch): their subject is the objective's arithmetic.
+USER_RUN = "ddp-base"
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tiny_model_dir, tmp_path_factory, pair_files, kto_files) -> dict[str, Path]:
+    """Every run of :func:`module_runs`, trained: name -> run directory."""
+    folder = tmp_path_factory.mktemp("dpo")
+    configs = {
+        name: make_config(tiny_model_dir, folder / name, dpo_base(pair_files), **sections)
+        for name, sections in module_runs(kto_files).items()
+    }
+    train(configs[USER_RUN], folder, name=f"{USER_RUN}.yaml")
+    train_batch({name: cfg for name, cfg in configs.items() if name != USER_RUN}, folder / "configs")
+    yield {name: folder / name for name in configs}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_other_objectives_parity_under_ddp(objective, dpo_runs):
+    """IPO, ORPO, SimPO and KTO (its KL pass over the whole global batch) under DDP at world size 2,
+    one stage each of the same two runs (world sizes 1 and 2)."""
+    ref, run = dpo_runs["single-objectives"], dpo_runs["ddp-objectives"]
     assert [m["stage"] for m in steps(ref)] == [s for s in OBJECTIVES for _ in range(3)]
 
     def mine(lines: list[dict]) -> list[dict]:
