@@ -1,7 +1,9 @@
 """Bring data (the serve page's data part): uploads into the data area through the real service
 (each format, hostile names, the size limit, malformed files), the area readable by a job's
 config under the policy, and the preview compared with what the trainer itself builds
-(`build_datasets`' label masks and truncation counts); one headless-Chromium walk of the page."""
+(`build_datasets`' label masks and truncation counts); a file's format told from its keys, and a
+file of another format than the config's refused in one line naming the fix; headless-Chromium
+walks of the page (upload, preview, use; a chat file used with its format)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import yaml
 
 from scaletune.serve.edge.auth import create_token
 from scaletune.serve.edge.policy import Policy, data_area
+from scaletune.serve.jobs.data_formats import FORMATS
 from scaletune.serve.jobs.data_preview import MEASURED
 from scaletune.serve.jobs.datasets import SUFFIXES
 from tests.helpers import ALPACA_5000, make_config, wait_for
-from tests.serve.serve_helpers import SHARED_DATA, Server, client, dom, headless_chromium
+from tests.serve.serve_helpers import REPO_ROOT, SHARED_DATA, Server, client, dom, headless_chromium
 
 ALPACA = json.loads(ALPACA_5000.read_text())
 
@@ -79,7 +82,8 @@ def test_upload_each_format_and_list(srv):
         r = upload(srv, name, body)
         assert r.status_code == 201, r.text
         entry = r.json()
-        assert entry == {"name": name, "size": len(body), "records": 40, "path": str(area / name)}
+        want = {"name": name, "size": len(body), "records": 40, "path": str(area / name), "format": "alpaca"}
+        assert entry == want
         assert Path(entry["path"]).read_bytes() == body
         # The control: the trainer's own reader finds the records that were sent.
         got = load_records(DataSource(path=entry["path"], format="alpaca"))
@@ -464,5 +468,182 @@ def test_page_uploads_and_previews(srv, tiny_model_dir, tmp_path):
         driver.find_element(By.ID, "data-preview").click()
         wait_for(lambda: dom(driver, "#data-problems li"), 30, "the problems")
         assert "model.name_or_path" in " ".join(dom(driver, "#data-problems li"))
+    finally:
+        driver.quit()
+
+
+# Issue 39 (1), "Own chat data cannot pass the form". The chat rows are the repository's bundled
+# Alpaca records (examples/data/alpaca_400.json) turned into `messages` rows by `as_format`: a
+# system turn, the instruction (and input) as the user's, the output as the assistant's.
+BUNDLED = json.loads((REPO_ROOT / "examples" / "data" / "alpaca_400.json").read_text())
+SCHEMA_FORMATS = ["alpaca", "messages", "text", "preference", "kto"]  # DataSource.format's docstring
+
+
+def chat_rows(records: list[dict]) -> list[dict]:
+    return [as_format("messages", r) for r in records]
+
+
+def test_a_file_of_another_format_is_refused_in_one_line_naming_the_fix(srv, tiny_model_dir):
+    """A chat file read as `alpaca` was 20 lines of "missing field 'instruction'" / "'output'" and
+    "... and 172 more", none naming the key to set. Now the reader (`data.sources.load_records`, so
+    the command line and the service alike) refuses it in one line naming the file, the fields its
+    records have and lack and `data.train.format: messages`; the job's check and the preview answer
+    422 with it. Controls: the same records as alpaca rows pass as `alpaca`, the chat file passes
+    as `messages`; a file partly of another format gets the line, and once read as the format it
+    names, the lines of the records that are not; records of no format keep the reader's lines
+    (there is no format to name)."""
+    from scaletune.config import DataSource
+    from scaletune.data import load_records
+    from scaletune.errors import DataError
+
+    recs = BUNDLED[:96]
+    chat = upload(srv, "fmt-chat.jsonl", jsonl(chat_rows(recs))).json()
+    control = upload(srv, "fmt-alpaca.jsonl", jsonl(recs)).json()
+    assert (chat["format"], control["format"]) == ("messages", "alpaca")
+    cfg = make_config(tiny_model_dir, "run", training={"max_steps": 1, "save_every": 0})
+    c = client(srv, srv.submit)
+
+    def dry(path: str, fmt: str, **train) -> tuple[int, list[str]]:
+        cfg["data"]["train"] = {"path": path, "format": fmt, **train}
+        r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True})
+        return r.status_code, r.json().get("problems", [])
+
+    assert dry(control["path"], "alpaca") == (200, [])  # the control
+    assert dry(chat["path"], "messages") == (200, [])  # the fix the line names
+    fix = (
+        f"{chat['path']}: the records have 'messages', the fields of format messages, not 'instruction' or "
+        "'output' (format alpaca): set data.train.format: messages"
+    )
+    with pytest.raises(DataError) as raw:  # the reader itself, as `scaletune train` meets it
+        load_records(DataSource(path=chat["path"], format="alpaca"), "data.train.format")
+    assert raw.value.problems == [fix]
+    code, problems = dry(chat["path"], "alpaca")
+    assert code == 422 and len(problems) == 1 and problems[0].endswith(f"data.train: {fix}"), problems
+    # The preview of the same file under the same config: the same line.
+    r = c.post("/api/data/preview", json={"file": chat["name"], "config": yaml.safe_dump(cfg)})
+    assert r.status_code == 422 and r.json()["problems"] == [fix], r.text
+    # The other way round: alpaca rows read as messages.
+    code, problems = dry(control["path"], "messages")
+    assert code == 422 and len(problems) == 1, problems
+    assert problems[0].endswith("not 'messages' (format messages): set data.train.format: alpaca"), problems
+    # Partly another format: the line; read as the format it names, the two records that are not.
+    mixed = chat_rows(recs[:12])
+    mixed[4], mixed[8] = recs[4], recs[8]
+    path = upload(srv, "fmt-mixed.jsonl", jsonl(mixed)).json()["path"]
+    code, problems = dry(path, "alpaca")
+    assert code == 422 and len(problems) == 1 and problems[0].endswith("set data.train.format: messages"), problems
+    code, problems = dry(path, "messages")
+    assert code == 422 and [p.split("data.train: ", 1)[1] for p in problems] == [
+        f"{path}:5: record 5: missing field 'messages' (format messages)",
+        f"{path}:9: record 9: missing field 'messages' (format messages)",
+    ], problems
+    # Records of no format: nothing to name, the reader's lines stay.
+    odd = upload(srv, "fmt-odd.jsonl", jsonl([{"question": r["instruction"], "answer": r["output"]} for r in recs]))
+    assert odd.json()["format"] is None
+    code, problems = dry(odd.json()["path"], "alpaca")
+    assert code == 422 and len(problems) == 21 and "missing field 'instruction'" in problems[0], problems
+
+
+def test_template_of_alpaca_with_another_format_is_one_problem(srv, tiny_model_dir):
+    """`data.train.format: messages` typed into a config that keeps the quickstart's `template: chat`:
+    the schema's line says why, and the "give data.train" line that came with it (data.train is
+    given) is gone. The control: a config without data.train still gets it."""
+    path = upload(srv, "fmt-template.jsonl", jsonl(chat_rows(BUNDLED[:16]))).json()["path"]
+    cfg = make_config(tiny_model_dir, "run")
+    cfg["data"]["train"] = {"path": path, "format": "messages", "template": "chat"}
+    c = client(srv, srv.submit)
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True})
+    assert r.status_code == 422
+    (only,) = r.json()["problems"]
+    assert only.endswith("data.train: template chat applies to format alpaca only (format messages has its own)")
+    del cfg["data"]["train"]
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg), "dry_run": True})
+    assert r.status_code == 422 and any(
+        p.endswith("data: give data.train (a file or data set), data.factory or data.dummy")
+        for p in r.json()["problems"]
+    )
+
+
+def test_page_uses_a_chat_file_with_its_format(srv, tiny_model_dir, tmp_path):
+    """Issue 39 (1) through the page, as a person does it: load the quickstart example (alpaca
+    records rendered as chat turns, `template: chat`, the first 96), give the tiny model, upload a
+    chat JSONL and click "Use this file". The format field shows `messages`, the YAML's data.train
+    is the file and its format alone (the example's `template` and `max_samples` gone, its other
+    keys kept), and the plan preview the page sends (a dry run: the job's preflight) passes. Set
+    back to alpaca, the page shows the one line naming the fix, beside the format field."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    local = tmp_path / "own-chat.jsonl"
+    local.write_bytes(jsonl(chat_rows(BUNDLED[:96])))
+    example = yaml.safe_load((REPO_ROOT / "examples" / "quickstart.yaml").read_text())
+    assert example["data"]["train"]["template"] == "chat" and example["data"]["train"]["max_samples"] == 96
+    driver = headless_chromium(tmp_path / "profile")
+
+    def yaml_now() -> dict:
+        return yaml.safe_load(driver.find_element(By.ID, "config").get_attribute("value")) or {}
+
+    def chosen(css: str) -> str:
+        return driver.find_element(By.CSS_SELECTOR, css).get_attribute("value")
+
+    try:
+        driver.get(srv.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(srv.submit)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: "quickstart" in dom(driver, "#f-example option", "value"), 30, "the examples")
+        # What the page sends to POST /api/jobs, kept as sent.
+        driver.execute_script(
+            "window.sent=[];const f=window.fetch;window.fetch=(u,o)=>{if(String(u).endsWith('api/jobs')&&o&&o.body)"
+            "window.sent.push(JSON.parse(o.body));return f(u,o)}"
+        )
+        Select(driver.find_element(By.ID, "f-example")).select_by_value("quickstart")
+        driver.find_element(By.ID, "f-load-example").click()
+        wait_for(lambda: yaml_now().get("data") == example["data"], 30, "the example's YAML")
+        wait_for(lambda: chosen("#f-format") == "alpaca", 30, "the example's format in the form")
+        # The field offers the formats the schema takes (config/schema.py DataSource.format), and unset.
+        assert dom(driver, "#f-format option", "value") == ["", *FORMATS] == ["", *SCHEMA_FORMATS]
+        model = driver.find_element(By.ID, "f-model")
+        model.clear()
+        model.send_keys(str(tiny_model_dir))
+        wait_for(lambda: yaml_now()["model"]["name_or_path"] == str(tiny_model_dir), 30, "the model in the YAML")
+        driver.find_element(By.ID, "data-file").send_keys(str(local))
+        driver.find_element(By.ID, "data-upload").click()
+        wait_for(lambda: "format messages" in " ".join(dom(driver, "#data-files li")), 30, "the upload, its format")
+        driver.find_element(By.ID, "data-use").click()
+        wait_for(lambda: chosen("#f-format") == "messages", 30, "messages in the format field")
+        area = str(data_area(srv.svc.home) / "own-chat.jsonl")
+        now = yaml_now()
+        assert now["data"] == {**example["data"], "train": {"path": area, "format": "messages"}}, now["data"]
+        assert {k: v for k, v in now.items() if k not in ("data", "model")} == {
+            k: v for k, v in example.items() if k not in ("data", "model")
+        }
+
+        def passed() -> bool:
+            sent = driver.execute_script("return window.sent")
+            last = yaml.safe_load(sent[-1]["config"]) if sent else {}
+            return (
+                last.get("data", {}).get("train", {}).get("format") == "messages"
+                and "".join(dom(driver, "#plan-state")) == "plan of the YAML above"
+                and not dom(driver, "#problems li")
+            )
+
+        wait_for(passed, 90, f"the plan preview of the chat file (problems: {dom(driver, '#problems li')})")
+        sent = driver.execute_script("return window.sent")[-1]
+        assert sent["dry_run"] is True and yaml.safe_load(sent["config"]) == yaml_now()
+        assert dom(driver, "#plan [data-plan=strategy]")[0].startswith("single")
+        # The control: the same request through the API passes too.
+        r = client(srv, srv.submit).post("/api/jobs", json={**sent, "dry_run": True})
+        assert r.status_code == 200, r.text
+        # Back to alpaca: the refusal is the one line naming the fix, shown beside the format field.
+        Select(driver.find_element(By.ID, "f-format")).select_by_value("alpaca")
+        shown = wait_for(lambda: dom(driver, "#problems li"), 90, "the refusal")
+        assert len(shown) == 2 and shown[0].startswith("Plan preview refused (422)"), shown
+        assert f"data.train: {area}: the records have 'messages', the fields of format messages" in shown[1], shown
+        assert shown[1].endswith("set data.train.format: messages")
+        assert dom(driver, '.field-problem[data-for="f-format"]') == [shown[1]]
+        assert driver.find_element(By.ID, "f-format").get_attribute("aria-invalid") == "true"
+        driver.save_screenshot(
+            str(Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path) / "page-data-format.png")
+        )
     finally:
         driver.quit()

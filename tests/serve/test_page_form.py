@@ -209,3 +209,44 @@ def test_the_form_in_the_browser(server, tmp_path):
         driver.save_screenshot(str(shots / "page-form-phone.png"))
     finally:
         driver.quit()
+
+
+def test_using_a_file_sets_its_format_and_drops_what_described_the_example_data(server, tmp_path):
+    """Issue 39 (1): "Use this file" sends the form's `data_file` {path, format}. On the quickstart
+    (alpaca records of two files rendered as chat turns, `template: chat`, the first 96): a chat
+    file's format is set, and `template` (alpaca's only) and `max_samples` (sized for the example's
+    data) go, every other key staying; an alpaca file keeps `template: chat` (a choice for the
+    instruct model, not the data); a file of no format's keys keeps the format. The format field
+    alone, set to another format than alpaca, takes `template` out too. The control:
+    `config.read_config` with the overrides the answer lists gives the config of the YAML."""
+    path = REPO_ROOT / "examples" / "quickstart.yaml"
+    text = path.read_text()
+    before = yaml.safe_load(text)
+    own = str(tmp_path / "own.jsonl")  # apply only names it (the dry run reads it: test_page_data.py)
+    with client(server, server.read) as c:
+
+        def apply(fields: dict):
+            return c.post("/api/config/apply", json={"config": text, "fields": fields})
+
+        out = apply({"data_file": {"path": own, "format": "messages"}}).json()
+        after = yaml.safe_load(out["config"])
+        assert after["data"] == {**before["data"], "train": {"path": own, "format": "messages"}}
+        assert {k: v for k, v in after.items() if k != "data"} == {k: v for k, v in before.items() if k != "data"}
+        assert out["fields"]["data.train.format"] == "messages"
+        (tmp_path / "form.yaml").write_text(out["config"])
+        assert read_config(path, out["overrides"]).config == read_config(tmp_path / "form.yaml").config
+        kept = {"template": "chat"}
+        train = yaml.safe_load(apply({"data_file": {"path": own, "format": "alpaca"}}).json()["config"])["data"][
+            "train"
+        ]
+        assert train == {"path": own, "format": "alpaca", **kept}
+        train = yaml.safe_load(apply({"data_file": {"path": own, "format": None}}).json()["config"])["data"]["train"]
+        assert train == {"path": own, "format": "alpaca", **kept}
+        train = yaml.safe_load(apply({"data.train.format": "text"}).json()["config"])["data"]["train"]
+        assert train == {**{k: v for k, v in before["data"]["train"].items() if k != "template"}, "format": "text"}
+        for bad in ({"path": own, "format": "sharegpt"}, {"format": "messages"}, "own.jsonl"):
+            r = apply({"data_file": bad})
+            assert r.status_code == 422 and r.json()["problems"][0].startswith("data_file"), r.json()
+        # The defaults of the fields the YAML does not set come from the nested schema.
+        fields = c.post("/api/config/fields", json={"config": "model: {name_or_path: x}"}).json()
+        assert fields["fields"]["data.train.format"] is None and fields["defaults"]["data.train.format"] == "alpaca"

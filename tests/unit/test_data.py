@@ -506,6 +506,25 @@ def test_missing_fields_in_json_name_record_and_field(tmp_path):
     ]
 
 
+def test_records_of_another_format_are_one_line_naming_it(tmp_path):
+    """A chat file read as alpaca: one line naming the format its records have and the key to set,
+    not a "missing field" line a record (issue 39); its other problems follow. The control: records
+    of no format keep a line each."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": turns}] * 30 + [{"messages": "x", "y": 1}])
+    with pytest.raises(DataError) as err:
+        D.validate_data(DataConfig(train=DataSource(path=chat, format="alpaca")))
+    assert err.value.problems == [
+        f"data.train: {chat}: the records have 'messages', the fields of format messages, not 'instruction' "
+        "or 'output' (format alpaca): set data.train.format: messages"
+    ]
+    assert len(D.load_records(DataSource(path=chat, format="messages", max_samples=30))) == 30
+    odd = write_jsonl(tmp_path / "odd.jsonl", [{"question": "a", "answer": "b"}] * 3)
+    with pytest.raises(DataError) as err:
+        D.load_records(DataSource(path=odd))
+    assert len(err.value.problems) == 6 and all("missing field" in p for p in err.value.problems)
+
+
 def test_problem_list_is_capped(tmp_path):
     path = write_json(tmp_path / "a.json", [{"x": i} for i in range(15)])
     with pytest.raises(DataError) as err:

@@ -169,11 +169,18 @@ def read_config(
         problems += _format_errors(exc, source, lines, override_keys)
         # A model validator runs only once its own fields are valid; validate again with the
         # failing keys removed so those problems are reported now too, not after a fix.
-        pruned = _without(data, [e["loc"] for e in exc.errors()])
+        refused = [e["loc"] for e in exc.errors()]
+        pruned = _without(data, refused)
         try:
             best = Config.model_validate(pruned)
         except ValidationError as again:
-            problems += [p for p in _format_errors(again, source, lines, override_keys) if p not in problems]
+            # Not the echo of a removal: "give data.train ..." where data.train was given and refused.
+            echoes = tuple(".".join(map(str, loc)) for loc in refused if loc)
+            problems += [
+                p
+                for p in _format_errors(again, source, lines, override_keys)
+                if p not in problems and not any(f"give {name} " in p for name in echoes)
+            ]
     if problems:
         cfg = None
     return LoadedConfig(cfg, best, problems, source, lines, override_keys)

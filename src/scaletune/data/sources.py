@@ -130,7 +130,7 @@ def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).suffix.lower() in (".json", ".jsonl", ".parquet", ".csv")
 
 
-def load_records(source: DataSource) -> list[dict]:
+def load_records(source: DataSource, key: str = "format") -> list[dict]:
     """Read and check the records of one data source.
 
     Accepts a local ``.json`` file (a list of objects), a ``.jsonl`` file (one object per line), a
@@ -141,10 +141,15 @@ def load_records(source: DataSource) -> list[dict]:
         At most ``source.max_samples`` records (the first ones), each reduced to the fields of its
         format: ``{instruction, input, output}`` (``input`` defaults to ""), ``{messages}`` or ``{text}``.
 
+    `key`: how the fix names the source's format key (`data.train.format`) when the records are of
+    another format (:func:`_other_format`).
+
     Raises:
         DataError: the path does not exist (named); a JSONL line is not valid JSON (file:line); a
             record lacks a required field or has the wrong type (file, record number counted from
-            1, line for JSONL, the field). All problems are reported at once, the first 20 listed.
+            1, line for JSONL, the field). All problems are reported at once, the first 20 listed;
+            records that lack the format's fields because the file holds another format are one
+            line naming it.
     """
     if isinstance(source.path, list):
         return _load_files(source)
@@ -152,8 +157,11 @@ def load_records(source: DataSource) -> list[dict]:
     limit = source.max_samples
     problems: list[str] = []
     records: list[dict] = []
+    first: list[Any] = []
 
     def add(record: Any, where: str) -> None:
+        if not first:
+            first.append(record)
         norm, errs = _normalize(record, source, where)
         problems.extend(errs)
         if norm is not None:
@@ -183,10 +191,31 @@ def load_records(source: DataSource) -> list[dict]:
     else:
         for i, record in enumerate(_load_hf(source, path), 1):
             add(record, f"{path} [{source.split}]: record {i}")
-    _raise(problems)
+    _raise(_other_format(problems, source, first[0] if first else None, path, key))
     if not records:
         raise DataError(f"{path}: no records", title="invalid data")
     return records
+
+
+def _other_format(problems: list[str], source: DataSource, first: Any, path: str, key: str) -> list[str]:
+    """`problems` with the "missing field" lines of `source.format` replaced by one line naming the
+    fix, when the first record has the keys of another format (`config.starter.detect_format`): a
+    chat JSONL read as alpaca was 20 lines of "missing field 'instruction'" and a count, none
+    naming `format: messages` (issue 39). The records' other problems, if any, follow."""
+    from scaletune.config.starter import SIGNATURES, detect_format
+
+    detected = detect_format(first)
+    suffix = f"(format {source.format})"
+    missing = [p for p in problems if ": missing field '" in p and p.endswith(suffix)]
+    if detected is None or detected == source.format or not missing:
+        return problems
+    has = ", ".join(f"'{k}'" for k in dict(SIGNATURES)[detected])
+    lacks = " or ".join(dict.fromkeys(p.rsplit(": missing field ", 1)[1].removesuffix(suffix).strip() for p in missing))
+    fix = (
+        f"{path}: the records have {has}, the fields of format {detected}, not {lacks} "
+        f"(format {source.format}): set {key}: {detected}"
+    )
+    return [fix, *(p for p in problems if p not in set(missing))]
 
 
 def jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]) -> Iterator[tuple[str, Any]]:
@@ -365,7 +394,7 @@ def validate_data(data_cfg: DataConfig) -> None:
         if source is None:
             continue
         try:
-            n = len(load_records(source))
+            n = len(load_records(source, f"data.{key}.format"))
         except DataError as exc:
             problems += [f"data.{key}: {p}" for p in exc.problems]
             continue

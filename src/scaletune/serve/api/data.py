@@ -20,6 +20,7 @@ from scaletune.serve.api.schemas import E422, refusal
 from scaletune.serve.edge.access import Submitter, Svc, read
 from scaletune.serve.edge.policy import data_area
 from scaletune.serve.edge.teams import record
+from scaletune.serve.jobs.data_formats import detect_file
 from scaletune.serve.jobs.datasets import META, area_file, check_file, file_entry, listing, place, stored_name
 
 E413_422 = {**E422, 413: {"description": "the file is over max_upload_bytes, or the data area over max_data_bytes"}}
@@ -34,8 +35,9 @@ class PreviewRequest(BaseModel):
 
 @router.get("/api/data", dependencies=[read], tags=["data"])
 def list_data(svc: Svc):
-    """The uploaded data files: name, size (bytes), records, and `path`, what a config's
-    `data.train.path` names."""
+    """The uploaded data files: name, size (bytes), records, `path`, what a config's
+    `data.train.path` names, and `format`, the `data.train.format` whose keys its first record has
+    (null: no format's)."""
     return listing(svc.home)
 
 
@@ -82,7 +84,7 @@ async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[
             return refusal(f"{name}: not a readable data file", exc.problems)
         path, fresh = place(tmp, clean, h.hexdigest())
         if fresh:
-            meta = {"records": records, "sha256": h.hexdigest(), "by": c.name}
+            meta = {"records": records, "sha256": h.hexdigest(), "by": c.name, "format": detect_file(path)}
             path.with_name(META.format(path.name)).write_text(json.dumps(meta))
             record(svc.Session, c.name, "data.upload", detail=f"{path.name} {size} bytes")
         return JSONResponse(file_entry(path), status_code=201 if fresh else 200)

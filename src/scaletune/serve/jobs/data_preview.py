@@ -148,7 +148,7 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
 
         tok = load_tokenizer(mcfg.model_copy(update={"trust_remote_code": False}))
     source = dcfg.train
-    records = load_records(source)
+    records = load_records(source, "data.train.format")
     measured = records[:MEASURED]
     encoder = sft_encoder(source, dcfg, tok)
     pairs: list[tuple[list[int], list[int]]] = []

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from scaletune.errors import UserError
 from scaletune.serve.edge.policy import data_area
+from scaletune.serve.jobs.data_formats import detect_file
 
 SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
 MAX_NAME = 128
@@ -230,7 +231,16 @@ def file_entry(path: Path) -> dict:
         info = json.loads(meta.read_text())
     except (OSError, ValueError):
         info = {}
-    return {"name": path.name, "size": path.stat().st_size, "records": info.get("records"), "path": str(path)}
+    # The format its first record's keys say (None: no format's); told at upload, else now (a file
+    # uploaded before the service recorded it).
+    fmt = info["format"] if "format" in info else detect_file(path)
+    return {
+        "name": path.name,
+        "size": path.stat().st_size,
+        "records": info.get("records"),
+        "path": str(path),
+        "format": fmt,
+    }
 
 
 def listing(home: Path) -> list[dict]:

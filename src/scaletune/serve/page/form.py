@@ -3,10 +3,13 @@
 The round trip is the CLI's override path: a form field is a dotted config key, and setting it is
 `scaletune train config.yaml key=value` (`config.parse_override` on the YAML as `config.yamlfile`
 reads it), so the YAML the form writes loads to the same config as the command line with those
-overrides. Two fields are the form's own, mapped onto config keys: `method` (full / lora / qlora:
-`model.lora` and `model.quantization`) and `gradient_accumulation` (`training.global_batch_size` =
-micro batch x accumulation x world size). The YAML is written again by PyYAML: its comments and
-layout do not survive an edit from the form (its keys' order does).
+overrides. Three fields are the form's own, mapped onto config keys: `method` (full / lora / qlora:
+`model.lora` and `model.quantization`), `gradient_accumulation` (`training.global_batch_size` =
+micro batch x accumulation x world size) and `data_file` (the data part's "Use this file":
+`{path, format}` onto `data.train`, see :func:`data_overrides`). Setting `data.train.format` to
+another format than alpaca takes `data.train.template` out (a way to render alpaca records only).
+The YAML is written again by PyYAML: its comments and layout do not survive an edit from the form
+(its keys' order does).
 
 The examples are the `examples/*.yaml` of the service's working directory (where the Docker image
 copies them, and where their relative data paths are read from), else of the source checkout the
@@ -19,14 +22,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
+from pydantic import BaseModel
 
 from scaletune.config import DataConfig, ModelConfig, TrainingConfig, parse_override
 from scaletune.config.loader import plain_copy
 from scaletune.config.overrides import set_path  # the CLI's own key setting
 from scaletune.config.yamlfile import parse
+from scaletune.serve.jobs.data_formats import FORMATS
 
 METHODS = ("full", "lora", "qlora")
 #: The form's fields: dotted config keys, and the two the form maps onto config keys.
@@ -39,10 +44,15 @@ FIELDS = (
     "training.micro_batch_size",
     "gradient_accumulation",
     "training.global_batch_size",
+    "data.train.format",
     "data.max_seq_length",
     "data.eval_fraction",
     "training.sample_prompts",
 )
+#: The keys of `data.train` that describe the source a chosen file replaces, taken out with it: a
+#: cap on its records sized for that data (the quickstart's 96 of its two files), the column of its
+#: records, the split and subset of a data set name. A file is trained whole unless the person caps it.
+SOURCE_KEYS = ("max_samples", "field", "split", "subset")
 _BATCH = ("training.micro_batch_size", "training.global_batch_size")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _SECTIONS = {"model": ModelConfig, "training": TrainingConfig, "data": DataConfig}
@@ -85,11 +95,21 @@ def _get(data: Any, key: str) -> Any:
 
 
 def _default(key: str) -> Any:
-    section, _, name = key.partition(".")
-    info = _SECTIONS[section].model_fields.get(name) if section in _SECTIONS else None
-    if info is None:
-        return None
-    return info.default_factory() if info.default_factory is not None else info.default
+    """The schema's default of a dotted key (through nested sections: `data.train.format`); None
+    for a key it does not know or a field without a default."""
+    section, *names = key.split(".")
+    model = _SECTIONS.get(section)
+    for i, name in enumerate(names):
+        info = model.model_fields.get(name) if model is not None else None
+        if info is None:
+            return None
+        if i == len(names) - 1:
+            if info.is_required():
+                return None
+            return info.default_factory() if info.default_factory is not None else info.default
+        kinds = (info.annotation, *get_args(info.annotation))  # a section, or `Section | None`
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    return None
 
 
 def _int(v: Any) -> int | None:
@@ -145,6 +165,11 @@ def overrides_for(data: dict, fields: dict[str, Any], world_size: int = 1) -> tu
                 out.append("model.quantization=null")
         elif key == "gradient_accumulation":
             continue  # after the micro batch size it multiplies (below)
+        elif key == "data_file" or (key == "data.train.format" and value not in (None, "")):
+            found, sets, drops = data_overrides(data, key, value)
+            problems += found
+            out += sets
+            remove += drops
         elif not isinstance(key, str) or not _KEY.fullmatch(key):
             problems.append(f"{str(key)[:80]!r}: not a dotted config key")
         elif value is None or value == "" or value == []:
@@ -163,6 +188,38 @@ def overrides_for(data: dict, fields: dict[str, Any], world_size: int = 1) -> tu
     if problems:
         raise FormProblem(problems)
     return out, remove
+
+
+def data_overrides(data: dict, key: str, value: Any) -> tuple[list[str], list[str], list[str]]:
+    """(problems, overrides, keys to remove) of the form's `data_file` or `data.train.format` on
+    the config mapping `data`.
+
+    `data_file` ({path, format}: a file of the data area, and the format its records' keys say,
+    or null when they say none) sets `data.train.path` and, when given, `data.train.format`, and
+    takes out what described the source it replaces (:data:`SOURCE_KEYS`). Either field, setting a
+    format other than alpaca, takes out `data.train.template` (alpaca records' prompt format:
+    the schema refuses it with another format). Everything else of the config stays: the model,
+    `data.train.template` with alpaca records (a choice for the model, not the data), `data.eval`."""
+    train = _get(data, "data.train")
+    train = train if isinstance(train, dict) else {}
+    out: list[str] = []
+    remove: list[str] = []
+    fmt = value
+    if key == "data_file":
+        path = value.get("path") if isinstance(value, dict) else None
+        fmt = value.get("format") if isinstance(value, dict) else None
+        if not isinstance(path, str) or not path.strip():
+            return [f"data_file: {{path, format}} of a data file, not {str(value)[:80]!r}"], [], []
+        if fmt is not None and fmt not in FORMATS:
+            return [f"data_file.format: one of {', '.join(FORMATS)} or null, not {str(fmt)[:40]!r}"], [], []
+        out.append(f"data.train.path={_flow(path)}")
+        remove += [f"data.train.{k}" for k in SOURCE_KEYS if k in train]
+        if fmt is None:
+            return [], out, remove
+    out.append(f"data.train.format={_flow(fmt)}")
+    if fmt != "alpaca" and "template" in train:
+        remove.append("data.train.template")
+    return [], out, remove
 
 
 def apply_fields(text: str, fields: dict[str, Any], world_size: int = 1) -> tuple[str, dict, list[str]]:

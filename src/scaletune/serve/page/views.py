@@ -25,6 +25,7 @@ from scaletune.serve.edge.access import Svc, caller
 from scaletune.serve.edge.guard import NONCE_KEY
 from scaletune.serve.edge.teams import record
 from scaletune.serve.jobs import states as S
+from scaletune.serve.jobs.data_formats import FORMATS
 from scaletune.serve.jobs.db import Event, Job
 from scaletune.serve.jobs.service import TARGETS, JobService
 
@@ -105,7 +106,8 @@ def index(request: Request, svc: Svc):
     if c is None:
         return go(request, "login")
     targets = [t for t in TARGETS if t not in svc.policy.disabled_targets]  # the form offers these only
-    return page("index.html", request, jobs=[j.summary() for j in svc.list()], scope=c.scope, who=c, targets=targets)
+    jobs = [j.summary() for j in svc.list()]
+    return page("index.html", request, jobs=jobs, scope=c.scope, who=c, targets=targets, formats=FORMATS)
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
