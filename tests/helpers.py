@@ -204,12 +204,13 @@ def train_sequentially(jobs: dict[str, list[str]], folder: Path, *, nproc: int, 
 
 
 def train_batch(
-    configs: dict[str, dict], folder: Path, *, timeout: int = 600
+    configs: dict[str, dict], folder: Path, *, timeout: int = 300
 ) -> dict[str, subprocess.CompletedProcess]:
     """`scaletune train` of each config (name -> a :func:`make_config` dict), those of one world size
     (`distributed.num_processes`) one after another in the ranks of one torchrun
     (:func:`train_sequentially`). Returns name -> a record of the run as :func:`train` returns it:
-    returncode 0 and rank 0's output as stderr (a run that fails raises AssertionError)."""
+    returncode 0 and rank 0's output as stderr (a run that fails raises AssertionError). A
+    torchrun may take `timeout` seconds a job (a tiny run takes 20-60 s on two busy cores)."""
     folder.mkdir(parents=True, exist_ok=True)
     by_world: dict[int, dict[str, list[str]]] = {}
     for name, cfg in configs.items():

@@ -29,7 +29,7 @@ def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
     arithmetic and files: what the user's command adds around the loop is proven by the runs started
     with launcher="scaletune" (the plain command, re-executed under torchrun: two mesh layouts) or
     "torchrun" (`torchrun --nproc-per-node N -m scaletune train`: the device_map case), by the
-    resumes from these runs (`parity_cases.resume_run`, the plain command), the edge matrix's user
+    mesh layouts' resumes from these runs (`parity_cases.resume_run`, the plain command), the edge matrix's user
     cases, the preference and custom-model runs."""
     cache: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
     given: dict[str, dict] = {}

@@ -1,16 +1,19 @@
 """Resume exactly, reshard to another world size, export from sharded checkpoints.
 
 Every run here is the 8-step base config saving at step 4; the runs it resumes from are the
-parity runs (tests/distributed/conftest.py trains each once per session)."""
+parity runs (tests/distributed/conftest.py trains each once per session), and their resumes are
+trained together too (the `resumed` fixture)."""
 
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.parity_cases import SHARED_RUNS, SINGLE, STRATEGIES, resume_run
+from tests.distributed.parity_cases import SHARED_RUNS, SINGLE, STRATEGIES
 from tests.helpers import (
     GRAD_REL,
     LORA,
@@ -22,20 +25,52 @@ from tests.helpers import (
     run_cli,
     steps,
     train,
+    train_batch,
 )
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("case", ["single", "ddp", "fsdp", "zero2"])
-def test_exact_resume(case, run_once, tiny_model_dir, tmp_path):
+EXACT = ["single", "ddp", "fsdp", "zero2"]
+RESHARDED = ["fsdp", "zero2", "zero3"]
+
+
+@pytest.fixture(scope="module")
+def resumed(run_once, tiny_model_dir, tmp_path_factory) -> dict[str, tuple]:
+    """The resumes of run_once's runs, by name -> (run directory, record): `exact-CASE` from the
+    run's step 4 on its own world size; `one-CASE` from the two-rank run's step 4 on one process
+    (saving at step 6), `back-CASE` from that step 6 on two again. Each the command line a user
+    types, those of one world size one after another in the ranks of one torchrun (the one-process
+    resumes first: the two-rank ones read their checkpoints); resumes through the user's command
+    are the edge matrix's (tests/distributed/test_edge_matrix.py USER_CASES)."""
+    folder = tmp_path_factory.mktemp("resumed")
+    runs = {case: run_once(case, **SHARED_RUNS[case])[0] for case in {*EXACT, *RESHARDED}}
+    configs = {}
+
+    def resume(name: str, checkpoint: Path, dist: dict, **training) -> None:
+        training = {"resume": str(checkpoint), **training}
+        configs[name] = make_config(tiny_model_dir, folder / name, distributed=dist, training=training)
+
+    for case in EXACT:
+        resume(f"exact-{case}", runs[case] / "checkpoints" / "step-4", STRATEGIES[case])
+    for case in RESHARDED:
+        one = {**STRATEGIES[case], "num_processes": 1}
+        resume(f"one-{case}", runs[case] / "checkpoints" / "step-4", one, save_every=2)
+        resume(f"back-{case}", folder / f"one-{case}" / "checkpoints" / "step-6", STRATEGIES[case])
+    records = train_batch(configs, folder / "configs")
+    yield {name: (folder / name, records[name]) for name in configs}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_exact_resume(case, run_once, resumed):
     """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
     full, _ = run_once(case, **SHARED_RUNS[case])
     ckpt = full / "checkpoints" / "step-4"
     progress = json.loads((ckpt / "progress.json").read_text())
     assert progress["step"] == 4 and progress["sample_offset"] == 32 and progress["world_size"] in (1, 2)
-    run, proc = resume_run(tiny_model_dir, tmp_path, ckpt, STRATEGIES[case])
-    assert "resumed from" in proc.stderr
+    run, proc = resumed[f"exact-{case}"]
+    assert f"resumed from {ckpt}" in proc.stderr
     assert [m["step"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())] == [5, 6, 7, 8]
     assert_same_steps(run, full, 1e-5, f"{case}: resumed steps 5-8", first=4)
 
@@ -100,17 +135,15 @@ def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_
     )
 
 
-@pytest.mark.parametrize("case", ["fsdp", "zero2", "zero3"])
-def test_reshard_two_to_one_and_one_to_two(case, run_once, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("case", RESHARDED)
+def test_reshard_two_to_one_and_one_to_two(case, run_once, resumed):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4 (the gradient norm within GRAD_REL)."""
     ref = run_once("single", **SHARED_RUNS["single"])[0]
-    two, _ = run_once(case, **SHARED_RUNS[case])
-    one_dist = {**STRATEGIES[case], "num_processes": 1}
-    one, proc = resume_run(tiny_model_dir, tmp_path, two / "checkpoints" / "step-4", one_dist, "one", save_every=2)
+    one, proc = resumed[f"one-{case}"]
     assert "resharded step-4: written by 2 rank(s)" in proc.stderr and "now 1" in proc.stderr
     assert_same_steps(one, ref, 1e-4, f"{case}: 2 -> 1 ranks, steps 5-8", first=4, grad_rel=GRAD_REL)
-    back, proc = resume_run(tiny_model_dir, tmp_path, one / "checkpoints" / "step-6", STRATEGIES[case], "back")
+    back, proc = resumed[f"back-{case}"]
     assert "resharded step-6: written by 1 rank(s)" in proc.stderr and "now 2" in proc.stderr
     assert_same_steps(back, ref, 1e-4, f"{case}: 1 -> 2 ranks, steps 7-8", first=6, grad_rel=GRAD_REL)
 
