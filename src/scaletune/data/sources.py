@@ -215,7 +215,8 @@ def _other_format(problems: list[str], source: DataSource, first: Any, path: str
         f"{path}: the records have {has}, the fields of format {detected}, not {lacks} "
         f"(format {source.format}): set {key}: {detected}"
     )
-    return [fix, *(p for p in problems if p not in set(missing))]
+    folded = set(missing)
+    return [fix, *(p for p in problems if p not in folded)]
 
 
 def jsonl_records(raw: bytes, path: str, limit: int | None, problems: list[str]) -> Iterator[tuple[str, Any]]:
