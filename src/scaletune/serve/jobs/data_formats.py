@@ -7,7 +7,6 @@ format is refused in one line naming the fix by the reader itself: `data.sources
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any, get_args
 
@@ -16,22 +15,21 @@ from scaletune.config.starter import detect_format
 
 #: The values `data.train.format` takes, from the schema (the form's select offers these).
 FORMATS: tuple[str, ...] = get_args(DataSource.model_fields["format"].annotation)
-#: Bytes of a .json file read to find its first record; a longer first record reads the whole file.
-PEEK_BYTES = 1 << 20
 
 
 def first_record(path: Path) -> Any:
     """The first record of a data file as its suffix says: a JSONL file's first line, a JSON list's
-    first item, a CSV file's columns or a Parquet file's (as the keys of a record); None when the
-    file cannot be read so."""
+    first item (both through the trainer's reader: `data.sources.jsonl_records`, `iter_json_list`,
+    which decodes the list one item at a time), a CSV file's columns or a Parquet file's (as the keys
+    of a record); None when the file cannot be read so."""
+    from scaletune.data.sources import iter_json_list, json_text, jsonl_records
+
     suffix = path.suffix.lower()
     try:
         if suffix == ".jsonl":
-            with path.open("rb") as f:
-                line = next((x for x in f if x.strip()), None)
-            return json.loads(line) if line is not None else None
+            return next((record for _, record in jsonl_records(path.read_bytes(), str(path), 1, [])), None)
         if suffix == ".json":
-            return _first_of_list(path)
+            return next(iter_json_list(json_text(path.read_bytes(), str(path)), str(path)), None)
         if suffix == ".csv":
             with path.open(newline="", encoding="utf-8-sig") as f:
                 header = next(csv.reader(f), None)
@@ -40,24 +38,8 @@ def first_record(path: Path) -> Any:
             import pyarrow.parquet as pq
 
             return dict.fromkeys(pq.read_schema(path).names)
-    except (OSError, ValueError, RecursionError, csv.Error):  # JSON, UTF-8 and Arrow errors are ValueErrors
+    except (OSError, ValueError, RecursionError, csv.Error):  # the reader's DataError, Arrow's errors: ValueErrors
         return None
-    return None
-
-
-def _first_of_list(path: Path) -> Any:
-    with path.open("rb") as f:
-        head = f.read(PEEK_BYTES)
-        whole = not f.read(1)
-    for text in [head.decode("utf-8", errors="replace")] + ([] if whole else [path.read_text("utf-8")]):
-        at = len(text) - len(text.lstrip())
-        if not text.startswith("[", at):
-            return None
-        rest = text[at + 1 :]
-        try:
-            return json.JSONDecoder().raw_decode(rest, len(rest) - len(rest.lstrip()))[0]
-        except json.JSONDecodeError:
-            continue  # cut inside the first record: read the whole file
     return None
 
 
