@@ -20,7 +20,8 @@ RunFn = Callable[..., tuple[Path, subprocess.CompletedProcess]]
 def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
     """`run_once(name, launcher=..., model={...}, distributed={...}, training={...})` -> (run_dir,
     process): trains the base config with those sections updated, once per name; the runs (about
-    2.5 GB of checkpoints) are removed when the tests of this package are done.
+    2.5 GB of checkpoints) are removed when the tests of this package are done. `run_once(name)`
+    without sections: the name's entry in parity_cases.SHARED_RUNS.
 
     launcher="batch" (the default): the name's sections must be its entry in
     parity_cases.SHARED_RUNS, and the first such name asked for trains every entry of the same world
@@ -38,6 +39,7 @@ def run_once(tiny_model_dir, tmp_path_factory) -> Iterator[RunFn]:
         return sections.get("distributed", {}).get("num_processes", 1)
 
     def run(name: str, launcher: str = "batch", **sections: dict) -> tuple[Path, subprocess.CompletedProcess]:
+        sections = sections or SHARED_RUNS[name]
         if name in cache:
             assert given[name] == sections, f"run_once({name!r}) asked for with other sections than before"
             return cache[name]

@@ -9,14 +9,6 @@ from tests.helpers import LORA, make_config, train
 
 SINGLE = {"strategy": "single", "num_processes": 1}
 
-STRATEGIES = {
-    "single": SINGLE,
-    "ddp": {"strategy": "ddp", "num_processes": 2},
-    "fsdp": {"strategy": "fsdp", "num_processes": 2},
-    "zero2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
-    "zero3": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
-}
-
 # Rows of 128 tokens hold several Alpaca examples (at the base 64 most rows would hold one, truncated).
 PACKED = {"packing": True, "max_seq_length": 128}
 LAYOUTS = {
@@ -48,6 +40,8 @@ FULL_CASES = {
     },
 }
 LORA_CASES = {"ddp-lora-gc": {"strategy": "ddp"}, "fsdp-lora-gc": {"strategy": "fsdp"}}
+# The engines test_resume.py resumes: the single process, and those full-fine-tune runs at world size 2.
+STRATEGIES = {"single": SINGLE, **{k: {**FULL_CASES[k], "num_processes": 2} for k in ("ddp", "fsdp", "zero2", "zero3")}}
 # (layout, method, packed) of test_mesh_parity.py; the two in USER_LAYOUTS start through the plain
 # command (`scaletune train ... num_processes=N`, re-executed under torchrun), one at each world size.
 MESH_CASES = [
@@ -83,7 +77,9 @@ def _packed(packed: bool) -> dict:
 # (tests/helpers.py train_batch), all of them when the first is asked for.
 SHARED_RUNS: dict[str, dict] = {
     **{
-        single_name(m, p): {**_method(m), "distributed": SINGLE, **_packed(p)} for m in ("full", "lora") for p in (0, 1)
+        single_name(m, p): {**_method(m), "distributed": SINGLE, **_packed(p)}
+        for m in ("full", "lora")
+        for p in (False, True)
     },
     "single-lora-lr0": {"model": LORA, "distributed": SINGLE, "training": {"learning_rate": 0.0}},
     **{case: {"distributed": {**d, "num_processes": 2}} for case, d in FULL_CASES.items()},

@@ -25,7 +25,6 @@ import pytest
 from tests.distributed.parity_cases import (
     LAYOUTS,
     MESH_CASES,
-    SHARED_RUNS,
     USER_LAYOUTS,
     layout_name,
     resume_run,
@@ -60,7 +59,7 @@ STATES = ("params", "grads", "optimizer")
 def reference(run_once, method: str, packed: bool):
     """The single-process run (test_parity's for unpacked rows) of the same config."""
     name = single_name(method, packed)
-    return run_once(name, **SHARED_RUNS[name])[0]
+    return run_once(name)[0]
 
 
 def layout_run(run_once, layout: str, method: str, packed: bool):
@@ -68,7 +67,7 @@ def layout_run(run_once, layout: str, method: str, packed: bool):
     parity_cases.USER_LAYOUTS, else in run_once's torchrun of its world size."""
     name = layout_name(layout, method, packed)
     launcher = "scaletune" if (layout, method, packed) in USER_LAYOUTS else "batch"
-    return run_once(name, launcher=launcher, **SHARED_RUNS[name])
+    return run_once(name, launcher=launcher)
 
 
 @pytest.mark.parametrize("layout, method, packed", MESH_CASES)

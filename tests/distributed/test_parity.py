@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.distributed.parity_cases import FULL_CASES, LORA_CASES, SHARED_RUNS, SINGLE
+from tests.distributed.parity_cases import FULL_CASES, LORA_CASES, SINGLE
 from tests.helpers import (
     ALPACA_5000,
     GRAD_REL,
@@ -49,13 +49,8 @@ REL = 1e-4
 GOLDEN_RUNS = {"full": "single", "lora": "single-lora"}
 
 
-def shared(run_once, name: str):
-    """The run_once run `name` of parity_cases.SHARED_RUNS."""
-    return run_once(name, **SHARED_RUNS[name])
-
-
 def reference(run_once, kind: str) -> Path:
-    return shared(run_once, GOLDEN_RUNS[kind])[0]
+    return run_once(GOLDEN_RUNS[kind])[0]
 
 
 def config_of(run: Path, proc) -> dict:
@@ -114,7 +109,7 @@ def test_reference_matches_golden(run_once):
         kind: {"loss": [m["loss"] for m in steps(r)], "grad_norm": [m["grad_norm"] for m in steps(r)]}
         for kind, r in runs.items()
     }
-    configs = {kind: config_of(r, shared(run_once, GOLDEN_RUNS[kind])[1]) for kind, r in runs.items()}
+    configs = {kind: config_of(r, run_once(GOLDEN_RUNS[kind])[1]) for kind, r in runs.items()}
     if update:
         GOLDEN.write_text(json.dumps({"provenance": provenance(configs), **got}, indent=2) + "\n")
     golden = json.loads(GOLDEN.read_text())
@@ -145,7 +140,7 @@ def test_loss_moves_because_of_training(run_once):
     from 11.545 to 11.523 in 8 steps), so "the last loss is below the first" proves nothing.
     Each trained run is compared with the lr=0 run of the same batches instead: equal before its
     first update, below at every step after it, and by MARGIN at the last step."""
-    control = steps(shared(run_once, "single-lora-lr0")[0])
+    control = steps(run_once("single-lora-lr0")[0])
     assert all(m["lr"] == 0 for m in control)
     for kind in GOLDEN_RUNS:
         trained = steps(reference(run_once, kind))
@@ -160,7 +155,7 @@ def test_loss_moves_because_of_training(run_once):
 
 @pytest.mark.parametrize("case", FULL_CASES)
 def test_full_finetune_parity(case, run_once):
-    run, _ = shared(run_once, case)
+    run, _ = run_once(case)
     ref = reference(run_once, "full")
     # DDP computes the gradient norm as the single process does; FSDP and ZeRO sum it otherwise.
     grad_rel = REL if case == "ddp" else GRAD_REL
@@ -173,7 +168,7 @@ def test_full_finetune_parity(case, run_once):
 # DDP is where LoRA with gradient checkpointing used to fail ("mark a variable ready only once").
 @pytest.mark.parametrize("case", LORA_CASES)
 def test_lora_gradient_checkpointing_parity(case, run_once):
-    run, proc = shared(run_once, case)
+    run, proc = run_once(case)
     assert "Expected to mark a variable ready only once" not in proc.stderr
     ref = reference(run_once, "lora")
     assert_same_steps(run, ref, REL, f"{case} at world size 2 vs single process")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.parity_cases import SHARED_RUNS, SINGLE, STRATEGIES
+from tests.distributed.parity_cases import SINGLE, STRATEGIES
 from tests.helpers import (
     GRAD_REL,
     LORA,
@@ -44,7 +44,7 @@ def resumed(run_once, tiny_model_dir, tmp_path_factory) -> dict[str, tuple]:
     resumes first: the two-rank ones read their checkpoints); resumes through the user's command
     are the edge matrix's (tests/distributed/test_edge_matrix.py USER_CASES)."""
     folder = tmp_path_factory.mktemp("resumed")
-    runs = {case: run_once(case, **SHARED_RUNS[case])[0] for case in {*EXACT, *RESHARDED}}
+    runs = {case: run_once(case)[0] for case in {*EXACT, *RESHARDED}}
     configs = {}
 
     def resume(name: str, checkpoint: Path, dist: dict, **training) -> None:
@@ -65,7 +65,7 @@ def resumed(run_once, tiny_model_dir, tmp_path_factory) -> dict[str, tuple]:
 @pytest.mark.parametrize("case", EXACT)
 def test_exact_resume(case, run_once, resumed):
     """Steps 5-8 of a run resumed from step 4 equal the uninterrupted run's within 1e-5."""
-    full, _ = run_once(case, **SHARED_RUNS[case])
+    full, _ = run_once(case)
     ckpt = full / "checkpoints" / "step-4"
     progress = json.loads((ckpt / "progress.json").read_text())
     assert progress["step"] == 4 and progress["sample_offset"] == 32 and progress["world_size"] in (1, 2)
@@ -139,7 +139,7 @@ def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_
 def test_reshard_two_to_one_and_one_to_two(case, run_once, resumed):
     """World size 2 -> 1 from step 4 (saving again at step 6), then 1 -> 2 from step 6: the loss
     follows the uninterrupted single-process run within 1e-4 (the gradient norm within GRAD_REL)."""
-    ref = run_once("single", **SHARED_RUNS["single"])[0]
+    ref = run_once("single")[0]
     one, proc = resumed[f"one-{case}"]
     assert "resharded step-4: written by 2 rank(s)" in proc.stderr and "now 1" in proc.stderr
     assert_same_steps(one, ref, 1e-4, f"{case}: 2 -> 1 ranks, steps 5-8", first=4, grad_rel=GRAD_REL)
@@ -151,8 +151,8 @@ def test_reshard_two_to_one_and_one_to_two(case, run_once, resumed):
 @pytest.mark.parametrize("case", ["fsdp", "zero3"])
 def test_export_from_sharded_checkpoint(case, run_once, tmp_path):
     """`scaletune export` of the final sharded checkpoint = the single-process model's logits."""
-    two, _ = run_once(case, **SHARED_RUNS[case])
-    ref = run_once("single", **SHARED_RUNS["single"])[0]
+    two, _ = run_once(case)
+    ref = run_once("single")[0]
     proc = run_cli(["export", str(two / "checkpoints" / "step-8"), "-o", str(tmp_path / "export")])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "export" / "model.safetensors").is_file()
@@ -160,7 +160,7 @@ def test_export_from_sharded_checkpoint(case, run_once, tmp_path):
 
 
 def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
-    run, _ = run_once("single-lora", **SHARED_RUNS["single-lora"])
+    run, _ = run_once("single-lora")
     proc = run_cli(["export", str(run), "-o", str(tmp_path / "merged"), "--merge-lora"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
@@ -173,7 +173,7 @@ def test_export_merged_lora_equals_base_plus_adapter(run_once, tmp_path):
 
 
 def test_resume_bad_inputs(run_once, tiny_model_dir, tiny_llama_dir, tmp_path):
-    full, _ = run_once("single", **SHARED_RUNS["single"])
+    full, _ = run_once("single")
     ckpt = full / "checkpoints" / "step-4"
     # A path that does not exist, a folder that is not a checkpoint: exit 2, nothing written.
     for bad, message in ((tmp_path / "nope", "does not exist"), (tiny_model_dir, "is not a checkpoint")):
