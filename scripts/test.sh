@@ -33,10 +33,7 @@ export SCALETUNE_PROCESS_LOG="${SCALETUNE_PROCESS_LOG:-$PWD/test-processes.jsonl
 rm -f "$SCALETUNE_PROCESS_LOG"
 # The tiers run on pytest-xdist workers, one per core (at least 2: much of a test's time is a
 # process starting or a service answering, not arithmetic; at most 4), a test module to a worker at
-# a time (tests/conftest.py worker_group). SCALETUNE_TEST_WORKERS=0 runs them in this one process.
-workers="${SCALETUNE_TEST_WORKERS:-$(python -c 'import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))')}"
-parallel=()
-if [ "$workers" != 0 ] && [ ${#where[@]} -gt 0 ]; then
-  parallel=(-n "$workers")
-fi
-python -m pytest -q ${parallel[@]+"${parallel[@]}"} ${where[@]+"${where[@]}"} "$@"
+# a time (tests/conftest.py worker_group); pyproject's `-n auto` says the same for plain `pytest`.
+# SCALETUNE_TEST_WORKERS=0 runs them in this one process.
+workers="${SCALETUNE_TEST_WORKERS:-auto}"
+python -m pytest -q -n "$workers" ${where[@]+"${where[@]}"} "$@"

@@ -68,6 +68,15 @@ def worker_group(nodeid: str) -> str:
     return "system" if path.startswith("tests/system/") else SHARED_RUN_GROUPS.get(path, path)
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """How many workers `-n auto` (pyproject's addopts: plain `pytest` too) starts: one per core this
+    process may use, at least 2 (much of a test's time is a process starting or a service answering,
+    not arithmetic), at most 4 (each worker imports torch and transformers, ~12 CPU-s)."""
+    from scaletune.env import cpu_budget
+
+    return min(4, max(2, cpu_budget(1, environ={}).threads))
+
+
 try:
     from xdist.scheduler import LoadScopeScheduling
 except ImportError:  # plain pytest without the dev extra: no workers, no scheduler
@@ -103,7 +112,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 # where the time went and tests/README.md's budgets can be checked against it.
 _DURATIONS: dict[str, float] = {}
 # And the CPU seconds each test cost: the test worker's own and its finished child processes'
-# (every process a test started and waited for: the CLI, torchrun and its ranks, a service and the
+# (every process a test started and waited for, forks of the CLI zygote included: the CLI, torchrun and its ranks, a service and the
 # jobs it ran, Chromium, Postgres), so the tiers' CPU is visible, not only what Python processes log.
 _CPU: dict[str, list[float]] = {}
 _CPU_MARK = pytest.StashKey[tuple[float, float]]()
@@ -112,8 +121,10 @@ _CPU_AT_START: list[int] = []
 
 def _process_cpu() -> tuple[float, float]:
     """(this process's CPU seconds, its waited-for descendants' CPU seconds), user + system."""
+    from tests.forked_cli import FORKED_CPU
+
     me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + FORKED_CPU[0]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

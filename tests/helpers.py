@@ -4,6 +4,8 @@ wrote. Constants live here, not in conftest.py (which pytest imports on its own 
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import http.server
 import json
@@ -239,6 +241,12 @@ def finish_driver(out: Path, results: dict) -> None:
     dist.destroy_process_group()
 
 
+# The verbs that import torch (most of them transformers too): run_cli forks them from the zygote.
+FORKED_VERBS = frozenset(
+    {"train", "init-model", "export", "plan", "doctor", "chat", "generate", "eval", "launch", "slurm"}
+)
+
+
 def run_cli(
     args: list[str],
     *,
@@ -247,23 +255,45 @@ def run_cli(
     cwd: Path | None = None,
     input: str | None = None,
     cores: set[int] | None = None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """`python -m scaletune ARGS` with the test environment (offline, DeepSpeed on the CPU); `input`
     is its standard input (none: an empty one); `cores` its affinity mask (`taskset`'s), and then
     no OMP_NUM_THREADS (the test worker's share, tests/conftest.py): the process sizes its threads
-    from those cores."""
+    from those cores.
+
+    A verb that imports torch (:data:`FORKED_VERBS`) runs in a fork of this worker's CLI zygote
+    (tests/forked_cli.py: torch and transformers already imported, 8-10 CPU-s less a call) unless
+    `fresh` is set, `cores` is, its environment changes a variable read at import time, or
+    SCALETUNE_TEST_FORK=0: then, as every other verb (`--help` costs 0.4 CPU-s, the zygote 12 once),
+    in a new process."""
     if cores:
         env = {"OMP_NUM_THREADS": None, **(env or {})}
+    child_env = subprocess_env(**(env or {}))
+    forked = args[:1] and args[0] in FORKED_VERBS and "--help" not in args
+    zygote = _zygote() if forked and not (fresh or cores or os.environ.get("SCALETUNE_TEST_FORK") == "0") else None
+    if zygote is not None and zygote.can_run(child_env):
+        return zygote.run(args, env=child_env, cwd=cwd or REPO_ROOT, input=input or "", timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=subprocess_env(**(env or {})),
+        env=child_env,
         cwd=cwd or REPO_ROOT,
         input=input if input is not None else "",
         preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
     )
+
+
+@functools.cache
+def _zygote():
+    """This worker's CLI zygote (tests/forked_cli.py), started on first use, closed at exit."""
+    from tests.forked_cli import ForkServer
+
+    server = ForkServer(subprocess_env(PYTEST_CURRENT_TEST=None), REPO_ROOT)
+    atexit.register(server.close)
+    return server
 
 
 def train(

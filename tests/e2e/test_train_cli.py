@@ -230,7 +230,7 @@ def test_a_config_typo_is_answered_before_torch_is_imported(tiny_model_dir, tmp_
     )
     path.write_text(yaml.safe_dump(cfg))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = run_cli(["train", str(path)])
+    proc = run_cli(["train", str(path)], fresh=True)  # a new process: what it costs to start is the question
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "training.learnig_rate: unknown key (did you mean 'learning_rate'?)" in proc.stderr
