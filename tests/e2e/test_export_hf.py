@@ -8,10 +8,22 @@ both folders' tokenizers had no template at all."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
-from tests.helpers import ALPACA_5000, make_config, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, LORA, make_config, metrics, run_cli, train
+
+
+def _verified_within(folder: Path, loader: str) -> float:
+    """The largest logit difference the folder's README records from `export --verify` (passed)."""
+    card = (folder / "README.md").read_text()
+    found = re.search(
+        rf"export --verify passed: the folder, loaded in a fresh process with {loader} .*? within (\S+) of", card
+    )
+    assert found and "## Verification" in card, card
+    return float(found.group(1))
 
 
 def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_model_dir, tmp_path):
@@ -46,8 +58,10 @@ def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_
     train(cfg, tmp_path)
     run = tmp_path / "run"
     exported = tmp_path / "exported"
-    proc = run_cli(["export", str(run / "checkpoints" / "step-2"), "-o", str(exported)])
+    proc = run_cli(["export", str(run / "checkpoints" / "step-2"), "-o", str(exported), "--verify"])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # --verify (issue 38): reloaded in a fresh process by transformers alone, the same logits.
+    assert _verified_within(exported, "transformers AutoModelForCausalLM") <= 1e-5
 
     # Training's rendering of a conversation, through its own resolution (the data config's).
     trained = resolve_chat_template(DataConfig.model_validate(cfg["data"]), base)
@@ -75,3 +89,49 @@ def test_a_chat_trained_run_carries_its_template_in_final_and_in_an_export(tiny_
     code = card.split("```python\n", 1)[1].split("```", 1)[0] + "print(type(model).__name__, len(tokenizer))\n"
     loaded = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert loaded.returncode == 0 and loaded.stdout.startswith("Olmo2ForCausalLM"), loaded.stderr[-2000:]
+
+
+def test_verify_reloads_an_adapter_and_a_merged_bf16_export_and_refuses_a_swapped_tensor(tiny_model_dir, tmp_path):
+    """`export --verify` (issue 38) of a LoRA run: the adapter folder through peft's
+    AutoPeftModelForCausalLM (base from its adapter_config.json) in fp32 within 1e-5, the merged
+    model written in bfloat16 through transformers within bf16's bound. The control that the check
+    can fail: the merged folder with two layers' MLP output weights swapped (every tensor present,
+    every shape right, a loader's mistake) is found, logits off by far more than the bound."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scaletune.checkpoint.verify import BOUNDS, verify_folder
+
+    train(
+        make_config(tiny_model_dir, tmp_path / "run", model=LORA, training={"max_steps": 2, "save_every": 2}), tmp_path
+    )
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    for out, extra in ((adapter, []), (merged, ["--merge-lora", "--dtype", "bfloat16"])):
+        proc = run_cli(["export", str(tmp_path / "run"), "-o", str(out), "--verify", *extra])
+        assert proc.returncode == 0 and "export --verify passed" in proc.stderr, proc.stderr[-3000:]
+    assert (adapter / "adapter_config.json").exists() and not (adapter / "model.safetensors").exists()
+    assert _verified_within(adapter, "peft AutoPeftModelForCausalLM") <= 1e-5
+    import torch
+
+    assert _verified_within(merged, "transformers AutoModelForCausalLM") <= BOUNDS[torch.bfloat16]
+
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for f in merged.iterdir():
+        (tampered / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(merged / "model.safetensors"))
+    a, b = (f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1))
+    weights[a], weights[b] = weights[b], weights[a]
+    save_file(weights, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(str(merged), dtype="auto")
+    result = verify_folder(
+        tampered, model, AutoTokenizer.from_pretrained(str(merged)), adapter=False, trust_remote_code=False
+    )
+    assert not result.passed and result.max_diff > 10 * result.bound, result  # measured: 0.6 against 0.02
+
+
+def test_verify_is_refused_where_it_cannot_check(tiny_model_dir, tmp_path):
+    """--verify with --format gguf (llama.cpp's check is not built) is bad input: exit 2, nothing written."""
+    proc = run_cli(["export", str(tmp_path / "no-run"), "-o", str(tmp_path / "out"), "--format", "gguf", "--verify"])
+    assert proc.returncode == 2 and "--verify checks --format hf exports" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ import torch
 from scaletune.checkpoint.resume import checkpoint_problems, read_progress
 from scaletune.checkpoint.save import latest_checkpoint, single_process_dcp
 from scaletune.config import Config, read_config
-from scaletune.errors import Problem, UserError
+from scaletune.errors import Problem, RunFailure, UserError
 from scaletune.safe_load import dcp_reader, enforce
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
@@ -97,6 +97,7 @@ def export_checkpoint(
     max_shard_size: str = "5GB",
     allow_factory: bool = False,
     trust_remote_code: bool = False,
+    verify: bool = False,
 ) -> Path:
     """Write a consolidated Hugging Face folder (safetensors, sharded into `max_shard_size` files)
     from any checkpoint, sharded or not, in one process on the CPU. The folder is written under a
@@ -112,11 +113,15 @@ def export_checkpoint(
             is not a permission to run that code.
         trust_remote_code: run the model folder's own Python code (`--trust-remote-code`); the
             checkpoint config's `trust_remote_code` is not read, for the same reason.
+        verify: before the folder is moved into place, load it in a fresh process through
+            transformers (peft for an adapter) and compare its logits on a probe text with the
+            model written (:mod:`scaletune.checkpoint.verify`); the result goes into its README.
 
     Raises:
         UserError: not a checkpoint, a corrupt or unsafe one; a factory checkpoint without
-            `allow_factory`; an output that exists and is not an empty folder; an unreadable
-            shard size.
+            `allow_factory`, or with `verify`; an output that exists and is not an empty folder;
+            an unreadable shard size.
+        RunFailure: `verify` found the folder does not load or compute as written (nothing is left).
     """
     from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
@@ -141,6 +146,12 @@ def export_checkpoint(
                 f"{checkpoint / 'config.yaml'} names model.factory {cfg.model.factory!r}: exporting it imports and "
                 "calls that code. A checkpoint's config came with the checkpoint, so scaletune does not run what "
                 "it names on its own say: read that code, then give --allow-factory",
+                title="cannot export",
+            )
+        if verify:
+            raise UserError(
+                "--verify loads the export through transformers' AutoModelForCausalLM: a model.factory "
+                "checkpoint's export is not one; export without --verify",
                 title="cannot export",
             )
         return _export_factory_checkpoint(checkpoint, out_dir, cfg, progress.checkpoint_format)
@@ -182,6 +193,8 @@ def export_checkpoint(
         card = model_card(
             cfg, source=source, run_dir=run_dir, step=progress.step, kind=kind, folder=out_dir.name, merged=merge_lora
         )
+        if verify:
+            card += _verified(tmp, model, tokenizer, adapter=kind == "adapter", trust_remote_code=trust_remote_code)
         (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
@@ -189,6 +202,25 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _verified(folder: Path, model: torch.nn.Module, tokenizer, *, adapter: bool, trust_remote_code: bool) -> str:
+    """:func:`scaletune.checkpoint.verify.verify_folder` of the folder being written: its README
+    section, or RunFailure (the export is not moved into place)."""
+    from scaletune.checkpoint.verify import verify_folder
+    from scaletune.env import print0
+
+    try:
+        result = verify_folder(folder, model, tokenizer, adapter=adapter, trust_remote_code=trust_remote_code)
+    except RuntimeError as exc:
+        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
+    print0(f"[scaletune] {result.sentence()}")
+    if not result.passed:
+        raise RunFailure(
+            f"--verify: the exported folder's logits differ from the model written by {result.max_diff:.3g} "
+            f"(bound {result.bound:g} for {result.dtype}); nothing was written; the checkpoint is unchanged"
+        )
+    return result.markdown()
 
 
 def _export_factory_checkpoint(checkpoint: Path, out_dir: Path, cfg: Config, fmt: str) -> Path:

@@ -111,6 +111,15 @@ def export(
             help="Run Python code shipped in the model folder (off by default, whatever the checkpoint's config says).",
         ),
     ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="With --format hf: load the written folder in a fresh process through transformers (peft for "
+            "an adapter) and check its logits on a probe text equal the checkpoint's (fp32 within 1e-5); the "
+            "result goes into its README, and a folder that fails is not kept (exit 1).",
+        ),
+    ] = False,
     push_to_hub: Annotated[
         str | None,
         typer.Option(
@@ -140,6 +149,8 @@ def export(
         problems.append("--dtype applies to --format hf; a GGUF's weights type is --gguf-type")
     if fmt != "gguf" and gguf_type is not None:
         problems.append("--gguf-type applies to --format gguf only")
+    if fmt == "gguf" and verify:
+        problems.append("--verify checks --format hf exports; a GGUF's check in llama.cpp is not built yet")
     if fmt == "gguf":
         # Every problem at once: the flags above, the output folder, the checkpoint, the type, the architecture.
         problems += [p.text() for p in gguf_export_problems(checkpoint, output, gguf_type)]
@@ -168,6 +179,7 @@ def export(
             max_shard_size=max_shard_size,
             allow_factory=allow_factory,
             trust_remote_code=trust_remote_code,
+            verify=verify,
         )
     typer.echo(str(out))
     if push_to_hub is not None:
