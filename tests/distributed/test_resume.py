@@ -108,15 +108,16 @@ def test_exact_resume_with_dropout_restores_every_ranks_rng(tiny_model_dir, tmp_
     tests/distributed/test_edge_matrix.py's.)"""
     import shutil
 
-    # Through torchrun: the RNG is each rank's; the plain command's parent adds nothing here.
-    train(_dropout_stages(tiny_model_dir, tmp_path / "run"), tmp_path, launcher="torchrun")
+    # Under torchrun (the RNG is each rank's; the plain command's parent adds nothing here), the run
+    # and its two resumes one after another in the ranks of one (tests/distributed/sequential_runs.py).
     full = tmp_path / "run"
-    for step in (4, 6):
-        assert (full / "checkpoints" / f"step-{step}" / "rng" / "rank-1.pt").is_file()
+    configs = {"run": _dropout_stages(tiny_model_dir, full)}
     for step in (4, 6):
         ckpt = full / "checkpoints" / f"step-{step}"
-        cfg = _dropout_stages(tiny_model_dir, tmp_path / f"from-{step}", resume=str(ckpt))
-        train(cfg, tmp_path, name=f"from-{step}.yaml", launcher="torchrun")
+        configs[f"from-{step}"] = _dropout_stages(tiny_model_dir, tmp_path / f"from-{step}", resume=str(ckpt))
+    train_batch(configs, tmp_path / "configs")
+    for step in (4, 6):
+        assert (full / "checkpoints" / f"step-{step}" / "rng" / "rank-1.pt").is_file()
         assert_same_steps(tmp_path / f"from-{step}", full, 1e-5, f"dropout 0.1, 2 ranks: from step {step}", first=step)
         got, want = steps(tmp_path / f"from-{step}"), steps(full)[step:]
         assert [m["lr"] for m in got] == pytest.approx([m["lr"] for m in want], rel=1e-7)
