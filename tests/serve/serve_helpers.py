@@ -274,3 +274,53 @@ class Proxy:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=20)
+
+
+# -- task records (tests/serve/test_durable_records.py, test_db.py) ------------------------------
+def eval_ready_job(svc: JobService, root: Path, owner: str) -> str:
+    """A succeeded job whose `final/` holds no model (`scaletune eval` on it fails in about a
+    second), and a data file to evaluate it on (`root`/data.jsonl, one Alpaca record: the service
+    checks the file before the task starts)."""
+    run = root / f"run-{len(list(root.glob('run-*')))}"
+    job_id = plant_job(svc, run, owner=owner)
+    (run / "final").mkdir()
+    (root / "data.jsonl").write_text('{"instruction": "Say hi.", "input": "", "output": "Hi."}\n')
+    return job_id
+
+
+def task_record(Session, task_id: str):  # noqa: N803 - a sessionmaker
+    """The task's row in the job database (`db.TaskRecord`)."""
+    from scaletune.serve.jobs.db import TaskRecord
+
+    with Session() as s:
+        return s.get(TaskRecord, task_id)
+
+
+def held_eval_task(c: httpx.Client, job_id: str, Session, data: Path) -> tuple[dict, int]:  # noqa: N803
+    """An eval task started through the API and its process stopped (SIGSTOP), so it is still
+    running whenever the service stops: (the task as the API answered, its PID). `release` it."""
+    import signal
+
+    r = c.post(f"/api/jobs/{job_id}/tasks/eval", json={"data": str(data)})
+    assert r.status_code == 202, r.text
+    pid = task_record(Session, r.json()["id"]).pid
+    os.kill(pid, signal.SIGSTOP)
+    return r.json(), pid
+
+
+def release(pid: int) -> None:
+    """End a process `held_eval_task` stopped (whatever signal it has pending)."""
+    import signal
+
+    for sig in (signal.SIGKILL, signal.SIGCONT):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def tasks_of(c: httpx.Client, job_id: str) -> list[dict]:
+    """`GET /api/jobs/ID/tasks`."""
+    r = c.get(f"/api/jobs/{job_id}/tasks")
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -239,3 +239,50 @@ def test_two_services_on_one_postgres_start_each_queued_job_once(postgres, tmp_p
         for p in procs:
             p.terminate()
             p.wait(timeout=30)
+
+
+def test_tasks_and_policy_outlive_a_clean_stop_on_postgres(postgres, tmp_path):
+    """Issue 39, item 14, on the real Postgres (tests/serve/test_durable_records.py kills the service
+    on SQLite): a service stopped cleanly (uvicorn's shutdown, in-process) with a task running (held
+    by SIGSTOP) and a policy `PUT`. The task is recorded `interrupted` as the service stops (the next
+    service, in the same process, would not take it for a dead service's), and the next service
+    applies the change over its options. Controls: the record said `running` before the stop; the
+    options do not hold the change."""
+    from scaletune.serve.edge.auth import create_token
+    from tests.serve.serve_helpers import (
+        TEST_POLICY,
+        Server,
+        client,
+        eval_ready_job,
+        held_eval_task,
+        release,
+        task_record,
+        tasks_of,
+    )
+
+    server = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
+    with server.connect() as conn:
+        conn.execute(text("CREATE DATABASE durable"))  # its own: the kept policy reaches no other test
+    server.dispose()
+    srv = Server(postgres["url"].rsplit("/", 1)[0] + "/durable", tmp_path / "jobs")
+    admin = create_token(srv.svc.Session, "admin", name="admin-pg")
+    job_id = eval_ready_job(srv.svc, tmp_path, "admin-pg")
+    pid = None
+    try:
+        with client(srv, admin) as c:
+            assert c.put("/api/admin/policy", json={"trusted_hosts": ["jobs.example.com"]}).status_code == 200
+            held, pid = held_eval_task(c, job_id, srv.svc.Session, tmp_path / "data.jsonl")
+            assert task_record(srv.svc.Session, held["id"]).state == "running"  # control
+        srv.stop()
+        srv.start()  # a new JobService and app on the same database
+        with client(srv, admin) as c:
+            (listed,) = tasks_of(c, job_id)
+            got = c.get("/api/admin/policy").json()
+    finally:
+        srv.stop()
+        srv.svc.engine.dispose()
+        if pid:
+            release(pid)
+    assert (listed["id"], listed["state"]) == (held["id"], "interrupted"), listed
+    assert "the service stopped while it ran" in listed["message"] and listed["log_tail"] is not None
+    assert got["trusted_hosts"] == ["jobs.example.com"] and TEST_POLICY.trusted_hosts == ()

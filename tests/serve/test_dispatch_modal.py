@@ -10,6 +10,7 @@ Dockerfile commands with the SDK's own builder functions; the Secret keeps its d
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
 import time
 import warnings
@@ -20,13 +21,14 @@ from types import SimpleNamespace
 import pytest
 import yaml
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
 from scaletune.errors import UserError
 from scaletune.report import TOKEN_ENV, URL_ENV
 from scaletune.serve.app import create_app
 from scaletune.serve.jobs import states as S
-from scaletune.serve.jobs.db import Job
-from scaletune.serve.jobs.dispatch.base import Status
+from scaletune.serve.jobs.db import Event, Job
+from scaletune.serve.jobs.dispatch.base import NotAccepted, Status, SubmitUnknown
 from scaletune.serve.jobs.records import set_state
 from scaletune.serve.jobs.service import JobService
 from tests.helpers import make_config
@@ -260,15 +262,18 @@ def stand_in_modal(monkeypatch, files, deploy=None, spawn=None):
         return SimpleNamespace(object_id="fc-1")
 
     app = SimpleNamespace(deploy=deploy or (lambda: None))
+    function = SimpleNamespace(spawn=spawned, hydrate=lambda: None, object_id="fu-1-v1")
     monkeypatch.setattr(modal_dispatch, "load_app", lambda job: SimpleNamespace(app=app))
-    monkeypatch.setattr(modal_dispatch, "train_function", lambda job: SimpleNamespace(spawn=spawned))
+    monkeypatch.setattr(modal_dispatch, "train_function", lambda job: function)
     return seen
 
 
 def test_a_restart_during_submit_adopts_requeues_or_fails(svc, tiny_model_dir, tmp_path, monkeypatch):
     """What `adopt` finds after the service stopped at each point of `submit`: after the spawn, the
     call (adopted); during the deploy, nothing (started again: a second deploy is harmless); during
-    the spawn, a call that may run (the job fails: never spawned twice); a resumed job's last-run
+    the spawn, a call that may run: Modal is asked (`reconcile`, here refused: no credentials, so
+    still unknown), and once asked in vain for `reconcile_for_s` the job fails, never spawned twice;
+    a marker of an older service (no variant to ask by) fails it at once; a resumed job's last-run
     files are not taken for this start's."""
     _, _, files = modal_job(svc, config_text(tiny_model_dir, tmp_path / "run"))
     d = modal_dispatch.ModalDispatcher()
@@ -294,9 +299,20 @@ def test_a_restart_during_submit_adopts_requeues_or_fails(svc, tiny_model_dir, t
     stand_in_modal(monkeypatch, files, spawn=killed)
     with pytest.raises(Killed):
         d.submit(files)
-    with pytest.raises(UserError, match=f"app scaletune-{files.job_id}.*not started again"):
+    with pytest.raises(SubmitUnknown, match=f"app scaletune-{files.job_id}.*not spawned a second time"):
         d.adopt(files)
     assert spawn_file.exists() and not call_file.exists()
+    with pytest.raises(SubmitUnknown, match="cannot be asked now"):  # the real SDK: no credentials
+        d.reconcile(files)
+    d.reconcile_for_s = 0  # asked for long enough
+    with pytest.raises(UserError, match=f"app scaletune-{files.job_id}.*not started again") as gave_up:
+        d.reconcile(files)
+    assert not isinstance(gave_up.value, NotAccepted) and "modal function calls fu-1-v1" in str(gave_up.value)
+    spawn_file.write_text(modal_dispatch._attempt(files) + "\n")  # an older service's marker: no variant
+    with pytest.raises(SubmitUnknown):
+        d.adopt(files)
+    with pytest.raises(UserError, match="is unknown.*not started again"):
+        d.reconcile(files)
 
 
 class CountingModal(modal_dispatch.ModalDispatcher):
@@ -318,8 +334,9 @@ class CountingModal(modal_dispatch.ModalDispatcher):
 
 def test_a_restarted_service_never_spawns_a_modal_job_twice(svc, tiny_model_dir, tmp_path):
     """Three jobs left `starting` by a service that stopped during their submit, as the next service
-    starts: cut off during the spawn (fails, `lost`, with what to check; no second submit), after
-    it (the call adopted), before it (control: queued and submitted again, once)."""
+    starts: cut off during the spawn (`submit unknown`: Modal is asked, here in vain, no
+    credentials; no second submit), after it (the call adopted), before it (control: queued and
+    submitted again, once)."""
     d = svc.dispatchers["modal"] = svc.watcher.dispatchers["modal"] = CountingModal()
     ids = {}
     for case in ("during spawn", "after spawn", "before spawn"):
@@ -331,7 +348,8 @@ def test_a_restarted_service_never_spawns_a_modal_job_twice(svc, tiny_model_dir,
             s.commit()
         ids[case] = job.id
         if case != "before spawn":
-            modal_dispatch._write(files.job_dir / modal_dispatch.SPAWN_FILE, modal_dispatch._attempt(files))
+            mark = {"attempt": modal_dispatch._attempt(files), "function": "fu-1-v1", "since": time.time()}
+            modal_dispatch._write(files.job_dir / modal_dispatch.SPAWN_FILE, json.dumps(mark))
         if case == "after spawn":
             modal_dispatch._write(files.job_dir / modal_dispatch.CALL_FILE, "fc-9")
     svc.watcher.reattach_all()
@@ -343,7 +361,102 @@ def test_a_restarted_service_never_spawns_a_modal_job_twice(svc, tiny_model_dir,
         svc.kick()
         time.sleep(0.05)
     cut, adopted, again = (svc.get(ids[k]) for k in ("during spawn", "after spawn", "before spawn"))
-    assert (cut.state, cut.reason, cut.target_id) == (S.FAILED, S.LOST, None), (cut.state, cut.message)
-    assert "whether its call started is unknown" in cut.message and f"scaletune-{cut.id}" in cut.message
+    assert (cut.state, cut.reason, cut.target_id) == (S.STARTING, S.SUBMIT_UNKNOWN, None), (cut.state, cut.message)
+    assert f"scaletune-{cut.id}" in cut.message or "cannot be asked now" in cut.message, cut.message
     assert (adopted.state, adopted.target_id) == (S.STARTING, "fc-9")
     assert again.target_id == "fc-new" and d.submits == [ids["before spawn"]], d.submits
+
+
+# -- a spawn that raises after Modal took the call (issue 39, item 15) ---------------------------
+@pytest.fixture
+def loopback_modal(svc, monkeypatch, tmp_path):
+    """Modal's API on loopback (tests/serve/loopback_modal.py), the real SDK pointed at it (its
+    client made afresh: the SDK keeps one per process)."""
+    from modal.client import _Client
+
+    from tests.serve.loopback_modal import LoopbackModal
+
+    server = LoopbackModal()
+    monkeypatch.setenv("MODAL_SERVER_URL", server.url)
+    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-loopback")
+    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-loopback")
+    _Client._set_env_client(None)
+    # STANDS IN FOR the app's deploy: dozens of requests (image, mounts, app) this server does not
+    # serve; the deploy is not what is tested. The Function, its Secret and the spawn are the SDK's.
+    app = SimpleNamespace(deploy=lambda: None)
+    monkeypatch.setattr(modal_dispatch, "load_app", lambda job: SimpleNamespace(app=app))
+    yield server
+    _Client._set_env_client(None)
+    server.close()
+
+
+def until(svc: JobService, job_id: str, done, timeout: float = 20) -> Job:
+    """The job once `done(job)`, the watcher ticked meanwhile (its Modal calls run in workers)."""
+    deadline = time.monotonic() + timeout
+    while not done(job := svc.get(job_id)) and time.monotonic() < deadline:
+        svc.kick()
+        time.sleep(0.1)
+    return job
+
+
+def test_a_spawn_that_raises_after_modal_took_the_call_runs_as_that_call(svc, loopback_modal, tiny_model_dir, tmp_path):
+    """The spawn's answer is lost after Modal made the call: the SDK tries again (each try Modal
+    takes is one more call) and then raises. The job is not `submit failed` (as it was recorded
+    before): it runs as the first call Modal took, and the calls the retries made are cancelled, so
+    one runs. Control, through the same code: a spawn Modal refuses before making any call fails
+    `submit failed`, naming the lookup (and not the job's token, which the refusal repeated)."""
+    svc.dispatchers["modal"].settle_s = 0  # the listing here is exact at once (Modal's: `settle_s`)
+    loopback_modal.lose_map_answers = True
+    r = svc.submit(config_text(tiny_model_dir, tmp_path / "taken"), [], "modal", {"gpu_count": 1})
+    job = until(svc, r["id"], lambda j: j.state in (S.RUNNING, *S.TERMINAL))
+    made = [c.id for c in loopback_modal.calls]
+    assert len(made) >= 2, (
+        loopback_modal.seen,
+        job.state,
+        job.message,
+    )  # the SDK retried the spawn: Modal holds several calls
+    assert (job.state, job.reason, job.target_id) == (S.RUNNING, None, made[0]), (job.state, job.message)
+    assert loopback_modal.live_calls() == [made[0]]  # the retries' calls cancelled: one runs
+    assert (Path(job.job_dir) / modal_dispatch.CALL_FILE).read_text().strip() == made[0]
+    with svc.Session() as s:
+        events = list(s.scalars(select(Event).where(Event.job_id == job.id).order_by(Event.id)))
+    assert S.FAILED not in [e.data.get("state") for e in events if e.kind == "state"]  # never failed on the way
+
+    loopback_modal.lose_map_answers, loopback_modal.refuse_map = False, True
+    r = svc.submit(config_text(tiny_model_dir, tmp_path / "refused"), [], "modal", {"gpu_count": 1})
+    refused = until(svc, r["id"], lambda j: j.state in S.TERMINAL)
+    assert (refused.state, refused.reason) == (S.FAILED, S.SUBMIT), (refused.state, refused.message)
+    assert "lists no call of this submission" in refused.message and "refused, nothing made: ***" in refused.message
+    (token,) = [v for v in loopback_modal.secrets[-1] if v.startswith("stj_")]  # the refused job's
+    assert token not in refused.message  # repeated by Modal, hidden here
+    assert len(loopback_modal.calls) == len(made)  # control: Modal made no call for it
+
+
+def test_a_submit_whose_outcome_cannot_be_asked_waits_then_is_settled(svc, loopback_modal, tiny_model_dir, tmp_path):
+    """The spawn's answer lost and Modal's listing not answering either: the job waits `starting`
+    with reason `submit unknown` (not failed, not spawned again) while Modal holds its call; once
+    Modal answers, the call is adopted. A job cancelled while unknown has its call cancelled when
+    it is found (it must not run on)."""
+    loopback_modal.lose_map_answers = loopback_modal.listing_down = True
+    ids = [svc.submit(config_text(tiny_model_dir, tmp_path / n), [], "modal", {"gpu_count": 1})["id"] for n in "ab"]
+    waiting = [until(svc, i, lambda j: j.reason == S.SUBMIT_UNKNOWN) for i in ids]
+    assert [(j.state, j.reason, j.target_id) for j in waiting] == [(S.STARTING, S.SUBMIT_UNKNOWN, None)] * 2
+    assert "cannot be asked now" in waiting[0].message, waiting[0].message
+    maps = loopback_modal.seen.count("FunctionMap")
+    for _ in range(5):
+        svc.kick()
+        time.sleep(0.05)
+    assert loopback_modal.seen.count("FunctionMap") == maps  # never spawned again while unknown
+    assert len(loopback_modal.live_calls()) >= 2  # control: Modal holds calls no record names yet
+    svc.cancel(ids[1])
+    loopback_modal.listing_down = False
+    adopted = until(svc, ids[0], lambda j: j.target_id is not None and j.state == S.RUNNING)
+    cancelled = until(svc, ids[1], lambda j: j.target_id is not None)
+    first = {fid: [c.id for c in loopback_modal.calls if c.function_id == fid][0]
+             for fid in dict.fromkeys(c.function_id for c in loopback_modal.calls)}  # fmt: skip
+    assert (adopted.state, adopted.reason, adopted.target_id) == (S.RUNNING, None, list(first.values())[0])
+    assert (cancelled.state, cancelled.target_id) == (S.CANCELLED, list(first.values())[1])
+    deadline = time.monotonic() + 10
+    while loopback_modal.live_calls() != [adopted.target_id] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert loopback_modal.live_calls() == [adopted.target_id], loopback_modal.calls

@@ -55,16 +55,17 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> JSON
 
 def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     """The app around a job service; with `start`, its watcher runs while the app does."""
-    slot, runner = ModelSlot(), Tasks()
+    slot, runner = ModelSlot(), Tasks(svc.Session)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if start:
             svc.start()
+            runner.sweep()  # the tasks a stopped service left running: interrupted, not running for ever
         yield
+        runner.stop_all()  # a task is the service's child: it ends with it (recorded before the database closes)
         if start:
             svc.shutdown()
-        runner.stop_all()  # a task is the service's child: it ends with it
 
     app = FastAPI(title="scaletune serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     # What the routes share (edge.access reads svc and csrf; api.chat and api.tasks the other two).

@@ -1,4 +1,5 @@
-"""The service's own routes: `/healthz` (no token) and the admin's policy settings."""
+"""The service's own routes: `/healthz` (no token) and the admin's policy settings (kept in the job
+database)."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import asyncio
@@ -50,7 +51,9 @@ def get_policy(svc: Svc):
 
 @router.put("/api/admin/policy", responses=E422)
 def put_policy(req: PolicyUpdate, c: Admin, svc: Svc):
+    """Change the named settings; the change is kept in the job database, so it outlasts a restart
+    (applied over the serve options at every start)."""
     change = req.model_dump(exclude_none=True)
-    svc.policy = svc.policy.updated(**change)
+    svc.update_policy(change)
     record(svc.Session, c.name, "policy.update", detail=json.dumps(change, sort_keys=True))
     return svc.policy.public()

@@ -173,6 +173,31 @@ class Setting(Base):
     value: Mapped[str] = mapped_column(Text)
 
 
+class TaskRecord(Base):
+    """A small task on a job (evaluate, export: `tasks.Tasks`): what it is for, who started it, how
+    it stands and its result. Never its command line nor its environment (they hold the job's
+    secrets). `host` and `service` name the service process that watches it (its PID and start
+    mark) and `seen` is that watcher's last sign of life, so a task whose service stopped is told
+    from one another service runs (`tasks.Tasks.sweep`); `pid`/`pid_mark` are the task's process."""
+
+    __tablename__ = "tasks"
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    what: Mapped[str] = mapped_column(Text, default="")
+    owner: Mapped[str] = mapped_column(String(64), default="")
+    state: Mapped[str] = mapped_column(String(16), index=True)  # running succeeded failed interrupted
+    result: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    started: Mapped[float] = mapped_column(Float)  # seconds since the epoch, as the API shows them
+    ended: Mapped[float | None] = mapped_column(Float, nullable=True)
+    seen: Mapped[float] = mapped_column(Float)
+    host: Mapped[str] = mapped_column(String(255), default="")
+    service: Mapped[str] = mapped_column(String(64), default="")
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    pid_mark: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
 def kept_key(Session: sessionmaker, name: str) -> bytes:  # noqa: N803 - a sessionmaker
     """The 32-byte random key stored as setting `name`, made on first use. A key made at start
     instead would void every open page's signed tokens at each restart; services starting at once

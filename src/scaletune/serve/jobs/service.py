@@ -4,7 +4,9 @@ jobs; record updates are `records`'. One instance per `scaletune serve`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import secrets
 import threading
@@ -22,12 +24,14 @@ from scaletune.serve.edge.auth import digest
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs import submission
 from scaletune.serve.jobs.checking import in_child, remove_job_folder, submit_checked
-from scaletune.serve.jobs.db import Event, Job, Metric, open_db, sqlite_file
+from scaletune.serve.jobs.db import Event, Job, Metric, Setting, open_db, sqlite_file
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, make_dispatchers
 from scaletune.serve.jobs.records import apply_report, set_state
 from scaletune.serve.jobs.watch import Watcher
 
 TARGETS = ("local", "slurm", "modal")
+POLICY_SETTING = "policy"  # the admin's changes to the policy (PUT /api/admin/policy), as JSON
+log = logging.getLogger(__name__)
 
 
 class JobNotFound(LookupError):
@@ -61,7 +65,7 @@ class JobService:
     ) -> None:
         self.engine, self.Session = open_db(db_url)
         self.db_file = sqlite_file(db_url)
-        self.policy = policy or P.Policy()
+        self.policy = self._kept_policy(policy or P.Policy())
         self.home = home
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base_url = base_url.rstrip("/")
@@ -73,6 +77,40 @@ class JobService:
         self._secrets: dict[str, dict[str, str]] = {}  # job id -> submitted secret values, in memory only
         self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
         self.watcher = Watcher(self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s)
+
+    # -- the policy ------------------------------------------------------------------------
+    def _kept_policy(self, given: P.Policy) -> P.Policy:
+        """`given` (the serve options) with the changes admins made with `PUT /api/admin/policy`,
+        kept in the database: they outlast a restart, and every service started on the database
+        applies them. A name this version has no setting for (a newer service's) is left out."""
+        with self.Session() as s:
+            row = s.get(Setting, POLICY_SETTING)
+        kept = json.loads(row.value) if row is not None else {}
+        known = {f.name for f in dataclasses.fields(P.Policy)}
+        kept = {k: v for k, v in kept.items() if k in known}
+        if kept:
+            # Said at start: the serve options no longer decide these (a PUT changes them again).
+            log.warning("policy: kept from PUT /api/admin/policy over the serve options: %s", ", ".join(sorted(kept)))
+        return given.updated(**kept)
+
+    def update_policy(self, change: dict[str, Any]) -> P.Policy:
+        """The policy with the admin's `change` (setting name -> value), kept in the database beside
+        the earlier changes so that it outlasts a restart; returns the new policy."""
+        for _ in range(2):  # two services inserting the first change at once: the loser updates
+            with self.lock, self.Session() as s:
+                row = s.get(Setting, POLICY_SETTING)
+                kept = {**(json.loads(row.value) if row is not None else {}), **change}
+                if row is None:
+                    s.add(Setting(name=POLICY_SETTING, value=json.dumps(kept, sort_keys=True)))
+                else:
+                    row.value = json.dumps(kept, sort_keys=True)
+                try:
+                    s.commit()
+                    break
+                except IntegrityError:
+                    s.rollback()
+        self.policy = self.policy.updated(**change)
+        return self.policy
 
     # -- records ---------------------------------------------------------------------------
     def files(self, job: Job) -> JobFiles:

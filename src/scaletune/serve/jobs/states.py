@@ -19,6 +19,9 @@ DIVERGED = "diverged"
 LOST = "lost"  # the process / SLURM job vanished without an exit status
 ERROR = "error"  # anything else (exit 1 with a traceback)
 SUBMIT = "submit failed"  # the target refused the job (sbatch error, no Modal credentials)
+# Not a failure: a `starting` job whose target may have taken it (its answer to the submit was
+# lost): asked again until it says (then queued, or failed `submit failed` or `lost`).
+SUBMIT_UNKNOWN = "submit unknown"
 
 
 # A running job's phases: `scaletune.report.PHASES` (the run reports them).

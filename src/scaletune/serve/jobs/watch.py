@@ -28,7 +28,7 @@ from scaletune.report import PREFIX, json_lines, parse_event_line
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs.db import Job, now
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, Status
-from scaletune.serve.jobs.dispatch.base import LOG_FILE
+from scaletune.serve.jobs.dispatch.base import LOG_FILE, NotAccepted, SubmitUnknown
 from scaletune.serve.jobs.records import add_metric, apply_report, checkpoint_events, event, set_state
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,16 @@ _OWN_LINES = (PREFIX, "error:", "Traceback", "scaletune:")
 LOST_RECHECK_S = 600  # how long after a job was settled lost its target is still asked about it
 LOST_RECHECK_EVERY_S = 2.0  # and how often
 SUBMIT_ERRORS = (UserError, OSError, ImportError, RuntimeError)  # a target's refusal: the job fails
+RECONCILE_EVERY_S = 2.0  # how often a job whose submit's outcome is not known is asked about
+
+
+def ask(call: Callable[[JobFiles], str], files: JobFiles) -> tuple[str | None, BaseException | None]:
+    """(the target id, None) of a dispatcher's submit or reconcile, or (None, why not): the
+    target's refusal, or `SubmitUnknown`."""
+    try:
+        return call(files), None
+    except (SubmitUnknown, *SUBMIT_ERRORS) as exc:
+        return None, exc
 
 
 def sync_checkpoints(s: Session, job: Job) -> None:
@@ -97,6 +107,7 @@ class Watcher:
         self.files, self.issue_token, self.poll_s = files, issue_token, poll_s
         self._stop = threading.Event()
         self._rechecked: dict[str, float] = {}  # job id -> when a lost job's target was last asked
+        self._reconciled: dict[str, float] = {}  # job id -> when a `submit unknown` job's target was asked
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="scaletune-serve-target")
         self._busy: set[str] = set()  # jobs with a call to a slow target in flight
@@ -158,6 +169,7 @@ class Watcher:
         with self.lock, self.Session() as s:
             self.start_queued(s)
             self.poll_active(s)
+            self.reconcile_unknown(s)
             s.commit()
 
     # -- one tick --------------------------------------------------------------------------
@@ -192,19 +204,12 @@ class Watcher:
             if d.slow:
                 self.later(lambda job_id=job.id, d=d, files=files: self._submit(job_id, d, files), job.id)
                 continue
-            try:
-                target_id, error = d.submit(files), None
-            except SUBMIT_ERRORS as exc:
-                target_id, error = None, exc
-            self.submitted(s, job, target_id, error)
+            self.submitted(s, job, *ask(d.submit, files))
             s.commit()
 
     def _submit(self, job_id: str, d: Dispatcher, files: JobFiles) -> None:
         """A slow target's submit, in a worker: the call off the lock, its answer stored under it."""
-        try:
-            target_id, error = d.submit(files), None
-        except SUBMIT_ERRORS as exc:
-            target_id, error = None, exc
+        target_id, error = ask(d.submit, files)
         with self.lock, self.Session() as s:
             job = s.get(Job, job_id)
             cancelled = job is not None and job.state == S.CANCELLED
@@ -216,7 +221,10 @@ class Watcher:
 
     def submitted(self, s: Session, job: Job, target_id: str | None, error: BaseException | None) -> None:
         """What a submit answered: the target id, or the target's refusal (the job failed, unless it
-        was cancelled meanwhile)."""
+        was cancelled meanwhile), or no outcome known (`submit unknown`: asked again)."""
+        if isinstance(error, SubmitUnknown):
+            self.unknown(s, job, error)
+            return
         if error is not None:
             if job.state == S.STARTING:
                 set_state(s, job, S.FAILED, reason=S.SUBMIT, message=str(error)[:2000])
@@ -224,6 +232,64 @@ class Watcher:
         job.target_id = target_id
         if job.state == S.STARTING and job.target != "local":
             set_state(s, job, S.QUEUED, phase=None)
+
+    def unknown(self, s: Session, job: Job, error: SubmitUnknown) -> None:
+        """Whether the target took the job is not known: it stays `starting` (or stopping or
+        cancelled, as the user left it) with reason `submit unknown` and why, until `reconcile_unknown`
+        learns it; never submitted again meanwhile."""
+        message = str(error)[:2000]
+        if job.state == S.STARTING and job.reason != S.SUBMIT_UNKNOWN:
+            set_state(s, job, S.STARTING, reason=S.SUBMIT_UNKNOWN, message=message)
+            event(s, job, "log", {"line": f"[scaletune serve] {message}"})
+        elif job.state in (S.STARTING, S.STOPPING, S.CANCELLED):
+            job.reason, job.message = S.SUBMIT_UNKNOWN, message
+
+    def reconcile_unknown(self, s: Session) -> None:
+        """Each job whose submit's outcome is not known, its target asked again (`reconcile`) in a
+        worker, every RECONCILE_EVERY_S."""
+        waiting = select(Job).where(
+            Job.reason == S.SUBMIT_UNKNOWN,
+            Job.target_id.is_(None),
+            Job.state.in_([S.STARTING, S.STOPPING, S.CANCELLED]),
+        )
+        jobs = s.scalars(waiting).all()
+        self._reconciled = {j.id: self._reconciled.get(j.id, 0.0) for j in jobs}
+        for job in jobs:
+            if time.monotonic() < self._reconciled[job.id] + RECONCILE_EVERY_S:
+                continue
+            self._reconciled[job.id] = time.monotonic()
+            d, files = self.dispatchers[job.target], self.files(job)
+            self.later(lambda i=job.id, d=d, f=files: self._reconcile(i, d, f), job.id)
+
+    def _reconcile(self, job_id: str, d: Dispatcher, files: JobFiles) -> None:
+        """What the target says of a submission whose outcome was not known, stored under the lock;
+        a call it took for a job stopped or cancelled meanwhile is cancelled."""
+        target_id, error = ask(d.reconcile, files)
+        with self.lock, self.Session() as s:
+            job = s.get(Job, job_id)
+            if job is None or job.target_id is not None or job.reason != S.SUBMIT_UNKNOWN:
+                return
+            ended = job.state in (S.STOPPING, S.CANCELLED)
+            if isinstance(error, SubmitUnknown):
+                job.message = str(error)[:2000]
+            elif error is not None:
+                reason = S.SUBMIT if isinstance(error, NotAccepted) else S.LOST
+                event(s, job, "log", {"line": f"[scaletune serve] {error}"})
+                if job.state == S.STOPPING:
+                    set_state(s, job, S.STOPPED, reason=None, message=None)
+                elif ended:
+                    job.reason = None
+                else:
+                    set_state(s, job, S.FAILED, reason=reason, message=str(error)[:2000])
+            else:
+                job.target_id, job.reason, job.message = target_id, None, None
+                line = f"[scaletune serve] {job.target} took the submission: {target_id}, adopted"
+                event(s, job, "log", {"line": line})
+                if not ended:
+                    set_state(s, job, S.QUEUED, phase=None)
+            s.commit()
+        if target_id and ended:  # stopped or cancelled before the call was known: it must not run on
+            d.cancel(target_id, files)
 
     def poll_active(self, s: Session) -> None:
         jobs = s.scalars(
@@ -392,6 +458,9 @@ class Watcher:
         target has one, else it never started and is queued again; failed when it cannot tell."""
         try:
             target_id = self.dispatchers[job.target].adopt(self.files(job))
+        except SubmitUnknown as exc:
+            self.unknown(s, job, exc)
+            return
         except UserError as exc:
             set_state(s, job, S.FAILED, reason=S.LOST, message=str(exc)[:2000])
             event(s, job, "log", {"line": f"[scaletune serve] {exc}"})

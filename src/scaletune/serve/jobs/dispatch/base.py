@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import psutil
 
+from scaletune.errors import UserError
+
 STOP_FILE = "stop-request"  # in the job folder; the trainer checks it at each step boundary
 EXIT_FILE = "exit-code"  # written by the wrapper when the run's process ends
 LOG_FILE = "train.log"
@@ -98,8 +100,6 @@ def checked_options(job: JobFiles, build: Callable[[JobFiles], Any], counts: tup
     Raises:
         UserError: titled "invalid resources", listing every problem.
     """
-    from scaletune.errors import UserError
-
     r = job.resources
     problems = [
         f"resources.{k}: must be a whole number, got {r[k]!r}" for k in counts if k in r and type(r[k]) is not int
@@ -128,6 +128,16 @@ class Status:
     final: bool | None = None
 
 
+class SubmitUnknown(Exception):
+    """Whether the target accepted the job is not known (its answer to the submit was an error
+    after the request may have reached it, or the last service stopped during the submit): the job
+    waits `starting` with reason `submit unknown` while `Dispatcher.reconcile` asks the target."""
+
+
+class NotAccepted(UserError):
+    """The target has no run of this submission: the submit failed (reason `submit failed`)."""
+
+
 class ArtifactMissing(Exception):
     """An artifact the run has not written (the API answers 404 with the message)."""
 
@@ -149,8 +159,8 @@ class Download:
 
 
 class Dispatcher:
-    """submit, poll, stop, cancel, logs, artifact, adopt, reattach. `target_id` is what the job record keeps: a
-    PID, a SLURM job id, a Modal call id."""
+    """submit, poll, stop, cancel, logs, artifact, adopt, reconcile, reattach. `target_id` is what the
+    job record keeps: a PID, a SLURM job id, a Modal call id."""
 
     name = "base"
     max_concurrent: int | None = None  # jobs running at once; None: the target queues them itself
@@ -159,7 +169,8 @@ class Dispatcher:
     slow = False
 
     def submit(self, job: JobFiles) -> str:
-        """Start the job; returns its target id. Raises UserError when the target refuses it."""
+        """Start the job; returns its target id. Raises UserError when the target refuses it,
+        SubmitUnknown when whether it accepted the job is not known."""
         raise NotImplementedError
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
@@ -216,10 +227,22 @@ class Dispatcher:
         (it is queued and started again).
 
         Raises:
+            SubmitUnknown: whether it was started is asked of the target (`reconcile`).
             UserError: whether it was started cannot be known (the job fails with the message
                 rather than being started a second time).
         """
         return None
+
+    def reconcile(self, job: JobFiles) -> str:
+        """The target id of a submission whose outcome was not known (`SubmitUnknown`), asked of
+        the target again.
+
+        Raises:
+            SubmitUnknown: still not known (asked again later).
+            NotAccepted: the target has no run of it.
+            UserError: it cannot be told (the job fails rather than being started a second time).
+        """
+        raise UserError(f"{self.name}: whether the job was started cannot be told")
 
     def reattach(self, target_id: str, job: JobFiles) -> bool:
         """After a service restart: whether the job is still known to the target (then polled)."""

@@ -9,9 +9,15 @@ never written into the app's source or any file.
 The run directory is on the app's Modal Volume: `artifact` lists it and streams its files with the
 SDK's `Volume.listdir` / `Volume.read_file`.
 
-A restart while a job is submitted must not spawn it twice (two runs writing one run directory on
-the volume, twice the GPUs): `submit` writes SPAWN_FILE before `spawn` and CALL_FILE after it, and
-`adopt` reads them (the call to adopt; nothing to adopt; or unknown, then the job fails).
+A submission is never spawned twice (two runs writing one run directory on the volume, twice the
+GPUs), and a call Modal accepted is never recorded as a failed submit. Each submission has a
+handle recorded before its `spawn`: the id of its own Function variant (`with_options` with the
+Secret made for this submission makes a variant no other submission calls), written to
+SPAWN_FILE, and the call id is written to CALL_FILE after the spawn. A spawn that raises (the
+answer lost after Modal took the request, an SDK retry refused) and a service stopped during the
+spawn are settled by asking Modal which calls that variant has (`reconcile`): the call is adopted
+(calls a retried request made besides it are cancelled), or none is listed (the submit failed), or
+Modal cannot be asked now (the job waits `submit unknown`; asked again).
 
 No Modal account is reachable from the machines this is tested on: the tests cover the app's
 source, the image, the Secret and the function the SDK would call, up to the network; nothing
@@ -22,10 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import logging
 import os
 import posixpath
 import shlex
 import sys
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -39,7 +48,9 @@ from scaletune.serve.jobs.dispatch.base import (
     Dispatcher,
     Download,
     JobFiles,
+    NotAccepted,
     Status,
+    SubmitUnknown,
     checked_options,
 )
 
@@ -48,12 +59,16 @@ if TYPE_CHECKING:
 
     from scaletune.launch.modal_app import ModalOptions
 
+log = logging.getLogger(__name__)
 RESOURCE_KEYS = {"gpu_count", "gpu_type", "volume", "secrets", "timeout_hours"}
 CALL_FILE = "modal-call"  # in the job folder: the call id (not a secret), what `logs` asks Modal by
-# In the job folder, written just before `spawn`: the config.yaml's mtime (ns) of this start, so a
-# marker left by an earlier run of a resumed job (resume rewrites config.yaml) is told from this one.
+# In the job folder, written just before `spawn` (JSON): `attempt`, the config.yaml's mtime (ns) of
+# this start, so a marker left by an earlier run of a resumed job (resume rewrites config.yaml) is
+# told from this one; `function`, the submission's Function variant, the calls are listed by;
+# `since`, when; `error`, what the spawn raised, once it did. An older service wrote the mtime alone.
 SPAWN_FILE = "modal-spawn"
 LOG_ENTRIES = 5000  # the call's last log entries read for /logs (Modal keeps them; the SDK tails them)
+LOOKUP_TAIL = 25  # the variant's last calls listed: one submission makes one (a few if the SDK retried)
 
 
 def options(job: JobFiles) -> ModalOptions:
@@ -175,7 +190,21 @@ class ModalDispatcher(Dispatcher):
     # for about a minute, too long for an HTTP request.
     volume_timeout_s = 20.0
 
+    # How long Modal must list no call of a submission whose spawn raised before it counts as not
+    # accepted (a listing read at the instant of a lost answer is not taken as the last word).
+    settle_s = 10.0
+    # How long a submission whose outcome is not known is asked about; then the job fails `lost`.
+    reconcile_for_s = 900.0
+    lookup_timeout_s = 20.0  # one listing of the calls (the SDK itself retries for about a minute)
+
     def submit(self, job: JobFiles) -> str:
+        """Deploy the job's app and spawn its `train`; returns the call id.
+
+        Raises:
+            UserError: Modal refused the deploy or the Function (no credentials, ...), or it lists
+                no call of this submission after its spawn raised (`NotAccepted`).
+            SubmitUnknown: the spawn raised and Modal cannot be asked now whether it took the call.
+        """
         import modal
 
         module = load_app(job)
@@ -184,39 +213,91 @@ class ModalDispatcher(Dispatcher):
         try:
             module.app.deploy()  # a second deploy of the same app is harmless; a second spawn is not
             function = train_function(job)
-            _write(job.job_dir / SPAWN_FILE, _attempt(job))
-            call = function.spawn()
+            function.hydrate()  # the submission's own variant: its id is the handle its calls are listed by
         except modal.exception.Error as exc:
-            raise UserError(f"Modal refused the job: {exc} (run `modal token new` on the service's machine)") from None
-        _write(job.job_dir / CALL_FILE, call.object_id)
-        return call.object_id
+            why = _scrubbed(str(exc), job)
+            raise UserError(f"Modal refused the job: {why} (run `modal token new` on the service's machine)") from None
+        mark = {"attempt": _attempt(job), "function": function.object_id, "since": time.time()}
+        _write(job.job_dir / SPAWN_FILE, json.dumps(mark))
+        try:
+            call_id = function.spawn().object_id
+        except Exception as exc:  # noqa: BLE001 - whatever the SDK raised, Modal may have taken the call first
+            error = _scrubbed(f"{type(exc).__name__}: {exc}", job)[:500]
+            _write(job.job_dir / SPAWN_FILE, json.dumps({**mark, "error": error}))
+            return self.reconcile(job)
+        _write(job.job_dir / CALL_FILE, call_id)
+        return call_id
 
     def adopt(self, job: JobFiles) -> str | None:
         """After a restart that found the job `starting`: the call `submit` spawned (CALL_FILE); None
         when this start never reached `spawn` (deployed again and spawned then).
 
         Raises:
-            UserError: the last service stopped during `spawn` (SPAWN_FILE of this start, no call
-                id): a call may run on Modal that no record names; it is not spawned a second time.
+            SubmitUnknown: the last service stopped during `spawn` (SPAWN_FILE of this start, no call
+                id): Modal is asked which call it took (`reconcile`); it is not spawned a second time.
         """
-        try:
-            marked, now = (job.job_dir / SPAWN_FILE).read_text().strip(), _attempt(job)
-        except OSError:
-            return None
-        if marked != now:
-            return None  # an earlier run's marker (a resumed job): this start did not spawn
-        try:
-            call_id = (job.job_dir / CALL_FILE).read_text().strip()
-        except OSError:
-            call_id = ""
+        if _marker(job) is None:
+            return None  # none, or an earlier run's (a resumed job): this start did not spawn
+        call_id = _call_file(job)
         if call_id:
             return call_id
-        app = options(job).app_name
-        raise UserError(
-            f"the last service stopped while spawning this job on Modal (app {app}); whether its call started "
-            f"is unknown, so it is not started again: see `modal app list` / `modal app logs {app}` "
-            f"(`modal app stop {app}` ends a call left running), then resume the job"
+        raise SubmitUnknown(
+            f"the last service stopped while spawning this job on Modal (app {options(job).app_name}): "
+            "Modal is asked which call it took; the job is not spawned a second time"
         )
+
+    def reconcile(self, job: JobFiles) -> str:
+        """The call of this start whose spawn raised or was cut off, looked up at Modal by the
+        submission's Function variant (SPAWN_FILE): written to CALL_FILE and returned; calls listed
+        besides it (the SDK retries a spawn whose answer was lost, and each try Modal took is a
+        call) are cancelled, the first kept.
+
+        Raises:
+            SubmitUnknown: Modal cannot be asked now, or lists no call yet (within `settle_s`).
+            NotAccepted: Modal lists no call of the submission: the submit failed.
+            UserError: it cannot be told (a marker without the variant, written by an older
+                service, or Modal not answering for `reconcile_for_s`): the job fails, never
+                spawned a second time.
+        """
+        import modal
+
+        mark = _marker(job) or {}
+        if not mark:
+            raise NotAccepted("this start of the job did not reach Modal's spawn")
+        call_id = _call_file(job)
+        if call_id:
+            return call_id
+        function, since = mark.get("function"), float(mark.get("since") or 0)
+        if not function:
+            raise UserError(_unknown(job, None))
+        try:
+            calls = calls_of(function, self.lookup_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - no answer from Modal is no news of the call
+            if time.time() - since > self.reconcile_for_s:
+                raise UserError(_unknown(job, function)) from None
+            raise SubmitUnknown(
+                f"Modal's answer to the spawn was lost ({mark.get('error') or 'the service stopped'}) and Modal "
+                f"cannot be asked now which call it took ({type(exc).__name__}): asked again"
+            ) from None
+        if not calls:
+            if time.time() - since < self.settle_s:
+                raise SubmitUnknown(f"the spawn raised ({mark.get('error')}); Modal lists no call of it yet")
+            raise NotAccepted(
+                f"Modal did not take the job ({mark.get('error') or 'the service stopped during the spawn'}): "
+                f"it lists no call of this submission (`modal function calls {function}`)"
+            )
+        keep, extra = calls[-1], calls[:-1]  # listed newest first: the first call Modal took is kept
+        for other in extra:
+            try:
+                modal.FunctionCall.from_id(other).cancel()
+            except modal.exception.Error:
+                log.warning("job %s: Modal call %s (a retried spawn's) could not be cancelled", job.job_id, other)
+        log.warning(
+            "job %s: the spawn raised (%s) but Modal took call %s: adopted (%d more cancelled)",
+            job.job_id, mark.get("error") or "the service stopped", keep, len(extra),
+        )  # fmt: skip
+        _write(job.job_dir / CALL_FILE, keep)
+        return keep
 
     def poll(self, target_id: str, job: JobFiles) -> Status:
         import modal
@@ -231,7 +312,8 @@ class ModalDispatcher(Dispatcher):
     def cancel(self, target_id: str, job: JobFiles) -> None:
         import modal
 
-        modal.FunctionCall.from_id(target_id).cancel()
+        if target_id:  # none while a submission's outcome is not known: `reconcile` cancels what it finds
+            modal.FunctionCall.from_id(target_id).cancel()
 
     def log_bytes(self, job: JobFiles, offset: int | None = None, limit: int = 1 << 20) -> bytes:
         """The call's output as Modal keeps it (`FunctionCall.logs.tail`, UTF-8); nothing on this
@@ -327,6 +409,70 @@ class ModalDispatcher(Dispatcher):
             yield from chunks
 
         return rest()
+
+
+def calls_of(function_id: str, timeout_s: float) -> list[str]:
+    """The ids of the calls Modal lists for the Function (or variant) `function_id`, newest first:
+    its recent inputs, as `modal function calls FUNCTION_ID` lists them (the SDK's client and the
+    request that command sends; the SDK has no public call for it).
+
+    Raises:
+        Exception: what the SDK raises when Modal cannot be asked (TimeoutError after `timeout_s`).
+    """
+    from modal._utils.async_utils import synchronizer
+    from modal.client import _Client
+    from modal_proto import api_pb2
+
+    async def fetch() -> list[str]:
+        client = await _Client.from_env()
+        tail = api_pb2.FunctionCallFetchRequest.Tail(count=LOOKUP_TAIL)
+        answer = await client._stub.FunctionCallFetch(
+            api_pb2.FunctionCallFetchRequest(function_id=function_id, tail=tail)
+        )
+        return list(dict.fromkeys(c.function_call_id for c in answer.function_call_inputs if c.function_call_id))
+
+    async def bounded() -> list[str]:
+        return await asyncio.wait_for(fetch(), timeout_s)
+
+    return synchronizer.create_blocking(bounded)()
+
+
+def _marker(job: JobFiles) -> dict | None:
+    """This start's SPAWN_FILE (None: none, or an earlier run's)."""
+    try:
+        text = (job.job_dir / SPAWN_FILE).read_text().strip()
+    except OSError:
+        return None
+    try:
+        mark = json.loads(text) if text.startswith("{") else {"attempt": text}
+    except ValueError:
+        mark = {"attempt": ""}
+    return mark if mark.get("attempt") == _attempt(job) else None
+
+
+def _scrubbed(text: str, job: JobFiles) -> str:
+    """`text` (an SDK's message, kept on the record and in the job folder) with each value of the
+    job's environment (its report token, its secrets) hidden, should the SDK ever repeat one."""
+    for value in job.env.values():
+        if len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def _call_file(job: JobFiles) -> str:
+    try:
+        return (job.job_dir / CALL_FILE).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _unknown(job: JobFiles, function: str | None) -> str:
+    app = options(job).app_name
+    listed = f"`modal function calls {function}` / " if function else ""
+    return (
+        f"whether this job's call on Modal started is unknown (app {app}), so it is not started again: see "
+        f"{listed}`modal app logs {app}` (`modal app stop {app}` ends a call left running), then resume the job"
+    )
 
 
 def _attempt(job: JobFiles) -> str:
