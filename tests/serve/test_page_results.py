@@ -1,8 +1,11 @@
-"""The job page's results part (issue 23, "talk to the result", "ship it") against a real service and
-two real tiny jobs it ran (a full fine-tune and a LoRA one, 2 steps, a checkpoint at each): chat
-streams the answer `scaletune.inference` gives greedily for final/ and a checkpoint, adapters on
-their base; refusals; the evaluate task against `scaletune eval` from the command line; the export
-task against `scaletune export`; archives against the folders' bytes; one Chromium walk."""
+"""The job page's results part (issue 23, "talk to the result", "ship it"; issue 39, items 4 and 7)
+against a real service and two real tiny jobs it ran (a full fine-tune prompted with the chat
+template and a LoRA one, 2 steps, a checkpoint at each): chat streams the answer
+`scaletune.inference` gives greedily for final/ and a checkpoint, adapters on their base, and the
+base model's answer (the run's own "before training" samples); refusals; the evaluate task against
+`scaletune eval` from the command line, its data checked before it starts; the export task against
+`scaletune export`; archives against the folders' bytes; one Chromium walk (system prompt, base and
+tuned side by side, the data area's file evaluated)."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from tests.helpers import ALPACA_5000, LORA, make_config, run_cli, wait_for
 from tests.serve.serve_helpers import client, dom, headless_chromium, plant_job, wait_state
 
 PROMPT = "Name a colour."
+SYSTEM = "You are a pirate. Answer in one word."
 JOB = {"max_steps": 2, "save_every": 1, "sample_prompts": [PROMPT], "sample_max_new_tokens": 8}
 
 
@@ -36,12 +40,13 @@ def sse(resp) -> list[tuple[str, dict]]:
     return out
 
 
-def chat(c, job_id: str, checkpoint: str = "final", prompt: str = PROMPT, max_new_tokens: int = 12):
+def chat(c, job_id: str, checkpoint: str = "final", prompt: str = PROMPT, max_new_tokens: int = 12, model="tuned"):
     """(status, streamed events or the refusal's body)."""
     body = {
         "checkpoint": checkpoint,
         "messages": [{"role": "user", "content": prompt}],
         "max_new_tokens": max_new_tokens,
+        "model": model,
     }
     with c.stream("POST", f"/api/jobs/{job_id}/chat", json=body, timeout=300) as resp:
         if resp.status_code != 200:
@@ -50,11 +55,13 @@ def chat(c, job_id: str, checkpoint: str = "final", prompt: str = PROMPT, max_ne
         return 200, sse(resp)
 
 
-def control_answer(target: Path, max_new_tokens: int = 12) -> str:
-    """What the inference module answers greedily (what `scaletune generate` prints)."""
+def control_answer(target: Path, max_new_tokens: int = 12, system: str | None = None) -> str:
+    """What the inference module answers greedily (what `scaletune generate` prints), with `system`
+    as the conversation's first turn."""
     from scaletune.inference import Sampling, generate, load_for_inference
 
-    return generate(load_for_inference(target), [PROMPT], Sampling(max_new_tokens=max_new_tokens))[0]
+    prompt = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}] if system else PROMPT
+    return generate(load_for_inference(target), [prompt], Sampling(max_new_tokens=max_new_tokens))[0]
 
 
 def exported_like_a_run(checkpoint: Path, out: Path, *flags: str) -> Path:
@@ -76,11 +83,16 @@ def wait_task(c, job_id: str, task_id: str, timeout: float = 300) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs(server, tiny_model_dir, module_tmp_path) -> dict[str, dict]:
-    """Two jobs the service ran: `full` and `lora` (a high learning rate, so the adapter changes the answer)."""
+    """Two jobs the service ran: `full`, prompted with the chat template (which has a system turn), and
+    `lora`; high learning rates, so that the trained answers differ from the base's (and the full
+    run's from one turn to the same turn after a system prompt)."""
     c = client(server, server.submit)
     out = {}
-    for name, extra in (("full", {}), ("lora", {"model": LORA | {"gradient_checkpointing": False}})):
-        training = JOB | ({"learning_rate": 0.05} if name == "lora" else {})
+    chat_template = {
+        "data": {"train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 64, "template": "chat"}}
+    }
+    for name, extra in (("full", chat_template), ("lora", {"model": LORA | {"gradient_checkpointing": False}})):
+        training = JOB | {"learning_rate": 0.05 if name == "lora" else 0.02}
         cfg = make_config(tiny_model_dir, module_tmp_path / name, training=training, **extra)
         r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)})
         assert r.status_code == 201, r.text
@@ -97,6 +109,15 @@ def eval_file(module_tmp_path) -> Path:
     path = module_tmp_path / "eval.json"
     path.write_text(json.dumps(json.loads(ALPACA_5000.read_text())[100:108]))
     return path
+
+
+@pytest.fixture(scope="module")
+def area_eval(server, eval_file) -> str:
+    """`eval_file` uploaded into the service's data area: its name there (what the page offers)."""
+    with client(server, server.submit) as c:
+        r = c.post("/api/data", params={"name": eval_file.name}, content=eval_file.read_bytes())
+    assert r.status_code in (200, 201) and r.json()["format"] == "alpaca", r.text
+    return r.json()["name"]
 
 
 @pytest.mark.parametrize(
@@ -124,6 +145,16 @@ def test_chat_streams_the_greedy_answer_of_the_inference_module(server, jobs, na
         if checkpoint == "final":  # the adapter matters: its answer is not the base model's
             base = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
             assert control_answer(run, 8) == base["trained"] != base["base"]
+            # The base (issue 39, item 7): the adapter switched off on the model held, nothing loaded
+            # again; its answer the run's own "before training" sample, the adapter back on after.
+            slot = server.server.config.app.state.model_slot
+            held = slot._loaded
+            with client(server, server.submit) as c:
+                status, events = chat(c, job["id"], max_new_tokens=8, model="base")
+                assert status == 200, events
+                assert events[-1][1]["answer"] == base["base"] and slot._loaded is held
+                assert events[0][1]["model"].startswith("base (adapter off): ")
+                assert chat(c, job["id"], max_new_tokens=8)[1][-1][1]["answer"] == base["trained"]
 
 
 def test_one_model_is_held_reused_and_released(server, jobs):
@@ -184,6 +215,16 @@ def test_chat_refusals(server, jobs, module_tmp_path):
         copy = plant_job(server.svc, planted)
         status, body = chat(c, copy, "checkpoints/step-9")
         assert status in (404, 409), body
+        # A full run's base is its config.yaml's model.name_or_path, loaded only from the read roots.
+        cfg = yaml.safe_load((planted / "config.yaml").read_text())
+        cfg["model"]["name_or_path"] = "/etc"
+        (planted / "config.yaml").write_text(yaml.safe_dump(cfg))
+        status, body = chat(c, copy, model="base")
+        assert (status, body["detail"]) == (409, "the base model cannot be loaded"), body
+        assert body["problems"] == [
+            "policy: model.name_or_path: /etc: is outside the folders this service reads from; "
+            "admin setting: --read-root FOLDER"
+        ], body
         running = plant_job(server.svc, module_tmp_path / "running", state="running")
         status, body = chat(c, running)
         assert status == 409 and "running" in body["problems"][0], body
@@ -221,14 +262,29 @@ def test_models_and_samples_are_listed(server, jobs):
     assert samples == written and samples[0]["prompt"] == PROMPT and "trained" in samples[0]
 
 
-def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs, eval_file):
+def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs, eval_file, area_eval, tmp_path):
     job = jobs["full"]
     run = Path(job["run_dir"])
     with client(server, server.submit) as c:
         refused = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": "/etc/hostname"})
         assert refused.status_code == 422 and "outside the folders" in refused.json()["problems"][0], refused.text
-        for checkpoint in ("final", "checkpoints/step-1"):
-            r = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(eval_file), "checkpoint": checkpoint})
+        # Checked before a task starts (issue 39, item 4: a plain name ran a minute, then failed): 422
+        # naming the problem, and no task.
+        tasks = len(c.get(f"/api/jobs/{job['id']}/tasks").json())
+        for data, fmt, problem in (
+            ("held-out.jsonl", None, "data: 'held-out.jsonl': no such file in the data area"),
+            (str(tmp_path / "gone.jsonl"), None, f"data: {tmp_path / 'gone.jsonl'}: no such file or folder"),
+            (str(run / "plan.json"), None, "plan.json: a .json data file must hold a list of records"),
+            (area_eval, "messages", f"data: {area_eval}: the records have 'instruction', 'output', the fields of "
+             "format alpaca, not 'messages' (format messages): set format: alpaca"),
+        ):  # fmt: skip
+            r = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": data, "format": fmt})
+            assert r.status_code == 422 and r.json()["detail"] == "the data to evaluate on cannot be used", r.text
+            assert len(r.json()["problems"]) == 1 and problem in r.json()["problems"][0], (problem, r.json())
+        assert len(c.get(f"/api/jobs/{job['id']}/tasks").json()) == tasks
+        # A file of the data area by its name (what the page sends), and a path under the read roots.
+        for checkpoint, data in (("final", area_eval), ("checkpoints/step-1", str(eval_file))):
+            r = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": data, "checkpoint": checkpoint})
             assert r.status_code == 202, r.text
             busy = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(eval_file)})
             assert busy.status_code == 409 and "task running" in busy.json()["problems"][0]
@@ -243,9 +299,14 @@ def test_eval_task_gives_the_command_lines_loss_and_writes_its_file(server, jobs
             written = json.loads((run / task["result"]["file"]).read_text())
             assert written["loss"] == task["result"]["loss"] and written["model"] == checkpoint
             assert task["result"]["file"] in c.get(f"/api/jobs/{job['id']}/artifacts/eval").json()
-        failed = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(run / "plan.json")})
+        # The check reads the first 1,000 records; the task reads them all, and fails with its log's end.
+        late = tmp_path / "late.jsonl"
+        good = json.loads(ALPACA_5000.read_text())[:1000]
+        late.write_text("".join(json.dumps(r) + "\n" for r in good) + "{not json\n")
+        failed = c.post(f"/api/jobs/{job['id']}/tasks/eval", json={"data": str(late)})
+        assert failed.status_code == 202, failed.text
         task = wait_task(c, job["id"], failed.json()["id"])
-        assert task["state"] == "failed" and task["log_tail"], task
+        assert task["state"] == "failed" and "late.jsonl:1001: not valid JSON" in task["log_tail"], task
 
 
 def test_export_task_matches_the_command_line_and_its_archive_the_folder(server, jobs, tmp_path):
@@ -329,10 +390,12 @@ def test_tasks_need_the_jobs_owner(server, jobs, eval_file):
         assert c.post(f"/api/jobs/{job_id}/tasks/export", json={}).status_code == 403
 
 
-def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
+def test_page_chats_evaluates_exports(server, jobs, area_eval, module_tmp_path):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
 
     job = jobs["full"]
+    run = Path(job["run_dir"])
     shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or module_tmp_path)
     driver = headless_chromium(module_tmp_path / "chromium-results")
     try:
@@ -350,6 +413,34 @@ def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
         wait_for(lambda: dom(driver, "#chat-log .msg.assistant[data-state=done]"), 120, "the answer")
         assert dom(driver, "#chat-log .msg.assistant .text") == [control_answer(Path(job["run_dir"]))]
         assert int(dom(driver, "#chat-log .msg.assistant", "data-tokens")[0]) >= 2  # arrived in pieces
+        # A system prompt (issue 39, item 7), in a new conversation: the answer the inference module
+        # gives the two turns; without it the answer differs (so the page sent it).
+        with_system = control_answer(run, system=SYSTEM)
+        assert with_system != control_answer(run)
+        driver.find_element(By.ID, "chat-reset").click()
+        driver.find_element(By.ID, "chat-system").send_keys(SYSTEM)
+        driver.find_element(By.ID, "chat-input").send_keys(PROMPT)
+        driver.find_element(By.ID, "chat-send").click()
+        wait_for(
+            lambda: dom(driver, "#chat-log .msg.assistant[data-state=done]"), 120, "the answer to the system prompt"
+        )
+        assert dom(driver, "#chat-log .msg.assistant .text") == [with_system]
+        assert dom(driver, "#chat-system-note") == [""]  # prompted with a chat template: it has a system turn
+        # Base and tuned side by side: this full run's model.name_or_path and its final/ answer the same
+        # message; the controls are the run's own samples before and after training (8 tokens, greedy).
+        sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+        assert sample["base"] != sample["trained"]
+        driver.find_element(By.ID, "chat-system").clear()
+        driver.find_element(By.ID, "chat-compare").click()  # a new conversation, two columns
+        driver.execute_script("document.getElementById('chat-max').value = 8")
+        driver.find_element(By.ID, "chat-input").send_keys(PROMPT)
+        driver.find_element(By.ID, "chat-send").click()
+        pair = "#chat-log .pair .msg.assistant"
+        wait_for(lambda: len(dom(driver, pair + "[data-state=done]")) == 2, 120, "both answers")
+        assert dom(driver, pair, "data-model") == ["tuned", "base"] and not dom(driver, "#chat-problems li")
+        assert dom(driver, pair + " .text") == [sample["trained"], sample["base"]]
+        assert "(the base of this run)" in dom(driver, pair + "[data-model=base]", "data-description")[0]
+        driver.save_screenshot(str(shots / "page-results-side-by-side.png"))
         # Earlier tests of this module ran tasks on this job: the page's own show up as one more of each.
         done_evals = "#tasks li[data-kind=eval][data-state=succeeded]"
         exports = "#downloads a.archive[data-path^='exports/']"
@@ -358,7 +449,20 @@ def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
             len(dom(driver, "#evaluation tbody tr[data-metric=loss]")),
             len(dom(driver, exports)),
         )
-        driver.find_element(By.ID, "eval-data").send_keys(str(eval_file))
+        # Evaluate on a file of the data area, picked from its list (issue 39, item 4); its format follows
+        # the file's. Another format is refused on the page at once, naming the fix, and starts nothing.
+        wait_for(lambda: area_eval in dom(driver, "#eval-data option", prop="value"), 30, "the data area's files")
+        Select(driver.find_element(By.ID, "eval-data")).select_by_value(area_eval)
+        assert dom(driver, "#eval-format", prop="value") == ["alpaca"]
+        Select(driver.find_element(By.ID, "eval-format")).select_by_value("messages")
+        with client(server, server.read) as c:
+            started = len(c.get(f"/api/jobs/{job['id']}/tasks").json())
+            driver.find_element(By.ID, "eval-run").click()
+            lines = wait_for(lambda: dom(driver, "#task-problems li"), 30, "the refusal")
+            assert len(c.get(f"/api/jobs/{job['id']}/tasks").json()) == started
+        assert lines[0] == "Evaluate refused (422): the data to evaluate on cannot be used", lines
+        assert lines[1].endswith("(format messages): set format: alpaca") and len(lines) == 2, lines
+        Select(driver.find_element(By.ID, "eval-format")).select_by_value("alpaca")
         driver.find_element(By.ID, "eval-run").click()
         wait_for(lambda: len(dom(driver, done_evals)) > before[0], 180, "the eval task")
         rows = wait_for(
@@ -370,7 +474,7 @@ def test_page_chats_evaluates_exports(server, jobs, eval_file, module_tmp_path):
             max((Path(job["run_dir"]) / "eval").glob("data-*.json"), key=lambda p: p.stat().st_mtime_ns).read_text()
         )
         assert rows[0].split("\t")[1:4] == [
-            f"data {eval_file} (final, {newest['examples']} examples)",
+            f"data {area_eval} (final, {newest['examples']} examples)",
             "loss",
             f"{newest['loss']:.4f}",
         ], rows[0]

@@ -175,7 +175,9 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
 
         # 5. Submit, watch the chart gain points, stop, resume, see it succeed.
         driver.find_element(By.ID, "submit").click()
-        wait_for(lambda: "/jobs/" in driver.current_url, 60, "the job page")
+        # The submit is checked by the service first (the config, the model folder, the data): on two
+        # cores busy with another worker's runs it once took over 60 s.
+        wait_for(lambda: "/jobs/" in driver.current_url, 180, "the job page")
         job_id = driver.current_url.rstrip("/").split("/")[-1]
 
         def points() -> int:
@@ -215,8 +217,9 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         assert answer.strip() == want["response"].strip()
         driver.save_screenshot(str(shots / "page-walk-chat.png"))
 
-        # 7. Evaluate on the uploaded file (a small task) and compare with the CLI's loss.
-        _type(driver, "eval-data", area_path)
+        # 7. Evaluate on the uploaded file, picked from the data area (a small task); compare with the CLI's loss.
+        wait_for(lambda: "alpaca-walk.jsonl" in dom(driver, "#eval-data option", prop="value"), 30, "the data list")
+        Select(driver.find_element(By.ID, "eval-data")).select_by_value("alpaca-walk.jsonl")
         driver.find_element(By.ID, "eval-run").click()
         wait_for(lambda: dom(driver, "#tasks [data-state=succeeded]"), 300, "the evaluation task")
         want_loss = json.loads(_cli("eval", str(run_dir), "--data", area_path, "--json", cwd=srv.home))["loss"]

@@ -20,6 +20,7 @@ from scaletune.serve.api.schemas import (
     CloneRequest,
     JobRequest,
     JobSummary,
+    QueuePlace,
     ReportRequest,
     ResumeRequest,
     Submitted,
@@ -29,8 +30,8 @@ from scaletune.serve.edge import auth
 from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read, still_allowed
 from scaletune.serve.edge.teams import need_owner, record
 from scaletune.serve.jobs import states as S
-from scaletune.serve.jobs.db import Job
-from scaletune.serve.jobs.records import MAX_INT
+from scaletune.serve.jobs.db import Job, now
+from scaletune.serve.jobs.records import MAX_INT, queue_eta
 from scaletune.serve.jobs.service import JobNotFound, JobService
 from scaletune.serve.jobs.states import TERMINAL
 
@@ -139,6 +140,19 @@ def get_logs(
     # offset plus the bytes it got, invalid UTF-8 or a cut character included.
     data = svc.dispatchers[job.target].log_bytes(svc.files(job), offset, limit)
     return Response(data, media_type="text/plain; charset=utf-8")
+
+
+@router.get("/api/jobs/{job_id}/queue", dependencies=[read], response_model=QueuePlace, responses=E422)
+def get_queue_place(job_id: str, svc: Svc):
+    """Where a queued job stands: its position, the jobs ahead (the running ones with the time each
+    still needs by its pace, the queued ones with the median duration of the jobs that finished
+    here) and `start_in_s`, when a slot should be free for it (`--max-concurrent`); null with the
+    reason in `why` where nothing supports an estimate (no finished job, a job that has logged no
+    step). Another target's queued job has no position here."""
+    job = job_or_404(svc, job_id)
+    d = svc.dispatchers.get(job.target)
+    with svc.Session() as s:
+        return queue_eta(s, job, d.max_concurrent if d is not None else None, now())
 
 
 @router.get("/api/jobs/{job_id}/events", dependencies=[read], responses=E422)

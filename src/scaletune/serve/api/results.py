@@ -24,9 +24,11 @@ from scaletune.serve.api.jobs import job_or_404
 from scaletune.serve.api.schemas import E409_422, E422, refusal
 from scaletune.serve.edge.access import Reader, Svc
 from scaletune.serve.jobs.archive import members, tar_stream
-from scaletune.serve.jobs.states import ACTIVE, QUEUED
+from scaletune.serve.jobs.states import ACTIVE, CHECKING, QUEUED, STARTING
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# A job in these states has run nothing yet (unless resumed: then its run directory is there).
+NOT_STARTED = (CHECKING, QUEUED, STARTING)
 router = APIRouter()
 
 
@@ -46,9 +48,15 @@ def run_dir_here(job) -> Path:
     """The job's run directory on this machine.
 
     Raises:
-        Refused: it is not here (a Modal job's files are on its volume).
+        Refused: it is not there yet (the job has not started), or not here (a Modal job's files
+            are on its volume).
     """
     run_dir = Path(job.run_dir)
+    if not run_dir.is_dir() and job.state in NOT_STARTED:
+        raise Refused(
+            f"job {job.id} has not started yet",
+            [f"job {job.id} is {job.state}: it has not started yet; its models are here once it has run"],
+        )
     if not run_dir.is_dir():
         where = "on Modal's volume, not on this machine" if job.target == "modal" else "not on this machine"
         raise Refused("the run's files are not here", [f"job {job.id}: its run directory {run_dir} is {where}"])
@@ -119,7 +127,8 @@ def model_target(job, checkpoint: str) -> tuple[Path, Path]:
 @router.get("/api/jobs/{job_id}/models", tags=["results"], responses=E422)
 def models(job_id: str, c: Reader, svc: Svc):
     """The models of the job to chat with, evaluate or export (`final`, `checkpoints/step-N`), its
-    exports, and why none can be used now (`refused`: running, files not here), or null."""
+    exports, and why none can be used now (`refused`: not started yet, running, files not here),
+    or null."""
     job = job_or_404(svc, job_id)
     try:
         run_dir = run_dir_here(job)

@@ -117,6 +117,26 @@ class Submitted(BaseModel):
     plan: dict[str, Any] | None = Field(None, description="dry run only: the resolved plan and what would run")
 
 
+class QueueAhead(BaseModel):
+    id: str
+    state: str
+    remaining_s: float | None = Field(description="seconds it still needs (null: unknown)")
+    basis: str = Field(description="how that was told: its pace, a typical job's time, or what is missing")
+
+
+class QueuePlace(BaseModel):
+    """Where a queued local job stands and about when it starts (`jobs/records.queue_eta`): null numbers where
+    nothing the service knows supports one, and `why` says what is missing."""
+
+    state: str
+    position: int | None = Field(description="1: the next to start; null: not queued on this service")
+    ahead: list[QueueAhead] = Field(description="the running jobs, then the queued ones before it")
+    typical_s: float | None = Field(description="the median duration of the jobs that finished here (null: none)")
+    finished: int = Field(description="how many finished jobs that median is of")
+    start_in_s: float | None = Field(description="seconds until it starts, about (null: unknown)")
+    why: str = Field(description="what the estimate rests on, or what is missing")
+
+
 class TokenRequest(BaseModel):
     name: str | None = Field(None, description="Who holds it (1-64 of A-Z a-z 0-9 _ . @ -); default SCOPE-N.")
     scope: Literal["read", "submit", "admin"] = "read"

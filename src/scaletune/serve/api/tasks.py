@@ -1,6 +1,6 @@
-"""Evaluate and export a run's model as small tasks (`jobs/tasks.py`, on `app.state.tasks`): they
-write into the run's folder (eval/, exports/), so they need its owner or an admin, as stop and
-resume do; listing them needs a read token."""
+"""Evaluate and export a run's model as small tasks (`jobs/tasks.py`, on `app.state.tasks`, recorded
+in the job database): they write into the run's folder (eval/, exports/), so they need its owner or
+an admin, as stop and resume do; listing them needs a read token."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import json
@@ -17,6 +17,7 @@ from scaletune.serve.edge import auth
 from scaletune.serve.edge import policy as P
 from scaletune.serve.edge.access import Reader, Submitter, Svc
 from scaletune.serve.edge.teams import need_owner, record
+from scaletune.serve.jobs.datasets import check_eval_data, is_area_name
 from scaletune.serve.jobs.service import JobService
 from scaletune.serve.jobs.tasks import Busy, Task, Tasks, fresh, last_json, stamp
 
@@ -25,7 +26,10 @@ router = APIRouter()
 
 class EvalRequest(BaseModel):
     data: str = Field(
-        min_length=1, max_length=4096, description="A data file, folder or data set name (as data.train.path)."
+        min_length=1,
+        max_length=4096,
+        description="A file of the data area by its name (GET /api/data), or the path of a local data file or "
+        "folder under the service's read roots.",
     )
     checkpoint: str = Field("final", max_length=300)
     format: Literal["alpaca", "messages", "text"] | None = Field(None, description="Default: the run's.")
@@ -52,34 +56,35 @@ Runner = Annotated[Tasks, Depends(task_runner)]
 
 @router.get("/api/jobs/{job_id}/tasks", tags=["results"], responses=E422)
 def list_tasks(job_id: str, c: Reader, svc: Svc, tasks: Runner):
-    """The job's evaluate and export tasks, newest first: state running, succeeded or failed
-    (with the tail of its output), and the result."""
+    """The job's evaluate and export tasks, newest first, kept across service restarts: state
+    running, succeeded, failed or interrupted (its service stopped while it ran), with the tail of
+    its output when it failed or was interrupted, who started it, and the result."""
     job_or_404(svc, job_id)
     return tasks.list(job_id)
 
 
 def start(svc: JobService, tasks: Tasks, c: auth.Caller, job, kind: str, what: str, args: list[str], finish) -> dict:
     try:
-        task = tasks.start(svc.files(job), kind, what, args, finish)
+        listed = tasks.start(svc.files(job), kind, what, args, finish, owner=c.name)
     except Busy as exc:
         raise Refused("a task is running", [str(exc)]) from None
     record(svc.Session, c.name, f"job.{kind}", job.id, what)
-    return task.public()
+    return listed
 
 
 @router.post("/api/jobs/{job_id}/tasks/eval", status_code=202, tags=["results"], responses=E409_422)
 def start_eval(job_id: str, req: EvalRequest, c: Submitter, svc: Svc, tasks: Runner):
     """Evaluate a model of the job on a data set (`scaletune eval --data`: loss and perplexity
     over the tokens training would train); the result is written to the run's
-    eval/data-TIME.json. The data path is checked as a submitted config's data."""
+    eval/data-TIME.json. `data` is a file of the data area by its name, or a local path checked
+    as a submitted config's data is (the read roots). Before the task starts the file must
+    exist, be readable by the service and its first records be of the format evaluated (`format`,
+    else the run's): otherwise 422 naming every problem, and no task."""
     job = job_or_404(svc, job_id)
     need_owner(c, job)
     target, run_dir = model_target(job, req.checkpoint)
-    places = P.Places(jobs_home=svc.home, job_dir=Path(job.job_dir), db_file=svc.db_file, workdir=svc.workdir)
-    problems, _ = P.check({"data": {"train": {"path": req.data}}}, svc.policy, places)
-    if problems:
-        raise Refused("refused by the service's policy", [p.replace("data.train.path", "data") for p in problems], 422)
-    args = ["eval", str(target), "--data", req.data, "--json"]
+    path = eval_path(svc, job, req, run_dir)
+    args = ["eval", str(target), "--data", str(path), "--json"]
     args += ["--format", req.format] if req.format else []
     args += ["--max-seq-length", str(req.max_seq_length)] if req.max_seq_length else []
 
@@ -92,6 +97,26 @@ def start_eval(job_id: str, req: EvalRequest, c: Submitter, svc: Svc, tasks: Run
         return {**written, "file": f"eval/{out.name}"}
 
     return start(svc, tasks, c, job, "eval", f"{req.checkpoint} on {req.data}", args, finish)
+
+
+def eval_path(svc: JobService, job, req: EvalRequest, run_dir: Path) -> Path:
+    """The file `req.data` names, checked (`jobs/datasets.check_eval_data`); a path outside the data area
+    is first checked against the policy's read roots, as a submitted config's data.
+
+    Raises:
+        Refused: 422 with every problem.
+    """
+    if not is_area_name(req.data):
+        places = P.Places(jobs_home=svc.home, job_dir=Path(job.job_dir), db_file=svc.db_file, workdir=svc.workdir)
+        problems, _ = P.check({"data": {"train": {"path": req.data}}}, svc.policy, places)
+        if problems:
+            raise Refused(
+                "refused by the service's policy", [p.replace("data.train.path", "data") for p in problems], 422
+            )
+    path, problems = check_eval_data(req.data, req.format, run_dir, svc.home, svc.workdir)
+    if path is None:
+        raise Refused("the data to evaluate on cannot be used", problems, 422)
+    return path
 
 
 @router.post("/api/jobs/{job_id}/tasks/export", status_code=202, tags=["results"], responses=E409_422)

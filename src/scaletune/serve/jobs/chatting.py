@@ -1,15 +1,22 @@
 """The service's one chat model: loaded once by `scaletune.inference` (as `scaletune chat RUN`
 loads it: the run's prompt format, an adapter on its base, a checkpoint exported first by the
 restricted loader, no remote code), reused while the same model is asked for, released when
-another is. Generation runs in a worker thread; the tokens reach the event loop through a queue."""
+another is. Generation runs in a worker thread; the tokens reach the event loop through a queue.
+
+Besides the tuned model, a run's base answers (the page's side by side): a LoRA run's own model with
+its adapter switched off while it answers (nothing else loaded), a full run's `model` section of
+its config.yaml loaded as the trainer's "before training" samples load it (`load_model_config`),
+both prompted as the run was trained."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -70,16 +77,75 @@ def model_key(target: Path) -> tuple:
     return (str(target), folder.stat().st_mtime_ns)
 
 
-async def answer(
-    slot: ModelSlot, target: Path, conversation: list[dict], sampling: Any
-) -> tuple[tuple, asyncio.Queue, threading.Event]:
-    """Start answering `conversation` with the model at `target` (a run directory: its final/; or a
-    checkpoint) in a worker thread. Returns once the model is loaded and the prompt accepted
-    ("ready", description), or ("refused", UserError) / ("error", message) when either cannot be (a
-    prompt over MAX_PROMPT_TOKENS is refused); then the queue holds ("token", text) items and one
-    ("done", answer) or ("error", message). Set the event to stop early.
-    """
+@dataclass(frozen=True)
+class Choice:
+    """The model that answers: its key in the slot, how it is loaded, whether its LoRA adapter is
+    switched off while it answers (a LoRA run's base), how its description begins, and the `model`
+    section's paths it reads besides the run's own files (a full run's base), which the caller checks
+    against the service's policy first."""
+
+    key: tuple
+    load: Callable[[], Any]
+    adapter_off: bool = False
+    label: str = ""
+    reads: dict[str, str] = field(default_factory=dict)
+
+
+def tuned(target: Path) -> Choice:
+    """The model at `target` (a run directory: its final/; or a checkpoint), as `scaletune chat` loads it."""
     from scaletune.inference import load_for_inference
+
+    return Choice(model_key(target), lambda: load_for_inference(target))
+
+
+def base(target: Path) -> Choice:
+    """The model the run of `target` started from, prompted as the run was: a LoRA run's model with
+    its adapter switched off (the slot keeps the one model: the tuned one and its base answer in
+    turn without a load), a full run's `model.name_or_path` (and `model.tokenizer`) of its
+    config.yaml, never with remote code.
+
+    Raises:
+        UserError: the target has no run config to name the base, or its model is a factory's.
+    """
+    from scaletune.inference.loading import find_target
+
+    t = find_target(target)
+    if t.adapter:
+        return Choice(model_key(target), tuned(target).load, adapter_off=True, label="base (adapter off): ")
+    cfg = t.run_config
+    if cfg is None:
+        raise UserError(f"{target}: no run config.yaml names the model this one was trained from", title="no base")
+    if cfg.model.factory is not None:
+        raise UserError(
+            "model.factory: a factory's model is built by its own code, which the service does not run",
+            title="no base",
+        )
+    name = str(cfg.model.name_or_path)
+    folder = Path(name).expanduser()
+    key = ("base", name, folder.stat().st_mtime_ns if folder.is_dir() else 0)
+
+    def load() -> Any:
+        import torch
+
+        from scaletune.inference.loading import inference_dtype, load_model_config
+
+        dtype = inference_dtype("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        model = cfg.model.model_copy(update={"dtype": dtype, "trust_remote_code": False})
+        return load_model_config(model, cfg.data, name=f"{name} (the base of this run)")
+
+    reads = {"name_or_path": name, **({"tokenizer": cfg.model.tokenizer} if cfg.model.tokenizer else {})}
+    return Choice(key, load, reads=reads)
+
+
+async def answer(
+    slot: ModelSlot, choice: Choice, conversation: list[dict], sampling: Any
+) -> tuple[tuple, asyncio.Queue, threading.Event]:
+    """Start answering `conversation` with the model `choice` names (:func:`tuned`, :func:`base`) in a
+    worker thread. Returns once the model is loaded and the prompt accepted ("ready", description),
+    or ("refused", UserError) / ("error", message) when either cannot be (a prompt over
+    MAX_PROMPT_TOKENS is refused); then the queue holds ("token", text) items and one ("done",
+    answer) or ("error", message). Set the event to stop early.
+    """
     from scaletune.inference.generate import stream
 
     loop = asyncio.get_running_loop()
@@ -101,25 +167,28 @@ async def answer(
 
         # Without the chat template the model sees the last user turn only, as `scaletune chat`.
         turns = conversation if loaded.template == "chat" else [conversation[-1]]
-        text = stream(
-            loaded,
-            turns,
-            sampling,
-            write,
-            max_prompt_tokens=MAX_PROMPT_TOKENS,
-            ready=lambda: put(("ready", loaded.description)),
-        )
+        # peft's disable_adapter: the base layers alone answer, and the adapter is back on after.
+        off = loaded.model.disable_adapter() if choice.adapter_off else contextlib.nullcontext()
+        with off:
+            text = stream(
+                loaded,
+                turns,
+                sampling,
+                write,
+                max_prompt_tokens=MAX_PROMPT_TOKENS,
+                ready=lambda: put(("ready", choice.label + loaded.description)),
+            )
         put(("done", text))
 
     def run() -> None:
         try:
-            slot.use(model_key(target), lambda: load_for_inference(target), work)
+            slot.use(choice.key, choice.load, work)
         except Gone:
             put(("done", None))
         except UserError as exc:
             put(("refused", exc))
         except Exception as exc:  # noqa: BLE001 - the client is told; the service goes on
-            log.exception("chat with %s failed", target)
+            log.exception("chat with %s failed", choice.key[0])
             put(("error", f"{type(exc).__name__}: {exc}"))
 
     threading.Thread(target=run, name="chat", daemon=True).start()

@@ -9,7 +9,14 @@ every byte against the policy's `max_upload_bytes` as it streams it to a hidden 
 there. The file is then parsed as its suffix says (JSON, JSONL, CSV, Parquet; the JSON ones with
 the trainer's own readers) and linked to its name, never over another file: the same name with
 other bytes gets a suffix (`x-2.jsonl`), the same bytes again answer the file already there.
-The preview is `data_preview.preview`."""
+The preview is `data_preview.preview`.
+
+The data an "evaluate on a data set" task reads (`api/tasks.py`) is found and checked here before
+the task starts (`check_eval_data`): a file of the data area named as `GET /api/data` lists it (what
+the page offers), or a local file or folder (the policy's read roots apply, as to a submitted
+config's data). A name that is nowhere, a file the service cannot read, or records of another format
+than the one evaluated are refused at once, each problem named, instead of a task that loads the
+model and then fails."""
 
 from __future__ import annotations
 
@@ -274,3 +281,89 @@ def place(tmp: Path, name: str, digest: str) -> tuple[Path, bool]:
             if (known or _digest(path)) == digest:
                 return path, False
     raise UserError(f"name {name!r}: 999 files of this name are there already; rename it", title="upload refused")
+
+
+# -- the data an evaluation reads --------------------------------------------------------------------
+#: Records read by the check (the first ones, by the trainer's reader): enough to meet a file of
+#: another format or a broken first line at once; the task reads the whole file.
+CHECKED_RECORDS = 1000
+
+
+def is_area_name(value: str) -> bool:
+    """Whether `value` names a file of the data area (a bare name, as GET /api/data lists it) rather
+    than a path."""
+    return not any(sep in value for sep in ("/", "\\")) and not value.startswith(("~", "."))
+
+
+def find_eval_data(value: str, home: Path, workdir: Path) -> tuple[Path | None, list[str]]:
+    """(the path the task reads, []) or (None, why not). A bare name is the data area's file of that
+    name (a file of the service's working directory is `./NAME`, a path); anything else is a path,
+    relative to the working directory."""
+    if is_area_name(value):
+        clean, _ = stored_name(value)
+        area = data_area(home) / value
+        if clean == value and area.is_file() and not area.is_symlink():
+            return area, []
+        return None, [
+            f"data: {value!r}: no such file in the data area (GET /api/data lists its files; upload it on "
+            f"the jobs page's Data part first, or give a path: ./{value} for the service's working directory)"
+        ]
+    p = Path(os.path.expanduser(value))
+    p = p if p.is_absolute() else workdir / p
+    if not p.exists():
+        return None, [f"data: {value}: no such file or folder on the service's machine"]
+    return p, []
+
+
+def readable(path: Path, value: str) -> list[str]:
+    """Why the service's user cannot read `path` ([] when it can)."""
+    if path.is_dir():
+        ok = os.access(path, os.R_OK | os.X_OK)
+    else:
+        try:
+            with path.open("rb") as f:
+                f.read(1)
+            ok = True
+        except OSError:
+            ok = False
+    return [] if ok else [f"data: {value}: the service cannot read it (permission denied)"]
+
+
+def run_format(run_dir: Path) -> str:
+    """The format `scaletune eval --data` reads with when none is given: the run's
+    `data.train.format` (its config.yaml), else alpaca (`inference.evaluate.eval_data_config`)."""
+    from scaletune.config import load_config
+
+    try:
+        train = load_config(run_dir / "config.yaml").data.train
+    except (UserError, OSError):
+        return "alpaca"
+    return train.format if train is not None else "alpaca"
+
+
+def records_refused(path: Path, value: str, fmt: str) -> list[str]:
+    """The reader's problems with the first CHECKED_RECORDS records of `path` read as `fmt`: another
+    format's records are one line naming the fix (`set format: messages`), a broken line its file and
+    line; the path as the request gave it."""
+    from scaletune.config import DataSource
+    from scaletune.data.sources import load_records
+
+    try:
+        load_records(DataSource(path=str(path), format=fmt, max_samples=CHECKED_RECORDS), key="format")  # type: ignore[arg-type]
+    except UserError as exc:
+        return [f"data: {p.replace(str(path), value)}" for p in exc.problems]
+    return []
+
+
+def check_eval_data(
+    value: str, fmt: str | None, run_dir: Path, home: Path, workdir: Path
+) -> tuple[Path | None, list[str]]:
+    """(the path to evaluate on, []) or (None, every problem): found (:func:`find_eval_data`), readable, and its
+    first records of the format evaluated (`fmt`, else the run's)."""
+    path, problems = find_eval_data(value, home, workdir)
+    if path is None:
+        return None, problems
+    problems = readable(path, value)
+    if not problems:
+        problems = records_refused(path, value, fmt or run_format(run_dir))
+    return (None, problems) if problems else (path, [])

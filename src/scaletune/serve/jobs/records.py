@@ -1,10 +1,15 @@
 """Updates of a job's record in an open session: a state change, a metrics line, a reported
-event (posted by the run or read from its log), each with the event the API streams. Nothing here
-polls, reads files or holds state: the watcher and the job service call these."""
+event (posted by the run or read from its log), each with the event the API streams; and, read from
+the records, where a queued job stands and about when it starts (`queue_eta`). Nothing here polls,
+reads files or holds state: the watcher, the job service and the API call these."""
 
 from __future__ import annotations
 
+import datetime as dt
+import heapq
 import math
+import statistics
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
@@ -253,3 +258,140 @@ def apply_report(s: Session, job: Job, kind: str, data: dict) -> int:
             event(s, job, "state", {"state": job.state, "phase": job.phase, "stage": job.stage})
         return 1
     return 0  # STOPPED: the job's end is settled from its exit (watch.Watcher.settle)
+
+
+# -- where a queued job stands ---------------------------------------------------------------------
+# From what the service knows and nothing else: the jobs ahead (the running ones, then the queued
+# ones in the order the watcher starts them: oldest first), `--max-concurrent`, each running job's
+# pace (its logged steps, as its own page's ETA) and how long the jobs that finished here took (the
+# median of the most recent). Where one of those is missing (a running job that has logged no step
+# and no finished job to go by) the estimate is None and `why` says what is missing.
+
+#: The finished jobs whose durations make the typical one: the most recent that succeeded.
+TYPICAL_OF = 20
+#: The train lines a running job's pace is measured over: its last ones.
+PACE_LINES = 50
+
+
+def pace(lines: Sequence[dict]) -> tuple[float, int, int] | None:
+    """(seconds per step, the last step, the run's total steps) from a run's train lines in step
+    order, over the last ones of its latest start (`elapsed_s` starts again at a resume), as the job
+    page computes its ETA; None without two such lines, a total, or steps that advance."""
+    rows = [r for r in lines if _number(r.get("elapsed_s")) and isinstance(r.get("step"), int)]
+    if not rows:
+        return None
+    i = len(rows) - 1
+    while i > 0 and rows[i - 1]["elapsed_s"] <= rows[i]["elapsed_s"]:
+        i -= 1
+    first, last = rows[i], rows[-1]
+    total = last.get("total_steps")
+    if last["step"] <= first["step"] or not isinstance(total, int):
+        return None
+    return (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"]), last["step"], total
+
+
+def start_after(running_left: Sequence[float], queued_ahead: Sequence[float], slots: int) -> float:
+    """Seconds until a slot is free for the job behind `queued_ahead` (each one's expected duration,
+    in the order they start), with `running_left` the time the running jobs still need and `slots`
+    jobs at most at once. Jobs past the limit (started by another service on the same database)
+    finish without freeing a slot, as the watcher counts every active job."""
+    slots = max(slots, 1)
+    left = sorted(running_left)
+    free = left[len(left) - slots :] if len(left) > slots else [0.0] * (slots - len(left)) + left
+    heapq.heapify(free)
+    for duration in queued_ahead:
+        heapq.heappush(free, heapq.heappop(free) + duration)
+    return free[0]
+
+
+def durations(s: Session, target: str = "local", limit: int = TYPICAL_OF) -> list[float]:
+    """Wall seconds of the most recent succeeded jobs of `target` that ran once (one start: a
+    resumed job's last run is part of a run), from their `starting` state event to `succeeded`."""
+    ids = list(
+        s.scalars(
+            select(Job.id)
+            .where(Job.state == S.SUCCEEDED, Job.target == target)
+            .order_by(Job.updated.desc())
+            .limit(limit * 2)
+        )
+    )
+    rows = s.execute(
+        select(Event.job_id, Event.created, Event.data)
+        .where(Event.job_id.in_(ids), Event.kind == "state")
+        .order_by(Event.id)
+    ).all()
+    starts: dict[str, list[dt.datetime]] = {}
+    ends: dict[str, dt.datetime] = {}
+    for job_id, created, data in rows:
+        if data.get("state") == S.STARTING:
+            starts.setdefault(job_id, []).append(created)
+        elif data.get("state") == S.SUCCEEDED:
+            ends[job_id] = created
+    out = [(ends[j] - starts[j][0]).total_seconds() for j in ids if len(starts.get(j, [])) == 1 and j in ends]
+    return out[:limit]
+
+
+def remaining(s: Session, job: Job, typical: float | None, now: dt.datetime) -> tuple[float | None, str]:
+    """(seconds the active `job` still needs, how that was told), or (None, why it cannot be)."""
+    if job.state == S.STOPPING:
+        return 0.0, "stopping (saves a checkpoint and ends)"
+    lines = s.scalars(
+        select(Metric.data)
+        .where(Metric.job_id == job.id, Metric.kind == "train")
+        .order_by(Metric.step.desc())
+        .limit(PACE_LINES)
+    ).all()
+    measured = pace(list(reversed(lines)))
+    if measured is not None:
+        rate, step, total = measured
+        return max(total - step, 0) * rate, f"its pace: {rate:.3g} s a step, {max(total - step, 0)} steps left"
+    if typical is None:
+        return None, f"job {job.id} has logged no step yet, and no job has finished here to tell how long one takes"
+    states = s.execute(
+        select(Event.created, Event.data).where(Event.job_id == job.id, Event.kind == "state").order_by(Event.id)
+    ).all()
+    started = [t for t, d in states if d.get("state") == S.STARTING]
+    ran = (now - started[-1]).total_seconds() if started else 0.0
+    return max(typical - ran, 0.0), f"no step logged yet: a typical job's {typical:.0f} s less the {ran:.0f} s it ran"
+
+
+def queue_eta(s: Session, job: Job, slots: int | None, now: dt.datetime) -> dict[str, Any]:
+    """Where the queued `job` stands: `position` (1: next to start), `ahead` (each job before it:
+    id, state, `remaining_s` or None, `basis`), `typical_s` (the median duration of the finished
+    jobs here, None without one) and `finished` (how many), `start_in_s` (None: unknown) and
+    `why` (what the estimate rests on, or what is missing). A job that is not queued locally has
+    no position (`why` says so)."""
+    out: dict[str, Any] = {"state": job.state, "position": None, "ahead": [], "typical_s": None, "finished": 0}
+    if job.state != S.QUEUED:
+        return {**out, "start_in_s": None, "why": f"job {job.id} is {job.state}, not queued"}
+    if job.target != "local" or job.target_id or slots is None:
+        why = f"{job.target}'s own queue decides when it starts (this service does not hold it)"
+        return {**out, "start_in_s": None, "why": why}
+    local = Job.target == "local"
+    queued = list(
+        s.scalars(select(Job).where(local, Job.state == S.QUEUED, Job.target_id.is_(None)).order_by(Job.created))
+    )
+    ids = [j.id for j in queued]
+    before = queued[: ids.index(job.id)] if job.id in ids else []
+    active = list(s.scalars(select(Job).where(local, Job.state.in_(list(S.ACTIVE))).order_by(Job.created)))
+    took = durations(s)
+    typical = statistics.median(took) if took else None
+    ahead = []
+    for other in active:
+        left, basis = remaining(s, other, typical, now)
+        ahead.append({"id": other.id, "state": other.state, "remaining_s": left, "basis": basis})
+    no_typical = "no job has finished here to tell how long one takes"
+    for other in before:
+        basis = f"the median of {len(took)} finished jobs here" if typical is not None else no_typical
+        ahead.append({"id": other.id, "state": other.state, "remaining_s": typical, "basis": basis})
+    out |= {"position": len(before) + 1, "ahead": ahead, "typical_s": typical, "finished": len(took)}
+    unknown = next((a for a in ahead if a["remaining_s"] is None), None)
+    if unknown is not None:
+        return {
+            **out,
+            "start_in_s": None,
+            "why": f"unknown: job {unknown['id']} ({unknown['state']}): {unknown['basis']}",
+        }
+    start = start_after([a["remaining_s"] for a in ahead[: len(active)]], [typical] * len(before), slots)  # type: ignore[misc]
+    why = "; ".join(f"job {a['id']} ({a['state']}): {a['basis']}" for a in ahead) or "a slot is free"
+    return {**out, "start_in_s": start, "why": why}
