@@ -96,6 +96,14 @@ if LoadScopeScheduling is not None:
         return _ByWorkerGroup(config, log)
 
 
+def pytest_collection_finish(session) -> None:
+    """Record the environment the tests start from (tests/helpers.py SESSION_ENVIRON): after every
+    module's import-time settings, before any test's monkeypatching."""
+    from tests import helpers
+
+    helpers.SESSION_ENVIRON.update(os.environ)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `slow` measure rather than prove (benchmarks, load) or wait for CI time:
     they run with SCALETUNE_SLOW_TESTS=1 (`bash scripts/test.sh --slow`), not in the default run CI makes."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,15 +133,15 @@ def make_env(
     )
 
 
-def subprocess_env(**extra: str | None) -> dict[str, str]:
-    """This process's environment for a child that runs scaletune: offline, DeepSpeed on its CPU
+def subprocess_env(base: Mapping[str, str] | None = None, /, **extra: str | None) -> dict[str, str]:
+    """This process's environment (or `base`) for a child that runs scaletune: offline, DeepSpeed on its CPU
     accelerator where no CUDA GPU is visible (on a GPU, DeepSpeed must find CUDA), the checkout
     (src/ and the repository, for `tests.*`) first on PYTHONPATH (tests/instrument before them while
     SCALETUNE_PROCESS_LOG is set), no launcher variables inherited; `extra` set last (a value of
     None removes the variable)."""
     import torch
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCHER_VARS}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
@@ -286,12 +287,19 @@ def run_cli(
     )
 
 
+# The environment this session's tests start from, recorded once collection is done
+# (tests/conftest.py pytest_collection_finish): the CLI zygote's, whatever the test that first asks
+# for one has monkeypatched (a zygote started inside a test that set MODAL_CONFIG_PATH would
+# differ from every later call, which would then each start fresh).
+SESSION_ENVIRON: dict[str, str] = {}
+
+
 @functools.cache
 def _zygote():
     """This worker's CLI zygote (tests/forked_cli.py), started on first use, closed at exit."""
     from tests.forked_cli import ForkServer
 
-    server = ForkServer(subprocess_env(PYTEST_CURRENT_TEST=None), REPO_ROOT)
+    server = ForkServer(subprocess_env(SESSION_ENVIRON or None, PYTEST_CURRENT_TEST=None), REPO_ROOT)
     atexit.register(server.close)
     return server
 
