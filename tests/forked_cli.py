@@ -44,7 +44,18 @@ from pathlib import Path
 # when torch, transformers, huggingface_hub or DeepSpeed are imported (those read HF_HOME,
 # HF_ENDPOINT, HF_HUB_OFFLINE, HOME, DS_ACCELERATOR, OMP_NUM_THREADS and more into module constants).
 # scaletune reads its own variables when a verb runs (nothing in src/ reads os.environ at import).
-CALL_TIME_VARIABLES = ("SCALETUNE_", "PYTEST_CURRENT_TEST", "COLUMNS", "TERMINAL_WIDTH", "WANDB_")
+# The last two are set in the test worker by DeepSpeed's own import (`os.environ.setdefault`), read
+# when CUDA is asked about or inductor compiles; a fresh child that imports DeepSpeed sets the same.
+# (In CI at ea0c86b they made one worker's every call differ from its zygote's, so start fresh.)
+CALL_TIME_VARIABLES = (
+    "SCALETUNE_",
+    "PYTEST_CURRENT_TEST",
+    "COLUMNS",
+    "TERMINAL_WIDTH",
+    "WANDB_",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "TORCHINDUCTOR_CACHE_DIR",
+)
 
 # The CPU seconds of the forks this process's zygote ran and waited for (theirs and their waited-for
 # children's): what RUSAGE_CHILDREN would count had they been this process's children (tests/conftest.py
