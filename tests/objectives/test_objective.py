@@ -11,14 +11,18 @@ import torch
 
 from scaletune.config.preference import OBJECTIVES as FACTS
 from scaletune.config.preference import Objective, PreferenceConfig
-from scaletune.objectives.objective import OBJECTIVES, objective_for
+from scaletune.objectives.objective import OBJECTIVES
+from scaletune.objectives.table import LOSSES, objective_for
 
-PREFERENCE = [name for name in FACTS if name != "sft"]
+# The online objective (grpo) is checked on fixed tensors against TRL (tests/objectives/test_rl_vs_trl.py)
+# and its metric keys in a run (tests/distributed/test_grpo_parity.py).
+PREFERENCE = [name for name in FACTS if name not in ("sft", "grpo")]
 
 
 def test_the_table_names_exactly_the_objectives_the_config_accepts() -> None:
     assert tuple(FACTS) == typing.get_args(Objective)
     assert set(OBJECTIVES) == set(PREFERENCE)
+    assert set(LOSSES) == set(FACTS) - {"sft"}
     assert objective_for("sft", PreferenceConfig()) is None
 
 

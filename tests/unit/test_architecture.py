@@ -54,11 +54,15 @@ LAYERS: list[set[str]] = [
     {"run"},
     {"launch", "doctor", "plan", "hf"},
     {"trainer"},
-    {"strategies", "checkpoint", "inference"},
+    # rollout: generation for online objectives, beside the engines it generates through.
+    {"strategies", "checkpoint", "inference", "rollout"},
     # The model code apart from the parallelism: the loss and objectives read what a strategy hands
     # them (sharded logits, a context slice), never a strategy.
     {"models", "data", "objectives"},
     {"resolve"},
+    # The reward functions of online RL: user-facing built-ins and their loader (config.user_code),
+    # read by the preflight, the objectives and the service's policy.
+    {"rewards"},
     {"env", "report", "safe_load"},
     {"config"},
     {"errors"},

@@ -146,7 +146,7 @@ def test_dpo_module_loss_is_the_papers_formula_on_the_models_log_probs(llama):
 
     from scaletune.config.preference import PreferenceConfig
     from scaletune.objectives.module import PreferenceLoss
-    from scaletune.objectives.objective import objective_for
+    from scaletune.objectives.table import objective_for
 
     ids, labels, mask = _batch(llama.config.vocab_size)
     ref = torch.tensor([-30.0, -31.0, -29.0, -35.0])

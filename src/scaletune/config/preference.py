@@ -12,7 +12,7 @@ from pydantic import Field
 
 from scaletune.config.strict import StrictModel
 
-Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo"]
+Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo", "grpo"]
 ReferenceMode = Literal["auto", "base", "precomputed", "model"]
 
 
@@ -79,6 +79,13 @@ OBJECTIVES: dict[str, ObjectiveFacts] = {
         ObjectiveFacts(
             "simpo", ("preference",), _PAIRS, ("pairs",), False, True, _PAIR_METRICS,
             "Meng et al. 2024, SimPO: Simple Preference Optimization with a Reference-Free Reward", _PAIR_HEADLINE,
+        ),
+        ObjectiveFacts(
+            "grpo", ("prompt",), "prompts (num_generations completions each)",
+            ("completion tokens (dapo), completions (grpo), completions x max_new_tokens (dr_grpo)",), True, False,
+            ("reward", "reward_std", "completion_length", "clip_fraction", "kl", "zero_variance_groups"),
+            "Shao et al. 2024, DeepSeekMath (GRPO); Yu et al. 2025, DAPO; Liu et al. 2025, Dr. GRPO",
+            ("reward", "reward_std"),
         ),
     )
 }  # fmt: skip

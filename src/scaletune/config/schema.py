@@ -10,6 +10,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 
 from scaletune.config.distributed import DistributedConfig
 from scaletune.config.preference import Objective, PreferenceConfig
+from scaletune.config.rl import RLConfig
 from scaletune.config.strict import StrictModel
 
 Dtype = Literal["float32", "bfloat16", "float16", "auto"]
@@ -139,10 +140,12 @@ class DataSource(StrictModel):
 
     path: str | list[str]
     """The file, folder or data set name; or a list of local files of this format, read in order as one source."""
-    format: Literal["alpaca", "messages", "text", "preference", "kto"] = "alpaca"
+    format: Literal["alpaca", "messages", "text", "preference", "kto", "prompt"] = "alpaca"
     """alpaca: instruction/input/output records; messages: chat turns rendered with the chat template;
     text: plain text, all of it trained; preference: prompt/chosen/rejected pairs; kto:
-    prompt/completion/label records (both rendered with the chat template; docs/preference.md)."""
+    prompt/completion/label records (both rendered with the chat template; docs/preference.md);
+    prompt: {prompt, ...fields} for online RL, the other fields handed to the reward functions
+    (docs/rl.md)."""
     template: Literal["alpaca", "chat"] = "alpaca"
     """How alpaca records become text. alpaca: Stanford Alpaca's prompt (for base models); chat: a user
     turn (the instruction, then the input after a blank line) and an assistant turn (the output)
@@ -262,10 +265,13 @@ class TrainingConfig(StrictModel):
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     objective: Objective = "sft"
-    """The stage's loss: sft (next-token cross-entropy) or a preference loss, dpo, ipo, orpo, kto or
-    simpo (docs/preference.md), whose batch sizes count pairs (KTO: records)."""
+    """The stage's loss: sft (next-token cross-entropy), a preference loss, dpo, ipo, orpo, kto or
+    simpo (docs/preference.md), whose batch sizes count pairs (KTO: records), or grpo, online RL
+    (docs/rl.md), whose batch sizes count prompts."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     """The preference loss's settings and its reference model."""
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """Online RL's settings (objective grpo): the group, sampling, the loss, rewards, the engine."""
     resume: str | None = None
     """null: start fresh; auto: continue from the run directory's latest checkpoint (or start fresh);
     a path: a checkpoints/step-N folder or a run directory."""
@@ -279,7 +285,7 @@ StageData = _overrides(
 StageTraining = _overrides(
     TrainingConfig,
     """The training keys a stage may replace; `epochs` without `max_steps` clears an inherited `max_steps`.""",
-    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio", "objective", "preference"),
+    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio", "objective", "preference", "rl"),
 )
 
 

@@ -94,17 +94,36 @@ def sft_encoder(source: DataSource, data_cfg: DataConfig, tokenizer) -> Encoder:
     return Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
 
 
+def _encoder(source_format: str, fmt: str, data_cfg: DataConfig, tokenizer, template: str) -> tuple[Any, Any]:
+    """(the `Dataset.map` function, its row `datasets.Features`) of a source's format."""
+    import datasets
+
+    if source_format == "prompt":
+        from scaletune.data import prompts
+
+        return prompts.PromptEncoder(tokenizer, data_cfg.max_seq_length, template), prompts.features()
+    if source_format in ("preference", "kto"):
+        from scaletune.data.preference import PreferenceEncoder, features
+
+        return PreferenceEncoder(tokenizer, fmt, data_cfg.max_seq_length, template), features(fmt)
+    ints = datasets.Sequence(datasets.Value("int32"))
+    row_features = datasets.Features(
+        {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
+    )
+    return Encoder(tokenizer, fmt, data_cfg.max_seq_length, template), row_features
+
+
 def _tokenize(
     records: list[dict], source: DataSource, data_cfg: DataConfig, tokenizer, tok_hash: str, cache: Path, name: str
 ) -> tuple[datasets.Dataset, dict]:
     import datasets
     import pyarrow.compute as pc
 
-    pairs = source.format in ("preference", "kto")
-    if pairs:
+    if source.format in ("preference", "kto", "prompt"):
         from scaletune.data.preference import with_kl_completions
 
-        # `index` keys a pair's precomputed reference log-probs; kto's KL rows are fixed here.
+        # `index` keys a pair's precomputed reference log-probs and a prompt's rollouts (replay);
+        # kto's KL rows are fixed here.
         records = [{**r, "index": i} for i, r in enumerate(records)]
         records = with_kl_completions(records) if source.format == "kto" else records
     fmt, template = encoding(source, data_cfg, tokenizer)
@@ -115,17 +134,7 @@ def _tokenize(
     key = h.hexdigest()[:32]
     cache.mkdir(parents=True, exist_ok=True)
     num_proc = data_cfg.num_workers or None
-    if pairs:
-        from scaletune.data.preference import PreferenceEncoder, features
-
-        encoder: Encoder = PreferenceEncoder(tokenizer, fmt, data_cfg.max_seq_length, template)
-        row_features = features(fmt)
-    else:
-        encoder = Encoder(tokenizer, fmt, data_cfg.max_seq_length, template)
-        ints = datasets.Sequence(datasets.Value("int32"))
-        row_features = datasets.Features(
-            {"input_ids": ints, "labels": ints, "position_ids": ints, "truncated": datasets.Value("bool")}
-        )
+    encoder, row_features = _encoder(source.format, fmt, data_cfg, tokenizer, template)
     # Fail here, in this process, on what would fail for every record (no eos, a template that
     # cannot be split into turns): worker processes would re-raise it less legibly.
     try:
@@ -218,6 +227,9 @@ def _row_stats(ds: datasets.Dataset, name: str) -> dict:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    if "prompt_ids" in ds.column_names:  # prompts: their tokens, nothing trained until generated
+        prompts = pc.list_flatten(ds.data.column("prompt_ids"))
+        return {f"{name}_rows": len(ds), f"{name}_tokens": len(prompts), f"{name}_target_tokens": 0}
     if "chosen_labels" in ds.column_names:  # preference pairs: both sides' tokens
         labels = pa.concat_arrays(
             [pc.list_flatten(ds.data.column(c)).combine_chunks() for c in ("chosen_labels", "rejected_labels")]

@@ -89,12 +89,30 @@ def normalize_preference(record: dict, fmt: str, where: str) -> tuple[dict | Non
     return (None if problems else out), problems
 
 
+def normalize_prompt(record: dict, where: str) -> tuple[dict | None, list[str]]:
+    """A `prompt` record (online RL, `data.prompts`) as ``{prompt: turns, fields: the other fields as
+    JSON text}``, or the problems that prevent it."""
+    if record.get("prompt") is None:
+        return None, [f"{where}: missing field 'prompt' (format prompt)"]
+    turns, problems = _turns(record["prompt"], "user", where, "prompt")
+    if turns is not None and turns[-1]["role"] == "assistant":
+        problems.append(f"{where}: field 'prompt' must end with a user turn (the completion is generated after it)")
+    fields = {k: v for k, v in record.items() if k != "prompt"}
+    try:
+        text = json.dumps(fields, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError):
+        text = json.dumps(fields, ensure_ascii=False, sort_keys=True, default=str)
+    return (None if problems else {"prompt": turns, "fields": text}), problems
+
+
 def _normalize(record: Any, source: DataSource, where: str) -> tuple[dict | None, list[str]]:
     """The record reduced to the fields its format uses, or the problems that prevent that."""
     if not isinstance(record, dict):
         return None, [f"{where}: expected an object, got {type(record).__name__}"]
     if source.format in ("preference", "kto"):
         return normalize_preference(record, source.format, where)
+    if source.format == "prompt":
+        return normalize_prompt(record, where)
     problems = []
     for name in _required_fields(source):
         if name not in record or record[name] is None:

@@ -62,9 +62,9 @@ def resolve_chat_template(data_cfg: DataConfig | None, tokenizer) -> str:
 
 
 def is_chat(source: DataSource) -> bool:
-    """Whether `source` is tokenized through the chat template: messages, preference and kto
-    records, and alpaca records with `template: chat`."""
-    return source.format in ("preference", "kto", "messages") or source.template == "chat"
+    """Whether `source` is tokenized through the chat template: messages, preference, kto and
+    prompt records, and alpaca records with `template: chat`."""
+    return source.format in ("preference", "kto", "messages", "prompt") or source.template == "chat"
 
 
 def trained_chat_template(stage_data: Iterable[DataConfig], tokenizer) -> str | None:

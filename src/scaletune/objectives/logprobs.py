@@ -14,16 +14,24 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
 
-__all__ = ["sequence_logps", "token_logps"]
+__all__ = ["sequence_logps", "target_logps", "token_logps"]
 
 
-def _head_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor) -> torch.Tensor:
+def _head_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return -F.cross_entropy(logits, targets.to(logits.device), reduction="none")
 
 
 def token_logps(
-    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunk: int | None = None, *, partitioned: bool = False
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    chunk: int | None = None,
+    *,
+    partitioned: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """log p(targets[i] | hidden[i]) under `head`, chunk by chunk.
 
@@ -34,6 +42,9 @@ def token_logps(
         chunk: rows per chunk (default `models.loss.default_chunk`).
         partitioned: the engine gathers the head's weight inside each call (DeepSpeed ZeRO-3): one
             call per micro-batch on every rank, also with no target, since unequal calls deadlock.
+        temperature: the logits are divided by it first (an online objective's sampling
+            temperature: the log-probs of the distribution the completions were drawn from, as TRL's
+            GRPOTrainer computes them).
 
     Returns:
         [n] float32 log-probabilities (connected to the graph when grad is enabled).
@@ -42,9 +53,9 @@ def token_logps(
     n = hidden.size(0)
     if partitioned or n == 0:
         return (
-            checkpoint(_head_logps, hidden, head, targets, use_reentrant=False)
+            checkpoint(_head_logps, hidden, head, targets, temperature, use_reentrant=False)
             if grad
-            else _head_logps(hidden, head, targets)
+            else _head_logps(hidden, head, targets, temperature)
         )
     if chunk is None:
         vocab = getattr(head, "out_features", None) or head.weight.shape[0]
@@ -52,11 +63,15 @@ def token_logps(
     parts = []
     for start in range(0, n, chunk):
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
-        parts.append(checkpoint(_head_logps, h, head, y, use_reentrant=False) if grad else _head_logps(h, head, y))
+        parts.append(
+            checkpoint(_head_logps, h, head, y, temperature, use_reentrant=False)
+            if grad
+            else _head_logps(h, head, y, temperature)
+        )
     return torch.cat(parts)
 
 
-def sequence_logps(
+def target_logps(
     causal_lm: nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
@@ -65,8 +80,9 @@ def sequence_logps(
     *,
     partitioned_head: bool = False,
     chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probability of each row's trained tokens, and how many there are.
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probability of every trained token, with the row it belongs to.
 
     Args:
         causal_lm: a Hugging Face causal LM, or a peft model around one.
@@ -76,9 +92,11 @@ def sequence_logps(
         position_ids: [B, T].
         partitioned_head: DeepSpeed ZeRO-3 partitions the head (see :func:`token_logps`).
         chunk: head rows per chunk.
+        temperature: logits divided by it (see :func:`token_logps`).
 
     Returns:
-        (logp [B] float32: sum over the row's targets of log p(label), tokens [B] int64: its targets).
+        (per_token [n] float32 on labels' device, in row-major order of the trained positions;
+        rows [n] int64: the row of each; tokens [B] int64: trained tokens per row).
     """
     shifted = labels[:, 1:]
     flat = shifted.reshape(-1)
@@ -96,6 +114,7 @@ def sequence_logps(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
         picked = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index.to(logits.device)).float()
+        picked = picked / temperature if temperature != 1.0 else picked
         per_token = -F.cross_entropy(
             picked, flat.to(logits.device).index_select(0, index.to(logits.device)), reduction="none"
         )
@@ -106,8 +125,34 @@ def sequence_logps(
         idx = index.to(hidden.device)
         hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, idx)
         per_token = token_logps(
-            hidden, head, flat.to(hidden.device).index_select(0, idx), chunk, partitioned=partitioned_head
+            hidden,
+            head,
+            flat.to(hidden.device).index_select(0, idx),
+            chunk,
+            partitioned=partitioned_head,
+            temperature=temperature,
         )
-    per_token = per_token.to(labels.device)
+    return per_token.to(labels.device), rows, tokens
+
+
+def sequence_logps(
+    causal_lm: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    *,
+    partitioned_head: bool = False,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probability of each row's trained tokens, and how many there are (arguments as
+    :func:`target_logps`).
+
+    Returns:
+        (logp [B] float32: sum over the row's targets of log p(label), tokens [B] int64: its targets).
+    """
+    per_token, rows, tokens = target_logps(
+        causal_lm, input_ids, labels, attention_mask, position_ids, partitioned_head=partitioned_head, chunk=chunk
+    )
     logp = torch.zeros(labels.size(0), dtype=torch.float32, device=labels.device).index_add(0, rows, per_token)
     return logp, tokens

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from scaletune.models.loss import CausalLMLoss
-from scaletune.objectives.logprobs import sequence_logps
+from scaletune.objectives.logprobs import sequence_logps, target_logps
 from scaletune.objectives.objective import Objective
 
 __all__ = ["PreferenceLoss", "kl_inputs", "preference_inputs"]
@@ -33,12 +33,13 @@ _ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
 def preference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`objectives.module.PreferenceLoss.forward`'s inputs: the rows, precomputed reference
     log-probs (KTO: of its completion rows only), KTO's labels and its step's reference point ``kl``
-    (a float the KL pass put in the micro-batch, `trainer.batches.kto_kl_pass`)."""
+    (a float the KL pass put in the micro-batch, `trainer.batches.kto_kl_pass`); an online
+    objective's ``advantages`` [R] (one per completion row, `rollout`)."""
     out = {k: batch[k] for k in _ROWS}
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
         out["ref_logps"] = ref[: batch["input_ids"].size(0)]
-    for key in ("desirable", "kl"):
+    for key in ("desirable", "kl", "advantages"):
         if key in batch:
             out[key] = batch[key]
     return out
@@ -98,9 +99,50 @@ class PreferenceLoss(CausalLMLoss):
             chunk=self.chunk,
         )
 
+    def _target_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Per-token log-probs at the sampling temperature (`target_logps`)."""
+        assert self.objective is not None
+        return target_logps(
+            model,
+            inputs["input_ids"],
+            inputs["labels"],
+            inputs.get("attention_mask"),
+            inputs.get("position_ids"),
+            partitioned_head=self.partitioned_head,
+            chunk=self.chunk,
+            temperature=self.objective.settings.temperature,
+        )
+
+    def _per_token_loss(self, inputs: dict[str, torch.Tensor], advantages: torch.Tensor | None) -> torch.Tensor:
+        """An online objective's loss (GRPO): per-token log-probs of the completion rows, the
+        reference's first (no grad) when its KL is weighted."""
+        assert self.objective is not None and advantages is not None, "a rollout gives every completion row its advantage"
+        ref = None
+        if self.objective.uses_reference:
+            with torch.no_grad():
+                ref = self._reference_call(inputs, lambda lm, x: self._target_logps(lm, x)[0])
+        logp, rows, _ = self._target_logps(self.causal_lm, inputs)
+        batch = {"input_ids": inputs["input_ids"], "labels": inputs["labels"], "advantages": advantages}
+        components, stats = self.objective.loss(logp, rows, ref, batch)
+        self.last_stats = stats
+        return components.to(inputs["input_ids"].device)
+
+    def _reference_call(self, inputs: dict[str, torch.Tensor], fn: Any) -> torch.Tensor:
+        """`fn(model, inputs)` on the reference (`model` or `base`; no grad)."""
+        assert self.objective is not None
+        mode = self.objective.settings.reference
+        if mode == "model":
+            assert self.reference is not None, "reference: model, but no reference model was set"
+            return self.reference(lambda lm: fn(lm, inputs))
+        assert mode == "base", f"reference {mode}: not decided (resolve decides auto)"
+        disable = getattr(self.causal_lm, "disable_adapter", None)
+        assert disable is not None, "reference: base needs a peft model (model.lora)"
+        with disable():
+            return fn(self.causal_lm, inputs)
+
     def _reference_logps(self, inputs: dict[str, torch.Tensor], given: torch.Tensor | None) -> torch.Tensor | None:
         assert self.objective is not None
-        if not self.objective.facts.reference:
+        if not self.objective.uses_reference:
             return None
         mode = self.objective.settings.reference
         assert mode in ("precomputed", "model", "base"), f"reference {mode}: not decided (resolve decides auto)"
@@ -108,14 +150,8 @@ class PreferenceLoss(CausalLMLoss):
             assert given is not None, "reference: precomputed, but the batch carries no ref_logps"
             return given.to(inputs["input_ids"].device, torch.float32)
         with torch.no_grad():
-            if mode == "model":
-                assert self.reference is not None, "reference: model, but no reference model was set"
-                # `strategies.reference.FrozenReference`: fn runs inside its (engine-wrapped) forward.
-                return self.reference(lambda lm: self._logps(lm, inputs)[0])
-            disable = getattr(self.causal_lm, "disable_adapter", None)
-            assert disable is not None, "reference: base needs a peft model (model.lora)"
-            with disable():
-                return self._logps(self.causal_lm, inputs)[0]
+            # `model`: `strategies.reference.FrozenReference` runs fn inside its (engine-wrapped) forward.
+            return self._reference_call(inputs, lambda lm, x: self._logps(lm, x)[0])
 
     def forward(  # type: ignore[override]
         self,
@@ -127,6 +163,7 @@ class PreferenceLoss(CausalLMLoss):
         ref_logps: torch.Tensor | None = None,
         desirable: torch.Tensor | None = None,
         kl: float | None = None,
+        advantages: torch.Tensor | None = None,
         output: str = "loss",
     ) -> torch.Tensor:
         if self.objective is None:
@@ -139,6 +176,9 @@ class PreferenceLoss(CausalLMLoss):
             "attention_mask": attention_mask,
             "position_ids": position_ids,
         }
+        if self.objective.per_token:
+            assert output == "loss", f"output {output} of a per-token objective"
+            return self._per_token_loss(inputs, advantages)
         if output == "logps":
             with torch.no_grad():
                 return self._logps(self.causal_lm, inputs)[0]

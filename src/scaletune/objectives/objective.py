@@ -20,7 +20,7 @@ from scaletune.config.preference import OBJECTIVES as FACTS
 from scaletune.config.preference import ObjectiveFacts, PreferenceConfig
 from scaletune.objectives import losses
 
-__all__ = ["OBJECTIVES", "Objective", "objective_for"]
+__all__ = ["OBJECTIVES", "Objective"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,15 @@ class Objective:
     #: Each step first runs a no-grad pass over the KL rows of the global batch (KTO's reference
     #: point, `trainer.batches.kto_kl_pass`), whose value every micro-batch's loss reads as ``kl``.
     kl_pass: ClassVar[bool] = False
+    #: `loss` gets per-token log-probs [n] and their rows [n] (`logprobs.target_logps`) instead of
+    #: per-row sums (online objectives, `objectives.rl.GRPO`).
+    per_token: ClassVar[bool] = False
     settings: PreferenceConfig
+
+    @property
+    def uses_reference(self) -> bool:
+        """Its loss reads a reference model's log-probs."""
+        return self.facts.reference
 
     @property
     def facts(self) -> ObjectiveFacts:
@@ -201,10 +209,5 @@ class KTO(Objective):
         }
 
 
+#: The preference objectives (GRPO, online, is `objectives.rl`; `objectives.table` holds both).
 OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (DPO, IPO, SimPO, ORPO, KTO)}
-assert set(OBJECTIVES) == set(FACTS) - {"sft"}, "every preference objective has its row of facts and its loss"
-
-
-def objective_for(name: str, settings: PreferenceConfig) -> Objective | None:
-    """The objective `training.objective` names (None for sft)."""
-    return None if name == "sft" else OBJECTIVES[name](settings)

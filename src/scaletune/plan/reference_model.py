@@ -54,8 +54,15 @@ def stage_reference(training: object, lora: bool) -> str:
     """A stage's reference mode: none (its objective has no reference), base, precomputed or model
     (`auto` decided: base under LoRA, else precomputed). Read with defaults, so a config without
     `training.objective` plans as SFT."""
-    if not OBJECTIVES[getattr(training, "objective", "sft")].reference:
+    objective = getattr(training, "objective", "sft")
+    if not OBJECTIVES[objective].reference:
         return "none"
+    if objective == "grpo":  # a reference only for a weighted KL; auto: base under LoRA, else model
+        rl = getattr(training, "rl", None)
+        if not getattr(rl, "beta", 0):
+            return "none"
+        mode = getattr(rl, "reference", "auto")
+        return ("base" if lora else "model") if mode == "auto" else str(mode)
     mode = getattr(getattr(training, "preference", None), "reference", "auto")
     if mode == "auto":
         return "base" if lora else "precomputed"
@@ -87,9 +94,16 @@ def reference_plan(spec: RunSpec) -> ReferencePlan:
 
 def sequences_per_example(spec: RunSpec) -> int:
     """Sequences in one forward per `micro_batch_size` unit, the most of any stage: 2 where a stage
-    trains on pairs (`micro_batch_size` counts pairs), else 1 (SFT, KTO's records)."""
-    paired = any(OBJECTIVES[getattr(s.training, "objective", "sft")].paired for s in spec.stages)
-    return 2 if paired else 1
+    trains on pairs (`micro_batch_size` counts pairs), num_generations for grpo (it counts prompts),
+    else 1 (SFT, KTO's records)."""
+    counts = [1]
+    for s in spec.stages:
+        objective = getattr(s.training, "objective", "sft")
+        if objective == "grpo":
+            counts.append(s.training.rl.num_generations)
+        elif OBJECTIVES[objective].paired:
+            counts.append(2)
+    return max(counts)
 
 
 def _rows(p: ParamInfo, w: int) -> int:

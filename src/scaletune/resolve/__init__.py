@@ -121,7 +121,11 @@ def resolve_stages(cfg: Config) -> list[Stage]:
 
 def _decided_reference(training: TrainingConfig, cfg: Config) -> TrainingConfig:
     """`preference.reference: auto` decided: `base` (adapters disabled, no second copy) under LoRA,
-    else `precomputed` (one pass before the stage, nothing resident)."""
+    else `precomputed` (one pass before the stage, nothing resident); `rl.reference: auto` (grpo):
+    `base` under LoRA, else `model` (an online policy's log-probs cannot be computed ahead)."""
+    if training.objective == "grpo" and training.rl.reference == "auto":
+        rl = training.rl.model_copy(update={"reference": "base" if cfg.model.lora is not None else "model"})
+        training = training.model_copy(update={"rl": rl})
     pref = training.preference
     if pref.reference != "auto":
         return training

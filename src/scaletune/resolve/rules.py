@@ -3,6 +3,8 @@ returns the :class:`Problem` s it finds (the doctor shows the same problems as c
 
 from __future__ import annotations
 
+from typing import Any
+
 from scaletune.config.preference import OBJECTIVES
 from scaletune.resolve.mesh import mesh_problems
 from scaletune.resolve.precision import mixed_precision_problems
@@ -334,8 +336,12 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                     Problem(
                         "objective",
                         f"{where}{key}",
-                        f"{where}{key} cannot be used with training.objective {t.objective}: preference losses "
-                        "read whole chosen and rejected sequences from preference records",
+                        f"{where}{key} cannot be used with training.objective {t.objective}: "
+                        + (
+                            "online RL generates its completions from prompt records"
+                            if t.objective == "grpo"
+                            else "preference losses read whole chosen and rejected sequences from preference records"
+                        ),
                         f"remove {key}",
                     )
                 )
@@ -349,6 +355,9 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                     "use model.name_or_path, or objective sft",
                 )
             )
+        if t.objective == "grpo":
+            out += _online_rules(s, t, where)
+            continue
         if t.preference.reference == "base" and cfg.model.lora is None and facts.reference:
             out.append(
                 Problem(
@@ -358,6 +367,43 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                     "set reference: precomputed (or model), or add model.lora",
                 )
             )
+    return out
+
+
+def _online_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
+    """A grpo stage: reward functions given, a reference that exists, an engine its strategy runs."""
+    out, rl = [], t.rl
+    key = f"{where}training.rl"
+    if not rl.rewards:
+        out.append(
+            Problem(
+                "objective",
+                f"{key}.rewards",
+                f"{key}.rewards is empty: grpo trains on the rewards of its completions",
+                'add one, e.g. rewards: [{function: "scaletune.rewards:exact_answer"}]',
+            )
+        )
+    if rl.beta > 0 and rl.reference == "base" and s.config.model.lora is None:
+        out.append(
+            Problem(
+                "objective",
+                f"{key}.reference",
+                f"{key}.reference base is the model with its LoRA adapters disabled, but model.lora is not set",
+                "set reference: model, or add model.lora",
+            )
+        )
+    sharded = s.strategy == "fsdp" or (s.strategy == "deepspeed" and s.zero_stage == 3)
+    if rl.engine == "hf" and sharded:
+        engine = "fsdp" if s.strategy == "fsdp" else "deepspeed ZeRO-3"
+        out.append(
+            Problem(
+                "objective",
+                f"{key}.engine",
+                f"{key}.engine hf generates with the trained module, which {engine} shards; generating "
+                "through sharded parameters is not built yet",
+                "use ddp or deepspeed zero_stage 1 or 2 (or engine: replay)",
+            )
+        )
     return out
 
 

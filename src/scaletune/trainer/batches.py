@@ -90,3 +90,16 @@ def preference_kind(objective: Any, kl_pass: Callable[[Any, list], Any]) -> Batc
         collects_stats=True,
         before_step=kl_pass if objective.kl_pass else None,
     )
+
+
+def online_kind(objective: Any, rollout: Callable[[Any, list], Any]) -> BatchKind:
+    """How the loop reads a micro-batch of an online objective (`objectives.rl.GRPO`): the prompts
+    the loader gives become completion rows in `rollout` (`rollout.Rollout.before_step`), before the
+    step counts its units; the tokens are the rows' real tokens (prompt and completion)."""
+    return BatchKind(
+        preference_inputs,
+        objective.units,
+        lambda b: int(b["attention_mask"].sum()),
+        collects_stats=True,
+        before_step=rollout,
+    )

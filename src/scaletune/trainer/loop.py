@@ -80,7 +80,7 @@ class Trainer:
         self.open_run_dir = open_run_dir
         self.source = model_source(spec)
         self.kind = self.source.kind  # a stage's objective may replace it (`enter_stage`)
-        self.preference = StageObjectives(spec)
+        self.preference = StageObjectives(spec, steps_done=lambda: self.position.step)
         self.schedule = Schedule()
         self.position = Position()
         self.start_time = time.perf_counter()
@@ -195,7 +195,10 @@ class Trainer:
         self.position.step = progress.step
         self.resumed = Resumed(path, progress, read_scheduler_state(path))
         if self.env.is_main:
+            from scaletune.rollout.rollout import ROLLOUTS, truncate_rollouts
+
             truncate_metrics(self.spec.run_dir / "metrics.jsonl", progress.step)
+            truncate_rollouts(self.spec.run_dir / ROLLOUTS, progress.step)
         if progress.world_size != self.env.world_size:
             dcp = progress.checkpoint_format == "dcp"
             how = "torch.distributed.checkpoint" if dcp else "DeepSpeed's universal checkpoint"

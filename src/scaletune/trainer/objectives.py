@@ -5,9 +5,11 @@ starts, its reference (precomputed tables attached to the stage's data, or the f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from scaletune.objectives.objective import Objective, objective_for
+from scaletune.objectives.objective import Objective
+from scaletune.objectives.table import objective_for
 
 if TYPE_CHECKING:
     from scaletune.resolve import RunSpec
@@ -18,15 +20,24 @@ __all__ = ["StageObjectives"]
 
 
 class StageObjectives:
-    """Per stage: SFT (None) or an `objectives.Objective`; `any`: a stage trains a preference loss."""
+    """Per stage: SFT (None) or an `objectives.Objective`; `any`: a stage trains a preference or
+    online loss. `steps_done` reads the loop's position (optimizer steps taken), which an online
+    stage's rollouts are numbered by."""
 
-    def __init__(self, spec: RunSpec) -> None:
+    def __init__(self, spec: RunSpec, steps_done: Callable[[], int] = lambda: 0) -> None:
         self.spec = spec
+        self.steps_done = steps_done
         self.by_stage: dict[int, Objective | None] = {
-            st.index: objective_for(st.training.objective, st.training.preference) for st in spec.stages
+            st.index: objective_for(
+                st.training.objective, st.training.rl if st.training.objective == "grpo" else st.training.preference
+            )
+            for st in spec.stages
         }
+        #: The current online stage's rollout (`rollout.Rollout`), whose reward metrics a step adds.
+        self.rollout: Any = None
         self.any = any(o is not None for o in self.by_stage.values())
         self.current: Objective | None = None
+        self.current_index = 0
         self.strategy: Any = None
         #: KTO's reference point of the last KL pass (a step's, or an evaluation's), for the metrics.
         self.kl: float | None = None
@@ -47,7 +58,7 @@ class StageObjectives:
         """`reference: model` in any stage: the frozen reference loaded and made resident like the policy."""
         self.strategy = strategy
         wanted = [
-            o for o in self.by_stage.values() if o is not None and o.facts.reference and o.settings.reference == "model"
+            o for o in self.by_stage.values() if o is not None and o.uses_reference and o.settings.reference == "model"
         ]
         if wanted:
             strategy.module.set_reference(source.load_reference(strategy))  # loaded and made resident
@@ -58,19 +69,39 @@ class StageObjectives:
         from scaletune.trainer.batches import preference_kind
 
         objective = self.current = self.by_stage[plan.stage.index]
+        self.current_index = plan.stage.index
         self.strategy = strategy
         if not self.any:
             return default
         strategy.module.start_stage(objective)
         self.kl = None
+        self.rollout = None
         if objective is None:
             return default
-        if objective.facts.reference and objective.settings.reference == "precomputed":
+        if objective.per_token:
+            return self._online(objective, strategy, tokenizer)
+        if objective.uses_reference and objective.settings.reference == "precomputed":
             from scaletune.objectives.precomputed import reference_tables
             from scaletune.trainer.stages import stage_collator
 
             reference_tables(strategy, self.spec, plan, stage_collator(plan, tokenizer), resumed=resumed)
         return preference_kind(objective, self.kl_pass)
+
+    def _online(self, objective: Objective, strategy: Any, tokenizer: Any) -> BatchKind:
+        """An online stage: its engine, reward functions and rollout, whose `before_step` generates
+        each step's completions."""
+        from scaletune.rewards.scoring import load_rewards
+        from scaletune.rollout.engines import make_engine
+        from scaletune.rollout.rollout import ROLLOUTS, Rollout
+        from scaletune.trainer.batches import online_kind
+
+        settings = objective.settings
+        prefix = "training.rl.rewards" if not self.spec.config.stages else f"stages.{self.current_index}.training.rl.rewards"
+        rewards = load_rewards([(r.function, r.weight, r.kwargs) for r in settings.rewards], prefix=prefix)
+        log = self.spec.run_dir / ROLLOUTS if self.spec.env.is_main else None
+        engine = make_engine(settings, strategy, tokenizer)
+        self.rollout = Rollout(settings, engine, rewards, tokenizer, self.steps_done, log)
+        return online_kind(objective, self.rollout.before_step)
 
     def kl_pass(self, strategy: Any, batches: list) -> None:
         """KTO's KL pass (`trainer.batches.kto_kl_pass`), its value kept for the metrics."""
@@ -85,4 +116,6 @@ class StageObjectives:
         out = self.current.metrics(stats.tolist())
         if self.current.kl_pass and self.kl is not None:
             out["kl"] = self.kl
+        if self.rollout is not None:
+            out = {**self.rollout.last, **out}
         return out

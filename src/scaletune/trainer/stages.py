@@ -96,7 +96,28 @@ def data_problems(spec: RunSpec, tokenizer: Any) -> list[Problem]:
             continue
         small = _too_small(stage, len(bundle.train), spec.batch_for(stage))
         problems += [Problem("data", None, small)] if small else []
+        if stage.training.objective == "grpo":
+            problems += reward_problems(spec, stage, bundle, tokenizer)
     return problems
+
+
+def reward_problems(spec: RunSpec, stage: Stage, bundle: Any, tokenizer: Any) -> list[Problem]:
+    """A grpo stage's reward functions imported and called once on its first prompt (with that
+    record's fields), so a function that cannot score ends in exit 2 before training
+    (`rewards.scoring.check_rewards`)."""
+    import json
+
+    from scaletune.rewards.scoring import check_rewards, load_rewards
+
+    prefix = "training.rl.rewards" if not spec.config.stages else f"stages.{stage.index}.training.rl.rewards"
+    specs = [(r.function, r.weight, r.kwargs) for r in stage.training.rl.rewards]
+    try:
+        rewards = load_rewards(specs, prefix=prefix)
+    except UserError as exc:
+        return problems_of(exc, "objective")
+    first = bundle.train[0]
+    prompt = tokenizer.decode(first["prompt_ids"])
+    return check_rewards(rewards, prompt, json.loads(first["fields"]), prefix=prefix, prompt_index=first["index"])
 
 
 def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[StagePlan]:
@@ -114,6 +135,10 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
         small = _too_small(stage, len(bundle.train), batch)
         if small:
             raise UserError(small, title="cannot start training")
+        if stage.training.objective == "grpo":  # before the model loads (a parent checked them too)
+            bad = reward_problems(spec, stage, bundle, tokenizer)
+            if bad:
+                raise UserError(bad, title="invalid reward functions")
         steps_per_epoch = len(bundle.train) // batch.global_batch_size
         total = steps_for(steps_per_epoch, stage.training)
         origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
@@ -139,6 +164,10 @@ def stage_collator(plan: StagePlan, tokenizer: Any) -> Any:
     if plan.bundle.collator is not None:
         return plan.bundle.collator
     source = plan.stage.data.train
+    if source is not None and source.format == "prompt":
+        from scaletune.data.prompts import PromptCollator
+
+        return PromptCollator(tokenizer.pad_token_id)
     if source is not None and source.format in ("preference", "kto"):
         return PreferenceCollator(tokenizer.pad_token_id, source.format)
     return Collator(tokenizer.pad_token_id)

@@ -67,6 +67,8 @@ def train_step(
     """
     device = strategy.device
     micro_batches = [strategy.split_batch(mb) for mb in micro_batches]  # a context slice each
+    if kind.before_step is not None:  # first: an online objective's rollout makes the rows counted next
+        kind.before_step(strategy, [(mb, True) for mb in micro_batches])
     per_batch = [_units(kind, mb) for mb in micro_batches]
     k = len(per_batch[0])
     counts = torch.tensor(
@@ -80,8 +82,6 @@ def train_step(
         counts = counts.pin_memory().to(device, non_blocking=True)
     counts = strategy.all_reduce_data(counts)
     denominator = counts[:k].clamp(min=1).to(device, torch.float32)
-    if kind.before_step is not None:
-        kind.before_step(strategy, [(mb, True) for mb in micro_batches])
     stats = None
 
     def each(i: int) -> None:  # after micro-batch i's backward

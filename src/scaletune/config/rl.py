@@ -1,0 +1,82 @@
+"""Online reinforcement learning settings (`training.rl`, objective `grpo`): the group of completions
+per prompt, how they are sampled, the clipped policy loss, the KL to the reference model, the reward
+functions and the generation engine. The loss is in `objectives.rl`, generation in `rollout`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from scaletune.config.strict import StrictModel
+
+RLLoss = Literal["dapo", "grpo", "dr_grpo"]
+RLReference = Literal["auto", "base", "model"]
+RLEngine = Literal["hf", "replay"]
+
+
+class RewardSpec(StrictModel):
+    """One reward function and its weight in the total reward."""
+
+    function: str
+    """`package.module:name` or `path/to/file.py:name`: called as
+    `fn(prompts=[str], completions=[str], **fields, **kwargs) -> list[float]`, one float per completion
+    (TRL's convention; docs/rl.md). Built-ins: `scaletune.rewards:exact_answer`, `regex_match`,
+    `length_penalty`. Anything else is your code: the service runs it only where an admin allows."""
+    weight: float = 1.0
+    """Its weight in the total reward: total = sum of weight * value over the functions."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Fixed keyword arguments (e.g. `pattern` for `regex_match`); a name may not be a data field."""
+
+
+class RLConfig(StrictModel):
+    """GRPO and its variants (docs/rl.md). Batch sizes count prompts: a global batch of P prompts
+    trains on P * num_generations completions. Read only when `objective` is `grpo`."""
+
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt (the group G whose rewards give each other's baseline)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Longest completion, in tokens; one that reaches it without the end-of-sequence token is cut
+    there (and trained as it is)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trained log-probabilities are the model's at temperature 1."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; 1.0 samples from the whole vocabulary."""
+    loss: RLLoss = "dapo"
+    """How per-token losses are averaged over the global batch. dapo: over all completion tokens (Yu et
+    al. 2025, DAPO); grpo: over each completion's tokens, then over completions (Shao et al. 2024,
+    DeepSeekMath); dr_grpo: the sum over completions * max_new_tokens, advantages not divided by the
+    group's std (Liu et al. 2025, Understanding R1-Zero-Like Training). As TRL 1.16's GRPOTrainer."""
+    clip: tuple[float, float] = (0.2, 0.28)
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high] (DAPO's clip-higher)."""
+    beta: float = Field(0.0, ge=0)
+    """Weight of the per-token KL to the reference model (the k3 estimator, Schulman 2020); 0: no
+    reference is computed."""
+    reference: RLReference = "auto"
+    """The reference model when beta > 0. base: the model with its LoRA adapters disabled (no copy);
+    model: a frozen copy of `model.name_or_path`, sharded like the policy; auto: base under LoRA,
+    else model."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """The reward functions; at least one."""
+    engine: RLEngine = "hf"
+    """What generates the completions. hf: the trained model's own `generate` (nothing to copy);
+    replay: completions read from `replay`, a rollouts.jsonl of an earlier run (offline RL, and
+    exact reproductions). (vLLM, DESIGN.md's third engine, is not built yet.)"""
+    replay: str | None = None
+    """engine replay: the rollouts.jsonl to read (a run directory's, or a file of the same shape)."""
+
+    @field_validator("clip")
+    @classmethod
+    def _clip(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not (0 <= low < 1 and high >= 0):
+            raise ValueError("clip is [low, high] with 0 <= low < 1 and high >= 0 (ratios kept in [1-low, 1+high])")
+        return value
+
+    @model_validator(mode="after")
+    def _engine(self) -> RLConfig:
+        if self.engine == "replay" and not self.replay:
+            raise ValueError("engine replay reads its completions from training.rl.replay: give a rollouts.jsonl")
+        if self.replay and self.engine != "replay":
+            raise ValueError(f"training.rl.replay is read only by engine replay, not {self.engine}: remove it")
+        return self

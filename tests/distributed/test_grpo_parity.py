@@ -1,0 +1,179 @@
+"""Online RL (issue 36): a GRPO step is the same computation on 1, 2 or 3 ranks, and a run's
+rollouts.jsonl records exactly what it trained on.
+
+Data: 12 training and 5 held-out prompts from the real Alpaca records (the instruction as the
+prompt, the first word of the record's output as `answer`), rendered with the tiny model's ChatML
+template. Rewards: `exact_answer` and `length_penalty` (max_chars 40, weight 0.5), whose values
+vary with the sampled text, so groups have variance and the steps have gradients.
+
+The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, `reference: model`):
+
+- `hf`: one process, the `hf` engine samples (temperature 1.0) every training and evaluation rollout;
+- `replay`: one process, `engine: replay` of `hf`'s rollouts.jsonl: the same completions, so the
+  same losses, gradient norms, rewards and advantages (1e-6);
+- `ddp-hf`: `scaletune train` with num_processes 2 (re-executed under torchrun), DDP, sampling with
+  the `hf` engine on each rank (its own completions), and `ddp-replay`, one process replaying them:
+  world size 2 reproduces world size 1 on the same completions (1e-4);
+- `fsdp-2`, `zero2-2`, `zero3-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step
+  and 5 held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ALPACA_5000, assert_close, make_config, metrics, steps, train, train_batch
+
+pytestmark = pytest.mark.distributed
+
+REL = 1e-4
+G = 4
+
+
+def _prompts(records: list[dict]) -> list[dict]:
+    return [{"prompt": r["instruction"], "answer": r["output"].split()[0]} for r in records]
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
+    records = [r for r in json.loads(ALPACA_5000.read_text()) if not r["input"] and len(r["instruction"]) < 90]
+    folder = tmp_path_factory.mktemp("prompts")
+    out = []
+    for name, part in (("train", records[:12]), ("eval", records[50:55])):
+        path = folder / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(p) for p in _prompts(part)) + "\n")
+        out.append(path)
+    return out[0], out[1]
+
+
+def _config(model: Path, out: Path, files: tuple[Path, Path], **distributed) -> dict:
+    train_file, eval_file = files
+    return make_config(
+        model,
+        out,
+        data={"train": {"path": str(train_file), "format": "prompt"}, "eval": {"path": str(eval_file), "format": "prompt"}},
+        training={
+            "objective": "grpo",
+            "global_batch_size": 6,
+            "micro_batch_size": 1,
+            "max_steps": 3,
+            "eval_every": 2,
+            "save_every": 0,
+            "rl": {
+                "num_generations": G,
+                "max_new_tokens": 8,
+                "beta": 0.04,
+                "loss": "dapo",
+                "rewards": [
+                    {"function": "scaletune.rewards:exact_answer"},
+                    {"function": "scaletune.rewards:length_penalty", "weight": 0.5, "kwargs": {"max_chars": 40}},
+                ],
+            },
+        },
+        distributed={"strategy": "single", "num_processes": 1, **distributed},
+    )
+
+
+def _replaying(cfg: dict, source: Path) -> dict:
+    rl = {**cfg["training"]["rl"], "engine": "replay", "replay": str(source / "rollouts.jsonl")}
+    return {**cfg, "training": {**cfg["training"], "rl": rl}}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
+    base = module_tmp_path
+    out = {name: base / name for name in ("hf", "replay", "ddp-hf", "ddp-replay", "fsdp-2", "zero2-2", "zero3-2", "fsdp-3")}
+    hf = _config(tiny_model_dir, out["hf"], prompt_files)
+    train(hf, base, name="hf.yaml")
+    train(_replaying(_config(tiny_model_dir, out["replay"], prompt_files), out["hf"]), base, name="replay.yaml")
+    ddp = _config(tiny_model_dir, out["ddp-hf"], prompt_files, strategy="ddp", num_processes=2)
+    train(ddp, base, name="ddp-hf.yaml")  # the plain command: re-executes under torchrun
+    replay_ddp = _replaying(_config(tiny_model_dir, out["ddp-replay"], prompt_files), out["ddp-hf"])
+    train(replay_ddp, base, name="ddp-replay.yaml")
+    layouts = {
+        "fsdp-2": {"strategy": "fsdp", "num_processes": 2},
+        "zero2-2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
+        "zero3-2": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
+    }
+    batch = {
+        name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"]) for name, d in layouts.items()
+    }
+    train_batch(batch, base / "batch")
+    fsdp3 = _replaying(_config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"])
+    train(fsdp3, base, name="fsdp-3.yaml", launcher="torchrun")
+    return out
+
+
+def _rollouts(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _evals(run: Path) -> list[dict]:
+    return [m for m in metrics(run) if "eval_loss" in m]
+
+
+def _assert_reproduces(run: Path, control: Path, rel: float, what: str) -> None:
+    mine, ref = steps(run), steps(control)
+    assert [m["step"] for m in mine] == [m["step"] for m in ref] == [1, 2, 3]
+    for key in ("loss", "grad_norm", "reward", "reward_std", "completion_length", "kl"):
+        assert_close([m[key] for m in mine], [m[key] for m in ref], rel, f"{what} {key}")
+    assert [m["zero_variance_groups"] for m in mine] == [m["zero_variance_groups"] for m in ref]
+    e_mine, e_ref = _evals(run), _evals(control)
+    assert [m["step"] for m in e_mine] == [m["step"] for m in e_ref] == [2, 3]
+    for key in ("eval_loss", "eval_reward"):
+        assert_close([m[key] for m in e_mine], [m[key] for m in e_ref], rel, f"{what} {key}")
+
+
+def test_the_hf_runs_rollouts_are_whole_groups_with_trls_advantages(runs):
+    """Every prompt of a step has G completions on rollouts.jsonl; each advantage is
+    (r - mean) / (std + 1e-4) of its group, recomputed here with `statistics`; the reward is the
+    weighted sum of the functions' values; the steps trained (non-zero loss and gradient)."""
+    lines = [r for r in _rollouts(runs["hf"]) if r["split"] == "train"]
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in lines:
+        groups[(r["step"], r["prompt_index"])].append(r)
+    assert len(lines) == 3 * 6 * G and all(len(g) == G for g in groups.values())
+    assert {s for s, _ in groups} == {1, 2, 3}
+    for group in groups.values():
+        rewards = [r["reward"] for r in group]
+        mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
+        for r in group:
+            assert r["reward"] == pytest.approx(r["reward_exact_answer"] + 0.5 * r["reward_length_penalty"], abs=1e-6)
+            assert r["advantage"] == pytest.approx((r["reward"] - mean) / (std + 1e-4), abs=1e-4)
+            assert r["policy_version"] == r["step"] - 1
+            assert 1 <= len(r["completion_ids"]) <= 8
+    evals = [r for r in _rollouts(runs["hf"]) if r["split"] == "eval"]
+    assert sorted({r["step"] for r in evals}) == [2, 3] and len(evals) == 2 * 5 * G
+    m = steps(runs["hf"])
+    from scaletune.config.preference import OBJECTIVES
+
+    # every metric key the table of facts names for grpo, and one per reward function
+    assert set(OBJECTIVES["grpo"].metrics) | {"reward_exact_answer", "reward_length_penalty"} <= set(m[0])
+    assert all(s["loss"] != 0 and s["grad_norm"] > 0 for s in m)
+    assert all(0 <= s["zero_variance_groups"] <= 6 for s in m) and any(s["reward_std"] > 0 for s in m)
+    assert all(s["kl"] >= 0 for s in m) and m[-1]["kl"] > 0  # the policy has moved from the reference
+
+
+def test_a_replay_of_the_rollouts_trains_the_same_steps(runs):
+    _assert_reproduces(runs["replay"], runs["hf"], 1e-6, "replay of hf")
+    mine, ref = _rollouts(runs["replay"]), _rollouts(runs["hf"])
+    assert [r["completion_ids"] for r in mine] == [r["completion_ids"] for r in ref]
+    for key in ("reward", "advantage"):
+        assert [r[key] for r in mine] == pytest.approx([r[key] for r in ref], abs=1e-6)
+
+
+def test_ddp_with_the_hf_engine_equals_one_process_on_its_completions(runs):
+    """Each rank sampled its prompts' groups; rank 0 wrote both ranks' lines."""
+    lines = _rollouts(runs["ddp-hf"])
+    assert len([r for r in lines if r["split"] == "train"]) == 3 * 6 * G
+    _assert_reproduces(runs["ddp-replay"], runs["ddp-hf"], REL, "ddp world size 2 vs 1")
+
+
+@pytest.mark.parametrize("layout", ["fsdp-2", "zero2-2", "zero3-2", "fsdp-3"])
+def test_layout_reproduces_the_single_process_run(runs, layout):
+    _assert_reproduces(runs[layout], runs["hf"], REL, layout)

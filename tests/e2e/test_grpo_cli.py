@@ -1,0 +1,70 @@
+"""`scaletune train` with objective grpo refuses what cannot train, every problem of a phase in one
+call, exit 2, before any step (issue 36): the config's rules (no reward function, a base reference
+without LoRA, the hf engine under a sharding strategy, a replay file given to another engine) in one
+call; the reward functions that cannot score (one raises, one returns the wrong length, one whose
+signature does not take the data's fields) in one call after the data are read, each named with its
+key. The prompts are real Alpaca instructions (tests/distributed/test_grpo_parity.py's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers import ALPACA_5000, make_config, train
+
+BAD = Path(__file__).resolve().parents[1] / "unit" / "rewards" / "bad_rewards.py"
+
+
+def _prompts(tmp_path: Path) -> Path:
+    records = [r for r in json.loads(ALPACA_5000.read_text()) if not r["input"]][:8]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": r["instruction"], "answer": r["output"].split()[0]}) + "\n" for r in records))
+    return path
+
+
+def _grpo(model: Path, tmp_path: Path, rl: dict, **sections) -> dict:
+    return make_config(
+        model,
+        tmp_path / "run",
+        data={"train": {"path": str(_prompts(tmp_path)), "format": "prompt"}},
+        training={"objective": "grpo", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "rl": rl},
+        **sections,
+    )
+
+
+def test_config_rules_are_refused_together(tiny_model_dir, tmp_path):
+    cfg = _grpo(
+        tiny_model_dir,
+        tmp_path,
+        {"rewards": [], "beta": 0.1, "reference": "base", "engine": "hf"},
+        distributed={"strategy": "fsdp", "num_processes": 2},
+    )
+    proc = train(cfg, tmp_path, expect_ok=False)
+    err = proc.stderr
+    assert proc.returncode == 2, err[-2000:]
+    assert "training.rl.rewards is empty" in err
+    assert "training.rl.reference base is the model with its LoRA adapters disabled, but model.lora is not set" in err
+    assert "training.rl.engine hf generates with the trained module, which fsdp shards" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_replay_file_for_another_engine_is_a_schema_error(tiny_model_dir, tmp_path):
+    cfg = _grpo(tiny_model_dir, tmp_path, {"engine": "hf", "replay": "x.jsonl", "rewards": [{"function": "scaletune.rewards:exact_answer"}]})
+    proc = train(cfg, tmp_path, expect_ok=False)
+    assert proc.returncode == 2
+    assert "training.rl.replay is read only by engine replay, not hf" in proc.stderr
+
+
+def test_reward_functions_that_cannot_score_are_named_before_training(tiny_model_dir, tmp_path):
+    rewards = [
+        {"function": "scaletune.rewards:exact_answer"},
+        {"function": f"{BAD}:raises"},
+        {"function": f"{BAD}:wrong_length", "weight": 0.5},
+    ]
+    proc = train(_grpo(tiny_model_dir, tmp_path, {"rewards": rewards}), tmp_path, expect_ok=False)
+    err = proc.stderr
+    assert proc.returncode == 2, err[-2000:]
+    assert "training.rl.rewards[1].function" in err and "raises" in err
+    assert "training.rl.rewards[2].function" in err and "wrong_length" in err
+    assert "training.rl.rewards[0]" not in err  # the built-in scores
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
