@@ -70,6 +70,56 @@ def test_factory_and_remote_code_refused_before_import(strict, tiny_model_dir, t
     assert not list(strict.home.iterdir()), "a refused job left a folder"
 
 
+def test_reward_functions_are_user_code_but_the_builtins(strict, tmp_path):
+    """Issue 36: a reward function is submitted code, like a factory. Any `rl.rewards[*].function`
+    but the exact name of a built-in (`scaletune.rewards:NAME`, NAME in the package's `__all__`) is
+    refused before it is imported: at the top level, in a stage, from an override, a look-alike of a
+    built-in too. The built-ins pass. With --allow-factories the rule is off, and such a job's check
+    goes to a child process. (The model is outside the read roots, so every answer here is the
+    policy's 422, cheap: the assertions are about which keys it names.)"""
+    from scaletune import rewards
+    from scaletune.serve.edge import policy as P
+    from scaletune.serve.jobs.checking import in_child
+
+    marker = tmp_path / "ran"
+    planted = tmp_path / "planted_reward.py"
+    planted.write_text(
+        f"open({str(marker)!r}, 'w').write('imported')\n"
+        "def reward(prompts, completions, **_):\n    return [0.0] * len(completions)\n"
+    )
+    builtins = [{"function": f"scaletune.rewards:{name}", "kwargs": {}} for name in rewards.__all__]
+    assert len(builtins) == 3
+    user = [f"{planted}:reward", "os:system", "scaletune.rewards.builtin:normalise"]
+    cfg = make_config(REPO_ROOT / "examples", "runs/x")
+    cfg["model"]["name_or_path"] = "/etc"
+    cfg["training"]["rl"] = {"rewards": [*builtins, *({"function": f} for f in user)]}
+    problems = refused(post(strict, cfg), "training.rl.rewards.3.function")
+    said = [p for p in problems if ".rewards." in p]
+    assert [p.split(":")[1].strip() for p in said] == [f"training.rl.rewards.{i}.function" for i in (3, 4, 5)], said
+    assert all("--allow-factories" in p for p in said), said
+
+    cfg["training"]["rl"] = {"rewards": builtins}
+    cfg["stages"] = [{"name": "rl", "training": {"rl": {"rewards": [*builtins, {"function": f"{planted}:reward"}]}}}]
+    problems = refused(post(strict, cfg), "stages.0.training.rl.rewards.3.function")
+    assert len([p for p in problems if ".rewards." in p]) == 1, problems
+    del cfg["stages"]
+    override = f"training.rl.rewards=[{{function: '{planted}:reward'}}]"
+    refused(post(strict, cfg, [override], dry_run=False), "training.rl.rewards.0.function")
+
+    r = post(strict, cfg)  # the built-ins alone
+    assert r.status_code == 422 and not any(".rewards." in p for p in r.json()["problems"]), r.text
+    time.sleep(0.5)
+    assert not marker.exists(), "a refused reward function was imported"
+    assert not list(strict.home.iterdir()), "a refused job left a folder"
+
+    # The admin's setting: the rule is off, and the job's check runs in a child process.
+    data = {"training": {"rl": {"rewards": [*builtins, {"function": f"{planted}:reward"}]}}}
+    places = P.Places(tmp_path / "jobs", tmp_path / "jobs" / "j", None)
+    assert any(".rewards." in p for p in P.check(data, Policy(), places)[0])
+    assert not any(".rewards." in p for p in P.check(data, Policy(allow_factories=True), places)[0])
+    assert in_child(data) and not in_child({"training": {"rl": {"rewards": builtins}}})
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -212,10 +262,14 @@ def test_allowed_factory_is_checked_in_a_child(tmp_path, monkeypatch, tiny_model
     """With --allow-factories the factory is imported by the check, in a child process: the
     module records the PID that imported it, and it is not the service's; and the environment it
     sees, which holds none of the service's own secrets (issue 34: the check child inherited them)."""
+    from cryptography.fernet import Fernet
+
     from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
+    from scaletune.serve.jobs.vault import KEY_ENV
 
     for secret in SERVICE_SECRETS:
         monkeypatch.setenv(secret, f"service-own-{secret.lower()}-5c1e")
+    monkeypatch.setenv(KEY_ENV, Fernet.generate_key().decode())  # a key that is none stops the start
     name = f"planted_factory_{uuid.uuid4().hex[:8]}"
     marker, seen = tmp_path / "imported-by", tmp_path / "environment"
     (tmp_path / f"{name}.py").write_text(

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import psutil
 import yaml
+from cryptography.fernet import Fernet
 
 from scaletune.serve.edge.auth import create_token
 from scaletune.serve.jobs.dispatch.base import SERVICE_SECRETS
+from scaletune.serve.jobs.vault import KEY_ENV
 from tests.helpers import make_config
 from tests.serve.serve_helpers import TEST_POLICY, Server, client, read_events
 
@@ -36,6 +38,7 @@ def test_secrets_by_reference_only(tiny_model_dir, tmp_path, monkeypatch):
     # control), and get only what the operator maps to their owner.
     service_own = {name: f"service-own-{i}-0f3a" for i, name in enumerate(sorted(SERVICE_SECRETS))}
     service_own |= {name: f"service-credential-{i}-77b9" for i, name in enumerate(SERVICE_CREDENTIALS)}
+    service_own[KEY_ENV] = Fernet.generate_key().decode()  # the jobs' secrets are sealed with it (not a job's)
     for name, value in {**service_own, **MAPPED, "SCALETUNE_TEST_PASSTHROUGH": "kept"}.items():
         monkeypatch.setenv(name, value)
     srv = Server(

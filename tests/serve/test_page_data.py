@@ -78,11 +78,12 @@ def test_upload_each_format_and_list(srv):
     }
     assert {Path(n).suffix for n in bodies} == set(SUFFIXES)
     area = data_area(srv.svc.home)
+    by = client(srv, srv.submit).get("/api/whoami").json()["name"]  # the uploader, listed as `by`
     for name, body in bodies.items():
         r = upload(srv, name, body)
         assert r.status_code == 201, r.text
         entry = r.json()
-        want = {"name": name, "size": len(body), "records": 40, "path": str(area / name), "format": "alpaca"}
+        want = {"name": name, "size": len(body), "records": 40, "path": str(area / name), "format": "alpaca", "by": by}
         assert entry == want
         assert Path(entry["path"]).read_bytes() == body
         # The control: the trainer's own reader finds the records that were sent.
@@ -476,7 +477,7 @@ def test_page_uploads_and_previews(srv, tiny_model_dir, tmp_path):
 # Alpaca records (examples/data/alpaca_400.json) turned into `messages` rows by `as_format`: a
 # system turn, the instruction (and input) as the user's, the output as the assistant's.
 BUNDLED = json.loads((REPO_ROOT / "examples" / "data" / "alpaca_400.json").read_text())
-SCHEMA_FORMATS = ["alpaca", "messages", "text", "preference", "kto"]  # DataSource.format's docstring
+SCHEMA_FORMATS = ["alpaca", "messages", "text", "preference", "kto", "prompt"]  # DataSource.format's docstring
 
 
 def chat_rows(records: list[dict]) -> list[dict]:

@@ -17,6 +17,7 @@ from scaletune.serve.edge import access, auth
 from scaletune.serve.edge.guard import Guard
 from scaletune.serve.jobs.chatting import ModelSlot
 from scaletune.serve.jobs.db import kept_key
+from scaletune.serve.jobs.retention import Sweeper
 from scaletune.serve.jobs.service import JobNotFound, JobService
 from scaletune.serve.jobs.tasks import Tasks
 from scaletune.serve.jobs.validate import ChecksBusy
@@ -56,13 +57,16 @@ async def invalid_request(request: Request, exc: RequestValidationError) -> JSON
 def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     """The app around a job service; with `start`, its watcher runs while the app does."""
     slot, runner = ModelSlot(), Tasks(svc.Session)
+    sweeper = Sweeper(svc, runner)  # periodic: stale tasks, and the checkpoints retention (keep_checkpoints_days)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         if start:
             svc.start()
             runner.sweep()  # the tasks a stopped service left running: interrupted, not running for ever
+            sweeper.start()
         yield
+        sweeper.stop()
         runner.stop_all()  # a task is the service's child: it ends with it (recorded before the database closes)
         if start:
             svc.shutdown()

@@ -1,6 +1,6 @@
 """The data routes: list the data area, upload a file into it (the request body streamed to disk,
-counted against `max_upload_bytes`), preview a file as training renders it. The data area itself
-is `jobs/datasets.py`; the preview `jobs/data_preview.py`."""
+counted against `max_upload_bytes`), preview a file as training renders it, delete one (its uploader
+or an admin). The data area itself is `jobs/datasets.py`; the preview `jobs/data_preview.py`."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import asyncio
@@ -10,16 +10,17 @@ import os
 import secrets
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from scaletune.errors import UserError
-from scaletune.serve.api.schemas import E422, refusal
+from scaletune.serve.api.schemas import E409_422, E422, Deleted, refusal
 from scaletune.serve.edge.access import Submitter, Svc, read
 from scaletune.serve.edge.policy import data_area
 from scaletune.serve.edge.teams import record
+from scaletune.serve.jobs import removal
 from scaletune.serve.jobs.data_formats import detect_file
 from scaletune.serve.jobs.datasets import META, area_file, check_file, file_entry, listing, place, stored_name
 
@@ -36,8 +37,8 @@ class PreviewRequest(BaseModel):
 @router.get("/api/data", dependencies=[read], tags=["data"])
 def list_data(svc: Svc):
     """The uploaded data files: name, size (bytes), records, `path`, what a config's
-    `data.train.path` names, and `format`, the `data.train.format` whose keys its first record has
-    (null: no format's)."""
+    `data.train.path` names, `format`, the `data.train.format` whose keys its first record has
+    (null: no format's), and `by`, the token that uploaded it (null: not recorded)."""
     return listing(svc.home)
 
 
@@ -92,6 +93,29 @@ async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[
         return JSONResponse({"detail": "the upload ended before its last byte"}, status_code=400)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@router.delete("/api/data/{name}", response_model=Deleted, tags=["data"], responses=E409_422)
+def delete_data(name: str, c: Submitter, svc: Svc):
+    """Delete the data file `name` from the data area: its uploader (`by` in GET /api/data) or an
+    admin; a file uploaded before uploaders were recorded, any submit token. 409 while a job that
+    has not ended names its path; 404 for a name the area does not hold. Audited (`data.delete`)."""
+    try:
+        by = file_entry(area_file(svc.home, name)).get("by")
+    except UserError:
+        raise HTTPException(404, f"no data file {name!r} in the data area (GET /api/data lists them)") from None
+    if c.scope != "admin" and by and by != c.name:
+        raise HTTPException(
+            403, f"data file {name} was uploaded by {by}: only its uploader or an admin token may delete it"
+        )
+    try:
+        out = removal.delete_data(svc, name)
+    except removal.Missing as exc:
+        raise HTTPException(404, str(exc)) from None
+    except UserError as exc:
+        return refusal(exc.title, exc.problems, 409)
+    record(svc.Session, c.name, "data.delete", detail=f"{name} (uploaded by {by or '-'})")
+    return out.public()
 
 
 @router.post("/api/data/preview", tags=["data"], responses=E422)

@@ -1,6 +1,6 @@
 """The job routes: submit (or dry-run) a config, list and read jobs, their metrics, log and SSE
-events with replay (ending after a terminal state), stop / cancel / resume / clone, and the job's
-own reports (its report token, not an API token)."""
+events with replay (ending after a terminal state), stop / cancel / resume / clone / delete, and the
+job's own reports (its report token, not an API token)."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import asyncio
@@ -18,11 +18,13 @@ from scaletune.serve.api.schemas import (
     E409_422,
     E422,
     CloneRequest,
+    Deleted,
     JobRequest,
     JobSummary,
     QueuePlace,
     ReportRequest,
     ResumeRequest,
+    SecretsRequest,
     Submitted,
     refusal,
 )
@@ -30,8 +32,10 @@ from scaletune.serve.edge import auth
 from scaletune.serve.edge.access import JOB_BEARER, Submitter, Svc, read, still_allowed
 from scaletune.serve.edge.teams import need_owner, record
 from scaletune.serve.jobs import states as S
+from scaletune.serve.jobs import vault
 from scaletune.serve.jobs.db import Job, now
 from scaletune.serve.jobs.records import MAX_INT, queue_eta
+from scaletune.serve.jobs.removal import delete_job as remove_job
 from scaletune.serve.jobs.service import JobNotFound, JobService
 from scaletune.serve.jobs.states import TERMINAL
 
@@ -233,6 +237,26 @@ def resume(job_id: str, c: Submitter, svc: Svc, req: ResumeRequest | None = None
     return done
 
 
+@router.delete("/api/jobs/{job_id}", response_model=Deleted, responses=E409_422)
+def delete_job(job_id: str, request: Request, c: Submitter, svc: Svc):
+    """Delete an ended job (its owner or an admin): its records (tasks, events, metrics, the job),
+    its job folder and its run folder on this machine, where they lie inside the service's run
+    folders (links removed, never followed). 409 for a job that has not ended (cancel it first),
+    whose process still runs or that has a task running. `kept` says what was not deleted and why:
+    a Modal job's run on its volume, a SLURM job's record at the cluster, a folder outside the run
+    folders. The audit record keeps the deletion (`job.delete`)."""
+    job = job_or_404(svc, job_id)
+    need_owner(c, job)
+    request.app.state.tasks.sweep()  # a task a stopped service left `running` holds nothing
+    try:
+        out = remove_job(svc, job_id)
+    except UserError as exc:
+        return refusal(exc.title, exc.problems, 409)
+    head = f"{job.name} ({job.state}, {job.target}, owner {job.owner or '-'}): "
+    record(svc.Session, c.name, "job.delete", job_id, head + out.summary())
+    return out.public()
+
+
 @router.post(
     "/api/jobs/{job_id}/clone",
     status_code=201,
@@ -249,6 +273,22 @@ def clone(job_id: str, c: Submitter, svc: Svc, req: CloneRequest | None = None):
         return bad(exc)
     record(svc.Session, c.name, "job.clone", out["id"], stored(svc, out["id"], f"of {job_id}"))
     return out
+
+
+@router.put("/api/jobs/{job_id}/secrets", response_model=JobSummary, responses=E409_422)
+def give_secrets(job_id: str, req: SecretsRequest, c: Submitter, svc: Svc):
+    """The secrets of a job that needs them again (`needs_secrets`: the service restarted without
+    SCALETUNE_SECRETS_KEY, or with another key): every secret variable it was submitted with, no other.
+    Its owner or an admin; the job is queued. No value is answered, logged or audited (names only)."""
+    need_owner(c, job_or_404(svc, job_id))
+    try:
+        done = vault.give(svc, job_id, req.secrets).summary()
+    except vault.NotWaiting as exc:
+        return refusal(exc.title, exc.problems, 409)
+    except UserError as exc:
+        return bad(exc)
+    record(svc.Session, c.name, "job.secrets", job_id, "given again: " + ", ".join(sorted(req.secrets)))
+    return done
 
 
 @router.post("/api/jobs/{job_id}/report", responses=E422)

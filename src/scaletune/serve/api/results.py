@@ -24,11 +24,11 @@ from scaletune.serve.api.jobs import job_or_404
 from scaletune.serve.api.schemas import E409_422, E422, refusal
 from scaletune.serve.edge.access import Reader, Svc
 from scaletune.serve.jobs.archive import members, tar_stream
-from scaletune.serve.jobs.states import ACTIVE, CHECKING, QUEUED, STARTING
+from scaletune.serve.jobs.states import ACTIVE, CHECKING, NEEDS_SECRETS, QUEUED, STARTING
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # A job in these states has run nothing yet (unless resumed: then its run directory is there).
-NOT_STARTED = (CHECKING, QUEUED, STARTING)
+NOT_STARTED = (CHECKING, QUEUED, NEEDS_SECRETS, STARTING)
 router = APIRouter()
 
 

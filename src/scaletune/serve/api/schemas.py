@@ -4,7 +4,7 @@ for a config the checks refuse and for a request FastAPI cannot read alike."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scaletune.config import error_messages
 from scaletune.serve.jobs.records import validated
+from scaletune.serve.jobs.vault import MAX_VALUE_CHARS
 
 
 class JobRequest(BaseModel):
@@ -46,6 +47,14 @@ class CloneRequest(BaseModel):
     overrides: list[str] = Field(default_factory=list)
 
 
+class SecretsRequest(BaseModel):
+    secrets: dict[str, Annotated[str, Field(max_length=MAX_VALUE_CHARS)]] = Field(
+        max_length=64,
+        description="NAME -> value: each secret variable the job was submitted with (and no other), given again. "
+        "Kept as a submission's are: in the service's memory and, with SCALETUNE_SECRETS_KEY, sealed on the record.",
+    )
+
+
 class ReportEvent(BaseModel):
     kind: str = Field(max_length=32)
     data: dict[str, Any] = Field(default_factory=dict)
@@ -75,6 +84,22 @@ class PolicyUpdate(BaseModel):
     trusted_origins: list[str] | None = None
     max_upload_bytes: int | None = Field(None, ge=1, description="The largest data file POST /api/data takes")
     max_data_bytes: int | None = Field(None, ge=1, description="The data area's quota: every uploaded file together")
+    keep_checkpoints_days: int | None = Field(
+        None,
+        ge=0,
+        le=36500,
+        description="Days a job that ended succeeded, failed or cancelled keeps its checkpoints/step-* folders "
+        "(the sweep deletes them; final/ and exports stay); 0: for ever",
+    )
+
+
+class Deleted(BaseModel):
+    """What a DELETE removed, and what it left and why (a folder outside the service's run folders, a
+    link's target, the run on Modal's volume or SLURM's own record)."""
+
+    deleted: str = Field(description="what was deleted: `job ID`, `data file NAME`, `export exports/NAME of job ID`")
+    removed: list[str] = Field(description="the files and folders removed on this machine")
+    kept: list[str] = Field(description="what was not deleted, each with why (and how to delete it by hand)")
 
 
 class JobSummary(BaseModel):
@@ -85,7 +110,9 @@ class JobSummary(BaseModel):
 
     id: str
     name: str
-    state: str = Field(description="checking queued starting running stopping stopped succeeded failed cancelled")
+    state: str = Field(
+        description="checking queued needs_secrets starting running stopping stopped succeeded failed cancelled"
+    )
     phase: str | None = Field(None, description="loading data, loading model, training, checkpointing, exporting")
     stage: str | None = None
     step: int = 0

@@ -1,22 +1,24 @@
 """Evaluate and export a run's model as small tasks (`jobs/tasks.py`, on `app.state.tasks`, recorded
 in the job database): they write into the run's folder (eval/, exports/), so they need its owner or
-an admin, as stop and resume do; listing them needs a read token."""
+an admin, as stop and resume do, and so does deleting an export; listing them needs a read token."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field
 
+from scaletune.errors import UserError
 from scaletune.serve.api.jobs import job_or_404
 from scaletune.serve.api.results import Refused, model_target
-from scaletune.serve.api.schemas import E409_422, E422
+from scaletune.serve.api.schemas import E409_422, E422, Deleted
 from scaletune.serve.edge import auth
 from scaletune.serve.edge import policy as P
 from scaletune.serve.edge.access import Reader, Submitter, Svc
 from scaletune.serve.edge.teams import need_owner, record
+from scaletune.serve.jobs import removal
 from scaletune.serve.jobs.datasets import check_eval_data, is_area_name
 from scaletune.serve.jobs.service import JobService
 from scaletune.serve.jobs.tasks import Busy, Task, Tasks, fresh, last_json, stamp
@@ -154,3 +156,22 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
         return {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}"}
 
     return start(svc, tasks, c, job, "export", f"{source.name} -> {rel}", args, finish)
+
+
+@router.delete("/api/jobs/{job_id}/exports/{name}", response_model=Deleted, tags=["results"], responses=E409_422)
+def delete_export(job_id: str, name: str, c: Submitter, svc: Svc, tasks: Runner):
+    """Delete the export `exports/NAME` of the job's run folder (its owner or an admin); the export
+    task that made it is then listed with `deleted` and the export is no longer offered. 409 while a
+    task of the job runs, or for a Modal job (its exports are on its volume). Audited
+    (`export.delete`)."""
+    job = job_or_404(svc, job_id)
+    need_owner(c, job)
+    tasks.sweep()  # a task a stopped service left `running` holds nothing
+    try:
+        out = removal.delete_export(svc, job, name)
+    except removal.Missing as exc:
+        raise HTTPException(404, str(exc)) from None
+    except UserError as exc:
+        raise Refused(exc.title, exc.problems) from None
+    record(svc.Session, c.name, "export.delete", job_id, f"exports/{name}: {out.summary()}")
+    return out.public()

@@ -1,9 +1,9 @@
 """What a submitted config may do on this service (DESIGN.md, "The service's trust model"),
 checked on the raw submitted mapping (the YAML with the overrides applied) before anything of it
-is imported, resolved or read: no factory (submitted code), no `trust_remote_code`, only
-`distributed.env` variables of an allow-list of prefixes (none that loads code: PYTHONPATH,
-LD_PRELOAD, PATH, ...), local data and models only under the read roots (and in the service's data
-area, the files uploaded with `POST /api/data`), and the run directory
+is imported, resolved or read: no factory and no reward function but the built-ins (submitted
+code), no `trust_remote_code`, only `distributed.env` variables of an allow-list of prefixes (none
+that loads code: PYTHONPATH, LD_PRELOAD, PATH, ...), local data and models only under the read roots
+(and in the service's data area, the files uploaded with `POST /api/data`), and the run directory
 only in the job's own folder (or under an admin's write root), never another job's, never the
 service's own files. Each is an admin setting (`scaletune serve --allow-... / --read-root /
 --write-root`, or `PUT /api/admin/policy`); a refusal is a 422 naming the rule.
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from scaletune import rewards
 from scaletune.errors import Problem
 
 # The variables a job may set in `distributed.env`, by name, each with why it is harmless: they
@@ -107,6 +108,8 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024
 MAX_UPLOAD_BYTES = 256 * 1024 * 1024  # one data file uploaded to the data area (POST /api/data)
 MAX_DATA_BYTES = 8 * 1024**3  # every uploaded file together: a submit token cannot fill the disk
 DATA_AREA = "data"  # the uploaded data files' folder, in the jobs folder (a job id is 12 hex digits)
+# The reward functions that are not submitted code: `scaletune.rewards:NAME`, NAME one the package exports.
+BUILTIN_REWARDS = tuple(f"scaletune.rewards:{name}" for name in rewards.__all__)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,10 @@ class Policy:
     job_secrets: `OWNER:NAME=VAR` (`--job-secret`): the jobs the API token named OWNER submits
         (`*`: every job) get the service's variable VAR as NAME. A job inherits none of the
         service's other credentials (any variable the secret rule of `config/secrets.py` names).
+    keep_checkpoints_days: the `checkpoints/step-*` folders of a job that ended succeeded, failed
+        or cancelled are deleted by the service's sweep once it has been ended this many days (and
+        nothing wrote to the folder for as long); `final/`, exports and a stopped job's checkpoints
+        (it is meant to resume) stay. 0: kept for ever (`jobs/retention.py`).
     """
 
     allow_factories: bool = False
@@ -146,6 +153,7 @@ class Policy:
     max_depth: int = MAX_DEPTH
     max_data_bytes: int = MAX_DATA_BYTES
     job_secrets: tuple[str, ...] = ()
+    keep_checkpoints_days: int = 0
 
     def public(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -230,6 +238,13 @@ def walk(node: Any, path: tuple = (), depth: int = 0) -> Iterator[tuple[tuple, A
             yield from walk(v, (*path, str(i)), depth + 1)
 
 
+def user_reward_function(path: tuple, value: Any) -> bool:
+    """Whether `value`, at `path` in a submitted mapping, is a reward function that is user code: any
+    `...rl.rewards.N.function` (`training.rl`, a stage's too) but the exact text of a built-in."""
+    in_rewards = len(path) >= 4 and path[-4:-2] == ("rl", "rewards") and path[-1] == "function"
+    return in_rewards and value is not None and value not in BUILTIN_REWARDS
+
+
 def _get(data: Any, *keys: str) -> Any:
     for k in keys:
         data = data.get(k) if isinstance(data, dict) else None
@@ -286,6 +301,11 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
             problems.append(
                 f"policy: {key}: this service imports no submitted code (a factory); "
                 "admin setting: scaletune serve --allow-factories"
+            )
+        if user_reward_function(path, value) and not policy.allow_factories:
+            problems.append(
+                f"policy: {key}: this service imports no submitted code (a reward function other than the "
+                f"built-ins {', '.join(BUILTIN_REWARDS)}); admin setting: scaletune serve --allow-factories"
             )
         if path and path[-1] == "trust_remote_code" and value not in (None, False) and not policy.allow_remote_code:
             problems.append(

@@ -11,8 +11,9 @@ its timeout so learns where its one job is (issue 40: a fixed 60 s timeout repor
 service while the job was created, and a second submit made another).
 
 A service that stops during a check leaves the job `checking`; the next one to start checks it
-again (`recheck_orphans`), as it finds a queued job queued. The job's submitted secrets were held in
-memory only, as a queued job's are: the re-check runs without them.
+again (`recheck_orphans`), as it finds a queued job queued. The re-check runs without the job's
+submitted secrets (held in the stopped service's memory; with a key, sealed on its record, opened
+when it starts); a job whose secrets this service cannot give it then waits for them (`vault.py`).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from typing import Any
 from sqlalchemy import delete, select
 
 from scaletune.errors import UserError
-from scaletune.serve.edge.policy import walk
+from scaletune.serve.edge.policy import user_reward_function, walk
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs.db import Event, Job, Metric
 from scaletune.serve.jobs.dispatch.base import LOG_FILE
 from scaletune.serve.jobs.records import set_state
 from scaletune.serve.jobs.validate import ChecksBusy, check
+from scaletune.serve.jobs.vault import needs_secrets
 
 # `svc` below is the `service.JobService` that owns the job (typed Any: that module imports this one).
 JobService = Any
@@ -131,8 +133,12 @@ def _apply(svc: JobService, job_id: str, error: BaseException | None, secrets: d
             job = s.get(Job, job_id)
             state = job.state if job is not None else S.CANCELLED
             if job is not None and job.state == S.CHECKING:  # not stopped or cancelled meanwhile
-                set_state(s, job, S.QUEUED)
-                state = S.QUEUED
+                # A re-checked orphan whose secrets are gone waits for them (`vault.py`).
+                if (why := svc.vault.missing(job, hold=False)) is not None:
+                    needs_secrets(s, job, why)
+                else:
+                    set_state(s, job, S.QUEUED)
+                state = job.state
             s.commit()
         svc.kick()
         return {"id": job_id, "state": state}
@@ -169,16 +175,17 @@ def forget(svc: JobService, job_id: str) -> None:
 
 def in_child(data: dict) -> bool:
     """Whether a (policy-allowed) config is checked in a child process with the job's environment,
-    never in the service: one that names code the check would import (a factory, remote code), or a
-    model or tokenizer named by a hub id (`models.loading.names_hub_id`; a planner preset's name is
-    read from scaletune's own table): its check downloads, and a download made in the service would
+    never in the service: one that names code the check would import (a factory, a reward function
+    other than the built-ins, remote code), or a model or tokenizer named by a hub id
+    (`models.loading.names_hub_id`; a planner preset's name is read from scaletune's own table): its
+    check downloads, and a download made in the service would
     go out with the service's credentials (its HF_TOKEN, the token `hf auth login` stored) and into
     the cache every job reads (issue 34, cases 2 and 3)."""
     from scaletune.models import PRESETS
     from scaletune.models.loading import names_hub_id
 
     for path, v in walk(data):
-        if path and path[-1] in ("factory", "trust_remote_code") and v:
+        if (path and path[-1] in ("factory", "trust_remote_code") and v) or user_reward_function(path, v):
             return True
         if path and path[-1] in ("name_or_path", "tokenizer") and isinstance(v, str) and v:
             if v not in PRESETS and names_hub_id(v):

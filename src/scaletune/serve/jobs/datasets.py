@@ -247,6 +247,7 @@ def file_entry(path: Path) -> dict:
         "records": info.get("records"),
         "path": str(path),
         "format": fmt,
+        "by": info.get("by"),  # the token that uploaded it (None: uploaded before this was recorded)
     }
 
 

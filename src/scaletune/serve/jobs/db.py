@@ -50,6 +50,9 @@ class Job(Base):
     overrides: Mapped[list] = mapped_column(JSON, default=list)
     resources: Mapped[dict] = mapped_column(JSON, default=dict)
     secret_refs: Mapped[list] = mapped_column(JSON, default=list)
+    # The submitted secret values sealed with the operator's key (`vault.py`, SCALETUNE_SECRETS_KEY):
+    # a Fernet token, never plain text; None without a key, and once the job ended.
+    sealed_secrets: Mapped[str | None] = mapped_column(Text, nullable=True)
     job_dir: Mapped[str] = mapped_column(Text)
     run_dir: Mapped[str] = mapped_column(Text)
     last_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)

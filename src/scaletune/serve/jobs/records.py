@@ -114,8 +114,11 @@ def event(s: Session, job: Job, kind: str, data: dict) -> None:
 
 
 def set_state(s: Session, job: Job, state: str, **fields: Any) -> None:
-    """The job's new state and fields (reason, message, phase, stage, ...), and its state event."""
+    """The job's new state and fields (reason, message, phase, stage, ...), and its state event.
+    A job that ended (not stopped) loses its stored secrets."""
     job.state = state
+    if state in S.SECRETS_DROPPED:
+        job.sealed_secrets = None
     if state in S.TERMINAL:
         job.token_hash = ""  # the run's report token ends with the job
         fields.setdefault("phase", None)  # an ended job does nothing: no phase (a cancel sets none)

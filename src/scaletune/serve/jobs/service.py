@@ -27,6 +27,7 @@ from scaletune.serve.jobs.checking import in_child, remove_job_folder, submit_ch
 from scaletune.serve.jobs.db import Event, Job, Metric, Setting, open_db, sqlite_file
 from scaletune.serve.jobs.dispatch import Dispatcher, JobFiles, make_dispatchers
 from scaletune.serve.jobs.records import apply_report, set_state
+from scaletune.serve.jobs.vault import Vault, needs_secrets, recover
 from scaletune.serve.jobs.watch import Watcher
 
 TARGETS = ("local", "slurm", "modal")
@@ -51,6 +52,9 @@ class JobService:
         SLURM jobs use `base_url` without it, Modal jobs are refused (loopback is not reachable there).
     max_concurrent: local jobs running at once.
     policy: what a submitted config may do (the admin settings); default: `policy.Policy()`.
+
+    Raises:
+        UserError: SCALETUNE_SECRETS_KEY is set and is no Fernet key (`vault.Vault`).
     """
 
     def __init__(
@@ -74,9 +78,12 @@ class JobService:
         self.dispatchers: dict[str, Dispatcher] = make_dispatchers(max_concurrent)
         self.lock = threading.RLock()  # one writer at a time (SQLite)
         self._tokens: dict[str, str] = {}  # job id -> report token, in memory only
-        self._secrets: dict[str, dict[str, str]] = {}  # job id -> submitted secret values, in memory only
+        # The jobs' submitted secret values: in memory, and sealed onto their records with a key.
+        self.vault = Vault(os.environ)
         self.posted: dict[str, int] = {}  # job id -> events the run posted (the report path, not the file)
-        self.watcher = Watcher(self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s)
+        self.watcher = Watcher(
+            self.Session, self.lock, self.dispatchers, self.files, self.new_token, poll_s, ready=self._secrets_ready
+        )
 
     # -- the policy ------------------------------------------------------------------------
     def _kept_policy(self, given: P.Policy) -> P.Policy:
@@ -117,7 +124,7 @@ class JobService:
         """The job as its dispatcher sees it: the run directory the service assigned is always
         the last override; secrets (the job's own, and the service's variables the operator maps to
         its owner) and the report token are in `env` (the process environment)."""
-        env = {**P.job_secrets_for(self.policy, job.owner, os.environ), **self._secrets.get(job.id, {})}
+        env = {**P.job_secrets_for(self.policy, job.owner, os.environ), **self.vault.held(job.id)}
         token = self._tokens.get(job.id)
         if token:
             base = self.public_url if job.target != "local" and self.public_url else self.base_url
@@ -133,11 +140,15 @@ class JobService:
         )
 
     def hold_secrets(self, job_id: str, values: dict[str, str]) -> None:
-        """Keep a job's submitted secret values for its start (in memory only)."""
-        self._secrets.setdefault(job_id, {}).update(values)
+        """Keep a job's submitted secret values for its start (in memory; sealed on the record at submission)."""
+        self.vault.hold(job_id, values)
 
     def drop_secrets(self, job_id: str) -> None:
-        self._secrets.pop(job_id, None)
+        self.vault.drop(job_id)
+
+    def _secrets_ready(self, job: Job) -> bool:
+        """Whether the watcher may start `job`: its secrets are here (opened from its record now)."""
+        return self.vault.missing(job) is None
 
     def get(self, job_id: str) -> Job | None:
         with self.Session() as s:
@@ -270,6 +281,7 @@ class JobService:
             return known
         job, fresh, child, secrets_ = self.draft_job(config, overrides, target, resources)
         job.owner, job.request_id = owner, request_id
+        self.vault.seal(job, secrets_)  # with a key: stored encrypted from the start (a restart mid-check keeps them)
         with self.lock, self.Session() as s:
             s.add(job)
             try:
@@ -295,14 +307,16 @@ class JobService:
     def stop(self, job_id: str) -> Job:
         with self.lock, self.Session() as s:
             job = self._need(s, job_id)
-            if job.state in (S.QUEUED, S.CHECKING):  # a check that ends later leaves it stopped
+            if job.state in (S.QUEUED, S.CHECKING, S.NEEDS_SECRETS):  # a check that ends later leaves it stopped
                 set_state(s, job, S.STOPPED)
             elif job.state in (S.STARTING, S.RUNNING):
                 job.stop_requested = 1
                 self._call(job, "stop")
                 set_state(s, job, S.STOPPING)
             else:
-                raise UserError(f"job {job_id} is {job.state}: only a checking, queued or running job can be stopped")
+                raise UserError(
+                    f"job {job_id} is {job.state}: only a checking, queued, waiting (needs_secrets) or running job can be stopped"
+                )
             s.commit()
             return job
 
@@ -355,7 +369,10 @@ class JobService:
             job.overrides, job.target = again.overrides, target or job.target
             job.resources = resources if resources is not None else job.resources
             job.stop_requested, job.target_id, job.exit_code = 0, None, None
-            set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
+            if (why := self.vault.missing(job, hold=False)) is not None:
+                needs_secrets(s, job, why)  # its secrets ended with it, or with the service that held them
+            else:
+                set_state(s, job, S.QUEUED, reason=None, message=None, phase=None)
             s.commit()
         self.kick()
         return job
@@ -410,11 +427,14 @@ class JobService:
 
     # -- the watcher -----------------------------------------------------------------------
     def start(self) -> None:
-        """Start the watcher (after re-attaching to the jobs a previous service left running) and
-        check again the jobs a previous service left `checking`."""
+        """Start the watcher (after re-attaching to the jobs a previous service left running, and
+        telling the queued jobs whose secrets are not here: `vault.recover`) and check again the jobs
+        a previous service left `checking`."""
         from scaletune.serve.jobs.checking import recheck_orphans
 
-        self.watcher.start()
+        self.watcher.reattach_all()
+        recover(self)  # a queued job whose secrets this service cannot give: needs_secrets, never started without
+        self.watcher.run()
         recheck_orphans(self)
 
     def shutdown(self) -> None:

@@ -92,6 +92,8 @@ class Watcher:
     files: a job as its dispatcher sees it (with the report URL and token in its environment).
     issue_token: a new report token for a job about to start (its hash goes on the record).
     poll_s: seconds between ticks.
+    ready: whether a queued job may start here: the service has the secrets it was submitted with
+        (`vault.Vault.missing`); one that is not waits, never started without them.
     """
 
     def __init__(
@@ -102,9 +104,10 @@ class Watcher:
         files: Callable[[Job], JobFiles],
         issue_token: Callable[[Job], str],
         poll_s: float = 0.5,
+        ready: Callable[[Job], bool] = lambda job: True,
     ) -> None:
         self.Session, self.lock, self.dispatchers = Session, lock, dispatchers
-        self.files, self.issue_token, self.poll_s = files, issue_token, poll_s
+        self.files, self.issue_token, self.poll_s, self.ready = files, issue_token, poll_s, ready
         self._stop = threading.Event()
         self._rechecked: dict[str, float] = {}  # job id -> when a lost job's target was last asked
         self._reconciled: dict[str, float] = {}  # job id -> when a `submit unknown` job's target was asked
@@ -117,6 +120,10 @@ class Watcher:
     def start(self) -> None:
         """Re-attach to what a previous service left running, then tick every `poll_s`."""
         self.reattach_all()
+        self.run()
+
+    def run(self) -> None:
+        """Tick every `poll_s` in a thread (what `start` does after the re-attach)."""
         self._thread = threading.Thread(target=self._loop, name="scaletune-serve-watch", daemon=True)
         self._thread.start()
 
@@ -187,6 +194,8 @@ class Watcher:
                 continue
             d = self.dispatchers[job.target]
             if d.max_concurrent is not None and running.get(job.target, 0) >= d.max_concurrent:
+                continue
+            if not self.ready(job):  # its secrets are with another service, or gone (`vault.recover` tells)
                 continue
             if not claim(s, job):
                 continue  # another service on this database started it

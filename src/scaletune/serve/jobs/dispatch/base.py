@@ -24,7 +24,15 @@ LOG_FILE = "train.log"
 # record of the job (`sbatch --export=ALL`) would otherwise hold them. A job's credentials are its
 # own (submitted as secrets) or mapped to its owner by the operator (`scaletune serve --job-secret`).
 SERVICE_SECRETS = frozenset(
-    {"SCALETUNE_ADMIN_TOKEN", "SCALETUNE_DB", "DATABASE_URL", "SCALETUNE_TOKEN", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"}
+    {
+        "SCALETUNE_ADMIN_TOKEN",
+        "SCALETUNE_DB",
+        "DATABASE_URL",
+        "SCALETUNE_TOKEN",
+        "SCALETUNE_SECRETS_KEY",  # the key the jobs' stored secrets are sealed with (`jobs/vault.py`)
+        "MODAL_TOKEN_ID",
+        "MODAL_TOKEN_SECRET",
+    }
 )
 
 
