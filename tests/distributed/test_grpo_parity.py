@@ -11,9 +11,11 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
 - `hf`: one process, the `hf` engine samples (temperature 1.0) every training and evaluation rollout;
 - `replay`: one process, `engine: replay` of `hf`'s rollouts.jsonl: the same completions, so the
   same losses, gradient norms, rewards and advantages (1e-6);
-- `ddp-hf`: `scaletune train` with num_processes 2 (re-executed under torchrun), DDP, sampling with
-  the `hf` engine on each rank (its own completions), and `ddp-replay`, one process replaying them:
-  world size 2 reproduces world size 1 on the same completions (1e-4);
+- `ddp-hf`: `scaletune train` with num_processes 2 (re-executed under torchrun), DDP, 2 SFT steps
+  then 3 GRPO steps in one run, sampling with the `hf` engine on each rank (its own completions),
+  and `ddp-replay`, one process replaying them: world size 2 reproduces world size 1 on the same
+  completions (1e-4); `resumed-1` (one process, replaying) and `resumed-2` (two, hf) resume from its
+  checkpoint inside the GRPO stage and continue as it did;
 - `fsdp-2`, `zero2-2`, `zero3-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step
   and 5 held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4).
 """
@@ -80,21 +82,49 @@ def _config(model: Path, out: Path, files: tuple[Path, Path], **distributed) -> 
 
 
 def _replaying(cfg: dict, source: Path) -> dict:
-    rl = {**cfg["training"]["rl"], "engine": "replay", "replay": str(source / "rollouts.jsonl")}
+    replay = {"engine": "replay", "replay": str(source / "rollouts.jsonl")}
+    if cfg.get("stages"):
+        stages = [dict(st) for st in cfg["stages"]]
+        grpo = stages[-1]["training"]
+        stages[-1]["training"] = {**grpo, "rl": {**grpo["rl"], **replay}}
+        return {**cfg, "stages": stages}
+    rl = {**cfg["training"]["rl"], **replay}
     return {**cfg, "training": {**cfg["training"], "rl": rl}}
+
+
+def _staged(cfg: dict, **training) -> dict:
+    """`cfg` as a curriculum: 2 SFT steps on Alpaca records, then its GRPO stage (3 steps), a
+    checkpoint after the GRPO stage's first step (step 3)."""
+    grpo_data = cfg["data"]
+    data = {"train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 24}, "eval": None}
+    stages = [
+        {"name": "sft", "training": {"objective": "sft", "max_steps": 2}},
+        {
+            "name": "grpo",
+            "training": {"objective": "grpo", "max_steps": 3, "rl": cfg["training"]["rl"]},
+            "data": {"train": grpo_data["train"], "eval": grpo_data["eval"]},
+        },
+    ]
+    top = {k: v for k, v in cfg["training"].items() if k not in ("objective", "rl", "max_steps")}
+    return {**cfg, "data": {**cfg["data"], **data}, "training": {**top, "save_every": 3, **training}, "stages": stages}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
     base = module_tmp_path
-    out = {name: base / name for name in ("hf", "replay", "ddp-hf", "ddp-replay", "fsdp-2", "zero2-2", "zero3-2", "fsdp-3")}
+    names = ("hf", "replay", "ddp-hf", "ddp-replay", "resumed-1", "resumed-2", "fsdp-2", "zero2-2", "zero3-2", "fsdp-3")
+    out = {name: base / name for name in names}
     hf = _config(tiny_model_dir, out["hf"], prompt_files)
     train(hf, base, name="hf.yaml")
     train(_replaying(_config(tiny_model_dir, out["replay"], prompt_files), out["hf"]), base, name="replay.yaml")
-    ddp = _config(tiny_model_dir, out["ddp-hf"], prompt_files, strategy="ddp", num_processes=2)
+    ddp = _staged(_config(tiny_model_dir, out["ddp-hf"], prompt_files, strategy="ddp", num_processes=2))
     train(ddp, base, name="ddp-hf.yaml")  # the plain command: re-executes under torchrun
-    replay_ddp = _replaying(_config(tiny_model_dir, out["ddp-replay"], prompt_files), out["ddp-hf"])
+    replay_ddp = _replaying(_staged(_config(tiny_model_dir, out["ddp-replay"], prompt_files)), out["ddp-hf"])
     train(replay_ddp, base, name="ddp-replay.yaml")
+    # Resumed inside the GRPO stage (step 3's checkpoint) on one process, replaying the rest.
+    inside = str(out["ddp-hf"] / "checkpoints" / "step-3")
+    resumed = _replaying(_staged(_config(tiny_model_dir, out["resumed-1"], prompt_files), resume=inside), out["ddp-hf"])
+    train(resumed, base, name="resumed-1.yaml")
     layouts = {
         "fsdp-2": {"strategy": "fsdp", "num_processes": 2},
         "zero2-2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
@@ -103,6 +133,10 @@ def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
     batch = {
         name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"]) for name, d in layouts.items()
     }
+    # Resumed on its own world size with the hf engine: the sampling RNG and the prompt position restored.
+    batch["resumed-2"] = _staged(
+        _config(tiny_model_dir, out["resumed-2"], prompt_files, strategy="ddp", num_processes=2), resume=inside
+    )
     train_batch(batch, base / "batch")
     fsdp3 = _replaying(_config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"])
     train(fsdp3, base, name="fsdp-3.yaml", launcher="torchrun")
@@ -167,11 +201,33 @@ def test_a_replay_of_the_rollouts_trains_the_same_steps(runs):
         assert [r[key] for r in mine] == pytest.approx([r[key] for r in ref], abs=1e-6)
 
 
-def test_ddp_with_the_hf_engine_equals_one_process_on_its_completions(runs):
-    """Each rank sampled its prompts' groups; rank 0 wrote both ranks' lines."""
+def test_sft_then_grpo_on_ddp_with_the_hf_engine_equals_one_process_on_its_completions(runs):
+    """2 SFT steps then 3 GRPO steps in one run, at world size 2 (each rank sampled its prompts'
+    groups; rank 0 wrote both ranks' lines) and replayed at world size 1: every step agrees."""
     lines = _rollouts(runs["ddp-hf"])
+    assert sorted({r["step"] for r in lines if r["split"] == "train"}) == [3, 4, 5]
     assert len([r for r in lines if r["split"] == "train"]) == 3 * 6 * G
-    _assert_reproduces(runs["ddp-replay"], runs["ddp-hf"], REL, "ddp world size 2 vs 1")
+    mine, ref = steps(runs["ddp-replay"]), steps(runs["ddp-hf"])
+    assert [m["stage"] for m in ref] == ["sft", "sft", "grpo", "grpo", "grpo"]
+    for key in ("loss", "grad_norm"):
+        assert_close([m[key] for m in mine], [m[key] for m in ref], REL, f"sft then grpo, world size 2 vs 1: {key}")
+    for key in ("reward", "reward_std", "kl"):
+        assert_close([m[key] for m in mine[2:]], [m[key] for m in ref[2:]], REL, key)
+
+
+@pytest.mark.parametrize("name", ["resumed-1", "resumed-2"])
+def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(runs, name):
+    """From the checkpoint after the GRPO stage's first step: on one process replaying the
+    uninterrupted run's completions (another world size samples differently), and on two with the hf
+    engine (its sampling RNG and prompt position restored: the same completions again)."""
+    mine, ref = steps(runs[name]), steps(runs["ddp-hf"])
+    assert [m["step"] for m in mine] == [4, 5]
+    for key in ("loss", "grad_norm", "reward", "reward_std", "kl"):
+        assert_close([m[key] for m in mine], [m[key] for m in ref[3:]], REL, f"{name} {key}")
+    if name == "resumed-2":
+        resumed = [r["completion_ids"] for r in _rollouts(runs[name]) if r["split"] == "train"]
+        uninterrupted = [r["completion_ids"] for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train" and r["step"] > 3]
+        assert resumed == uninterrupted
 
 
 @pytest.mark.parametrize("layout", ["fsdp-2", "zero2-2", "zero3-2", "fsdp-3"])

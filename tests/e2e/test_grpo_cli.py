@@ -68,3 +68,21 @@ def test_reward_functions_that_cannot_score_are_named_before_training(tiny_model
     assert "training.rl.rewards[2].function" in err and "wrong_length" in err
     assert "training.rl.rewards[0]" not in err  # the built-in scores
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_config_new_on_a_prompt_file_writes_a_grpo_run_that_passes_check(tiny_model_dir, tmp_path):
+    """`config new` tells prompt records by their keys and starts them with GRPO rewarded by
+    `exact_answer`; `train --check` then runs every check (the data tokenised, the reward called on
+    the first prompt) and passes."""
+    import yaml
+
+    from tests.helpers import run_cli
+
+    _prompts(tmp_path)
+    said = run_cli(["config", "new", "prompts.jsonl", "-o", "p.yaml", "--model", str(tiny_model_dir)], cwd=tmp_path)
+    assert said.returncode == 0 and "of format prompt" in said.stdout, said.stdout + said.stderr
+    cfg = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert cfg["training"]["objective"] == "grpo"
+    assert cfg["training"]["rl"]["rewards"] == [{"function": "scaletune.rewards:exact_answer"}]
+    check = run_cli(["train", "p.yaml", "--check"], cwd=tmp_path)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]

@@ -16,6 +16,7 @@ import yaml
 SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("preference", ("prompt", "chosen", "rejected")),
     ("kto", ("prompt", "completion", "label")),
+    ("prompt", ("prompt",)),  # after the two above, whose records also have a prompt
     ("messages", ("messages",)),
     ("alpaca", ("instruction", "output")),
     ("text", ("text",)),
@@ -39,9 +40,10 @@ def starter_config(
     as `name` (which its comments name).
 
     The eval split holds out about 10 % of the records (at least 1, at most 200); preference and
-    KTO data train with DPO and KTO on a LoRA adapter (its base is the free reference model).
+    KTO data train with DPO and KTO on a LoRA adapter (its base is the free reference model), prompt
+    data with GRPO rewarded by `exact_answer` (each record's `answer`).
     """
-    objective = {"preference": "dpo", "kto": "kto"}.get(fmt, "sft")
+    objective = {"preference": "dpo", "kto": "kto", "prompt": "grpo"}.get(fmt, "sft")
     held_out = min(200, max(1, round(records * 0.1)))
     fraction = round(held_out / records, 4) if records > 1 else None
     data: dict[str, Any] = {"train": {"path": data_path, "format": fmt}}
@@ -63,6 +65,13 @@ def starter_config(
     }
     if objective != "sft":
         training["objective"] = objective
+    if objective == "grpo":  # 8 prompts a step, 4 completions each, scored against each record's `answer`
+        training["micro_batch_size"] = 2
+        training["rl"] = {
+            "num_generations": 4,
+            "max_new_tokens": 128,
+            "rewards": [{"function": "scaletune.rewards:exact_answer"}],
+        }
     config = {
         "output_dir": "runs/my-run",
         "seed": 42,
