@@ -16,8 +16,10 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
   and `ddp-replay`, one process replaying them: world size 2 reproduces world size 1 on the same
   completions (1e-4); `resumed-1` (one process, replaying) and `resumed-2` (two, hf) resume from its
   checkpoint inside the GRPO stage and continue as it did;
-- `fsdp-2`, `zero2-2`, `zero3-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step
-  and 5 held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4).
+- `fsdp-2`, `zero3-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5
+  held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
+- `zero2-2` (in the same torchrun) samples with the `hf` engine under DeepSpeed ZeRO-2, and
+  `zero2-replay`, one process replaying it, reproduces it (1e-4).
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def _config(model: Path, out: Path, files: tuple[Path, Path], **distributed) -> 
     return make_config(
         model,
         out,
-        data={"train": {"path": str(train_file), "format": "prompt"}, "eval": {"path": str(eval_file), "format": "prompt"}},
+        data={
+            "train": {"path": str(train_file), "format": "prompt"},
+            "eval": {"path": str(eval_file), "format": "prompt"},
+        },
         training={
             "objective": "grpo",
             "global_batch_size": 6,
@@ -112,7 +117,19 @@ def _staged(cfg: dict, **training) -> dict:
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
     base = module_tmp_path
-    names = ("hf", "replay", "ddp-hf", "ddp-replay", "resumed-1", "resumed-2", "fsdp-2", "zero2-2", "zero3-2", "fsdp-3")
+    names = (
+        "hf",
+        "replay",
+        "ddp-hf",
+        "ddp-replay",
+        "resumed-1",
+        "resumed-2",
+        "fsdp-2",
+        "zero2-2",
+        "zero2-replay",
+        "zero3-2",
+        "fsdp-3",
+    )
     out = {name: base / name for name in names}
     hf = _config(tiny_model_dir, out["hf"], prompt_files)
     train(hf, base, name="hf.yaml")
@@ -127,18 +144,29 @@ def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
     train(resumed, base, name="resumed-1.yaml")
     layouts = {
         "fsdp-2": {"strategy": "fsdp", "num_processes": 2},
-        "zero2-2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
         "zero3-2": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
     }
     batch = {
-        name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"]) for name, d in layouts.items()
+        name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"])
+        for name, d in layouts.items()
     }
+    # ZeRO-2 samples with the hf engine itself (the module DeepSpeed holds whole on each rank).
+    batch["zero2-2"] = _config(
+        tiny_model_dir, out["zero2-2"], prompt_files, strategy="deepspeed", zero_stage=2, num_processes=2
+    )
     # Resumed on its own world size with the hf engine: the sampling RNG and the prompt position restored.
     batch["resumed-2"] = _staged(
         _config(tiny_model_dir, out["resumed-2"], prompt_files, strategy="ddp", num_processes=2), resume=inside
     )
     train_batch(batch, base / "batch")
-    fsdp3 = _replaying(_config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"])
+    train(
+        _replaying(_config(tiny_model_dir, out["zero2-replay"], prompt_files), out["zero2-2"]),
+        base,
+        name="zero2-replay.yaml",
+    )
+    fsdp3 = _replaying(
+        _config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"]
+    )
     train(fsdp3, base, name="fsdp-3.yaml", launcher="torchrun")
     return out
 
@@ -226,10 +254,16 @@ def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(
         assert_close([m[key] for m in mine], [m[key] for m in ref[3:]], REL, f"{name} {key}")
     if name == "resumed-2":
         resumed = [r["completion_ids"] for r in _rollouts(runs[name]) if r["split"] == "train"]
-        uninterrupted = [r["completion_ids"] for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train" and r["step"] > 3]
+        uninterrupted = [
+            r["completion_ids"] for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train" and r["step"] > 3
+        ]
         assert resumed == uninterrupted
 
 
-@pytest.mark.parametrize("layout", ["fsdp-2", "zero2-2", "zero3-2", "fsdp-3"])
+@pytest.mark.parametrize("layout", ["fsdp-2", "zero3-2", "fsdp-3"])
 def test_layout_reproduces_the_single_process_run(runs, layout):
     _assert_reproduces(runs[layout], runs["hf"], REL, layout)
+
+
+def test_zero2_with_the_hf_engine_equals_one_process_on_its_completions(runs):
+    _assert_reproduces(runs["zero2-replay"], runs["zero2-2"], REL, "ZeRO-2 world size 2 (hf engine) vs 1")

@@ -18,7 +18,9 @@ BAD = Path(__file__).resolve().parents[1] / "unit" / "rewards" / "bad_rewards.py
 def _prompts(tmp_path: Path) -> Path:
     records = [r for r in json.loads(ALPACA_5000.read_text()) if not r["input"]][:8]
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": r["instruction"], "answer": r["output"].split()[0]}) + "\n" for r in records))
+    path.write_text(
+        "".join(json.dumps({"prompt": r["instruction"], "answer": r["output"].split()[0]}) + "\n" for r in records)
+    )
     return path
 
 
@@ -49,7 +51,11 @@ def test_config_rules_are_refused_together(tiny_model_dir, tmp_path):
 
 
 def test_a_replay_file_for_another_engine_is_a_schema_error(tiny_model_dir, tmp_path):
-    cfg = _grpo(tiny_model_dir, tmp_path, {"engine": "hf", "replay": "x.jsonl", "rewards": [{"function": "scaletune.rewards:exact_answer"}]})
+    cfg = _grpo(
+        tiny_model_dir,
+        tmp_path,
+        {"engine": "hf", "replay": "x.jsonl", "rewards": [{"function": "scaletune.rewards:exact_answer"}]},
+    )
     proc = train(cfg, tmp_path, expect_ok=False)
     assert proc.returncode == 2
     assert "training.rl.replay is read only by engine replay, not hf" in proc.stderr

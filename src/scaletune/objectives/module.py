@@ -116,7 +116,9 @@ class PreferenceLoss(CausalLMLoss):
     def _per_token_loss(self, inputs: dict[str, torch.Tensor], advantages: torch.Tensor | None) -> torch.Tensor:
         """An online objective's loss (GRPO): per-token log-probs of the completion rows, the
         reference's first (no grad) when its KL is weighted."""
-        assert self.objective is not None and advantages is not None, "a rollout gives every completion row its advantage"
+        assert self.objective is not None and advantages is not None, (
+            "a rollout gives every completion row its advantage"
+        )
         ref = None
         if self.objective.uses_reference:
             with torch.no_grad():

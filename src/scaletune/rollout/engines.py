@@ -108,7 +108,9 @@ class ReplayEngine(Engine):
         try:
             lines = self.path.read_text().splitlines()
         except OSError as exc:
-            raise UserError(f"training.rl.replay {self.path}: cannot be read ({exc.strerror})", title="invalid data") from None
+            raise UserError(
+                f"training.rl.replay {self.path}: cannot be read ({exc.strerror})", title="invalid data"
+            ) from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

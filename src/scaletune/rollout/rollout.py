@@ -27,7 +27,12 @@ IGNORE_INDEX = -100
 
 
 def completion_rows(
-    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completions: torch.Tensor, lengths: torch.Tensor, n: int, pad: int
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completions: torch.Tensor,
+    lengths: torch.Tensor,
+    n: int,
+    pad: int,
 ) -> dict[str, torch.Tensor]:
     """The rows a step trains on: each prompt (left-padded, repeated `n` times) followed by its
     completion (right-padded).

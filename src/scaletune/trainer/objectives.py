@@ -96,7 +96,9 @@ class StageObjectives:
         from scaletune.trainer.batches import online_kind
 
         settings = objective.settings
-        prefix = "training.rl.rewards" if not self.spec.config.stages else f"stages.{self.current_index}.training.rl.rewards"
+        prefix = (
+            "training.rl.rewards" if not self.spec.config.stages else f"stages.{self.current_index}.training.rl.rewards"
+        )
         rewards = load_rewards([(r.function, r.weight, r.kwargs) for r in settings.rewards], prefix=prefix)
         log = self.spec.run_dir / ROLLOUTS if self.spec.env.is_main else None
         engine = make_engine(settings, strategy, tokenizer)
