@@ -21,7 +21,7 @@ from scaletune.serve.jobs.retention import Sweeper
 from scaletune.serve.jobs.service import JobNotFound, JobService
 from scaletune.serve.jobs.tasks import Tasks
 from scaletune.serve.jobs.validate import ChecksBusy
-from scaletune.serve.page import views
+from scaletune.serve.page import admin, views
 
 # In the order their routes were registered before the split (the OpenAPI document's order).
 ROUTERS = (
@@ -36,6 +36,7 @@ ROUTERS = (
     chat.router,
     tasks.router,
     views.router,
+    admin.router,
 )
 
 

@@ -21,6 +21,7 @@ from scaletune.serve.api.schemas import (
     Deleted,
     JobRequest,
     JobSummary,
+    MetricsSummary,
     QueuePlace,
     ReportRequest,
     ResumeRequest,
@@ -34,6 +35,7 @@ from scaletune.serve.edge.teams import need_owner, record
 from scaletune.serve.jobs import states as S
 from scaletune.serve.jobs import vault
 from scaletune.serve.jobs.db import Job, now
+from scaletune.serve.jobs.metric_summary import summarize
 from scaletune.serve.jobs.records import MAX_INT, queue_eta
 from scaletune.serve.jobs.removal import delete_job as remove_job
 from scaletune.serve.jobs.service import JobNotFound, JobService
@@ -110,6 +112,14 @@ def get_job(job_id: str, svc: Svc):
 def get_metrics(job_id: str, svc: Svc, since_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
     job_or_404(svc, job_id)
     return svc.metrics(job_id, since_step)
+
+
+@router.get("/api/jobs/{job_id}/metrics/summary", dependencies=[read], response_model=MetricsSummary, responses=E422)
+def get_metrics_summary(job_id: str, svc: Svc):
+    """The job's metrics summed up: the metrics it logged and the last value of each, the best eval
+    loss, steps, tokens and training time (the compare page's table); null where it logged nothing."""
+    job_or_404(svc, job_id)
+    return summarize(svc.metrics(job_id))
 
 
 @router.get("/api/jobs/{job_id}/logs", dependencies=[read], response_class=PlainTextResponse, responses=E422)

@@ -144,6 +144,25 @@ class Submitted(BaseModel):
     plan: dict[str, Any] | None = Field(None, description="dry run only: the resolved plan and what would run")
 
 
+class MetricsSummary(BaseModel):
+    """A run's metrics lines summed up (`jobs/metric_summary.summarize`), as the compare page's
+    table shows them; what the run never logged is absent (`final`) or null, never 0."""
+
+    keys: list[str] = Field(description="the metrics its lines carry: train keys and eval_* keys, sorted")
+    final: dict[str, float | str] = Field(
+        description="each metric's last logged value (a non-finite one as NaN, Infinity or -Infinity)"
+    )
+    best_eval_loss: float | None = Field(description="the lowest finite eval_loss")
+    steps: int | None = Field(description="the last logged optimizer step")
+    tokens: int | None = Field(
+        description="non-padding tokens trained: each train line's tokens times the steps since the line before"
+    )
+    tokens_estimated: bool = Field(description="true where lines were not logged every step (log_every > 1)")
+    elapsed_s: float | None = Field(
+        description="training time: each process's last elapsed_s (a resume restarts it), summed"
+    )
+
+
 class QueueAhead(BaseModel):
     id: str
     state: str
@@ -175,6 +194,11 @@ class TokenInfo(BaseModel):
     created: str = Field(description="ISO 8601, UTC")
     created_by: str = Field(description="the token name that made it; cli or environment outside the API")
     revoked: str | None = Field(None, description="ISO 8601, UTC; a revoked token authenticates nothing")
+    configured: bool = Field(
+        False,
+        description="installed by SCALETUNE_ADMIN_TOKEN at each start (admin-env): revoked here, it comes back at "
+        "the next start while the variable holds it; rotate or remove it there",
+    )
 
 
 class TokenCreated(TokenInfo):

@@ -2,9 +2,10 @@
 Admin-only except `whoami` and a job's history (who may act on a job: `edge/teams.py`)."""
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
+import datetime as dt
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy import select
 
 from scaletune.serve.api.jobs import job_or_404
@@ -25,7 +26,8 @@ def whoami(c: Caller):
 
 @router.get("/api/tokens", response_model=list[TokenInfo], tags=["teams"], responses=E422, dependencies=[admin])
 def tokens(svc: Svc):
-    """Every token, revoked ones too, oldest first; values are never shown again."""
+    """Every token, revoked ones too, oldest first; values are never shown again. `configured`: the
+    token SCALETUNE_ADMIN_TOKEN installs at each start (revoked here, it comes back at the next)."""
     return auth.list_tokens(svc.Session)
 
 
@@ -37,8 +39,9 @@ def tokens(svc: Svc):
     responses=E422,
     dependencies=[admin],
 )
-def create(req: TokenRequest, c: Caller, svc: Svc):
-    """A new token; its value is in this answer only."""
+def create(req: TokenRequest, c: Caller, svc: Svc, response: Response):
+    """A new token; its value is in this answer only (`Cache-Control: no-store`: no cache keeps it)."""
+    response.headers["Cache-Control"] = "no-store"
     try:
         value = auth.create_token(svc.Session, req.scope, req.name, created_by=c.name)
     except ValueError as exc:
@@ -64,16 +67,30 @@ def audit(
     svc: Svc,
     job_id: str | None = None,
     actor: str | None = None,
+    action: str | None = None,
+    since: Annotated[dt.datetime | None, Query(description="ISO 8601; no zone: UTC")] = None,
+    until: Annotated[dt.datetime | None, Query(description="ISO 8601; no zone: UTC")] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 200,
+    offset: Annotated[int, Query(ge=0)] = 0,
 ):
-    """Who did what, newest first (filtered by job or by token name)."""
-    q = select(Audit).order_by(Audit.id.desc()).limit(limit)
-    if job_id is not None:
-        q = q.where(Audit.job_id == job_id)
-    if actor is not None:
-        q = q.where(Audit.actor == actor)
+    """Who did what, newest first: the rows of the job `job_id`, by the token `actor`, of the action
+    `action` (exact: `token.revoke`), at or after `since` and before `until`, every filter given at
+    once; `limit` rows after skipping `offset` of them (the next page: `offset + limit`)."""
+    q = select(Audit).order_by(Audit.id.desc()).limit(limit).offset(offset)
+    for column, value in ((Audit.job_id, job_id), (Audit.actor, actor), (Audit.action, action)):
+        if value is not None:
+            q = q.where(column == value)
+    if since is not None:
+        q = q.where(Audit.at >= utc(since))
+    if until is not None:
+        q = q.where(Audit.at < utc(until))
     with svc.Session() as s:
         return [a.public() for a in s.scalars(q)]
+
+
+def utc(moment: dt.datetime) -> dt.datetime:
+    """`moment` as the audit stores times: UTC without a zone (a moment without one is UTC already)."""
+    return moment.astimezone(dt.UTC).replace(tzinfo=None) if moment.tzinfo is not None else moment
 
 
 @router.get(

@@ -42,12 +42,15 @@ def create_token(Session, scope: str, name: str | None = None, created_by: str =
 
     Raises:
         ValueError: an unknown scope, a name that is not 1-64 of `A-Z a-z 0-9 _ . @ -` (first a
-            letter or digit), or a name already taken (revoked tokens keep theirs).
+            letter or digit), `admin-env` (SCALETUNE_ADMIN_TOKEN's), or a name already taken (revoked
+            tokens keep theirs).
     """
     if scope not in SCOPES:
         raise ValueError(f"--scope {scope!r}: one of {', '.join(SCOPES)}")
     if name is not None and not NAME.fullmatch(name):
         raise ValueError(f"--name {name!r}: 1-64 letters, digits, _ . @ - (starting with a letter or digit)")
+    if name == ENV_ADMIN:
+        raise ValueError(f"--name {name!r}: kept for the token SCALETUNE_ADMIN_TOKEN installs")
     token = "st_" + secrets.token_urlsafe(32)
     with Session() as s:
         if name is None:
@@ -117,9 +120,16 @@ def drop_env_admin(Session) -> bool:  # noqa: N803
 
 
 def list_tokens(Session) -> list[dict]:  # noqa: N803
-    """Every token (revoked ones too), oldest first: name, scope, created, created_by, revoked."""
+    """Every token (revoked ones too), oldest first: name, scope, created, created_by, revoked, and
+    `configured`: whether it is the one SCALETUNE_ADMIN_TOKEN installs at each start (`admin-env`),
+    which only the environment rotates or removes for good."""
     with Session() as s:
-        return [t.public() for t in s.scalars(select(Token).order_by(Token.id))]
+        return [t.public() | {"configured": configured(t)} for t in s.scalars(select(Token).order_by(Token.id))]
+
+
+def configured(row: Token) -> bool:
+    """Whether `row` is the token SCALETUNE_ADMIN_TOKEN installs (`install_env_admin`)."""
+    return row.name == ENV_ADMIN and row.created_by == "environment"
 
 
 def token_info(Session, token: str) -> dict:  # noqa: N803
