@@ -70,6 +70,21 @@ def test_factory_and_remote_code_refused_before_import(strict, tiny_model_dir, t
     assert not list(strict.home.iterdir()), "a refused job left a folder"
 
 
+def test_a_submitted_mlflow_tracking_uri_is_refused(strict):
+    """Issue 39 item 17: `logging.mlflow.tracking_uri` chooses an endpoint or a store path, as
+    WANDB_BASE_URL would: refused (no setting allows it), where `logging.mlflow` without one passes
+    the policy (the job logs to the service's MLFLOW_TRACKING_URI). The model is outside the read
+    roots, so both answers are the policy's 422; the assertions are about which keys it names."""
+    cfg = make_config(REPO_ROOT / "examples", "runs/x")
+    cfg["model"]["name_or_path"] = "/etc"
+    cfg["logging"] = {"mlflow": {"tracking_uri": "http://attacker.example:5000", "experiment": "x"}}
+    problems = refused(post(strict, cfg), "logging.mlflow.tracking_uri")
+    assert any("no setting allows it" in p for p in problems if "mlflow" in p), problems
+    cfg["logging"] = {"mlflow": {"experiment": "x"}}
+    r = post(strict, cfg)
+    assert r.status_code == 422 and not any("mlflow" in p for p in r.json()["problems"]), r.text
+
+
 def test_reward_functions_are_user_code_but_the_builtins(strict, tmp_path):
     """Issue 36: a reward function is submitted code, like a factory. Any `rl.rewards[*].function`
     but the exact name of a built-in (`scaletune.rewards:NAME`, NAME in the package's `__all__`) is

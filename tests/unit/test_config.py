@@ -189,6 +189,18 @@ def test_resolved_config_round_trips_and_redacts_secrets(tmp_path):
     assert again.training == cfg.training and again.model == cfg.model
 
 
+def test_mlflow_tracking_uri_refuses_a_password_in_the_url(tmp_path):
+    """A tracking URI with `user:password@` would be written to config.yaml: refused, naming
+    MLflow's variables; a plain server URL, a database path and a user without password load."""
+    found = problems_of(tmp_path, BASE, ["logging.mlflow={tracking_uri: 'https://bob:pw123@mlflow.example:5000'}"])
+    text = " ".join(map(str, found))
+    assert "logging.mlflow.tracking_uri" in text and "MLFLOW_TRACKING_PASSWORD" in text, text
+    for uri in ("http://mlflow.example:5000", "sqlite:////tmp/x/mlflow.db", "https://bob@mlflow.example", "databricks"):
+        cfg = load_config(write(tmp_path, BASE), [f"logging.mlflow={{tracking_uri: '{uri}', tags: {{team: nlp}}}}"])
+        assert cfg.logging.mlflow is not None and cfg.logging.mlflow.tracking_uri == uri
+    assert load_config(write(tmp_path, BASE)).logging.mlflow is None
+
+
 def test_a_template_is_shown_only_where_it_applies(tmp_path):
     """Issue 40, item 10: `config show` (and the run's config.yaml) said `template: alpaca` under
     `format: messages`, a key that format ignores. It is shown for alpaca sources only, and the

@@ -121,6 +121,18 @@ def test_liger_without_gpu_or_package_is_fatal(tmp_path):
     assert by_name(checks(c, NONE, {}), "liger").status == "FAIL"
 
 
+def test_mlflow_without_the_package_is_fatal_naming_the_extra(tmp_path, monkeypatch):
+    assert doctor.check_mlflow(cfg(tmp_path)).message == "logging.mlflow off"
+    c = cfg(tmp_path, logging={"mlflow": {"experiment": "x"}})
+    if doctor.installed_version("mlflow-skinny") or doctor.installed_version("mlflow"):
+        assert doctor.check_mlflow(c).status == "OK"  # control: the same run with mlflow importable
+    monkeypatch.setitem(__import__("sys").modules, "mlflow", None)  # `import mlflow` fails, as when absent
+    res = doctor.check_mlflow(c)
+    assert res.status == "FAIL" and res.fatal and "logging.mlflow needs the mlflow package" in res.message
+    assert res.fix == "pip install 'scaletune[mlflow]'"
+    assert by_name(checks(c, NONE, {}), "mlflow").status == "FAIL"
+
+
 def _bypass(c, **quant):
     """A run with a setting the resolve rules refuse (the doctor must show it, e.g. from the Python API)."""
     import dataclasses

@@ -285,7 +285,17 @@ StageData = _overrides(
 StageTraining = _overrides(
     TrainingConfig,
     """The training keys a stage may replace; `epochs` without `max_steps` clears an inherited `max_steps`.""",
-    ("epochs", "max_steps", "learning_rate", "lr_scheduler", "warmup_steps", "min_lr_ratio", "objective", "preference", "rl"),
+    (
+        "epochs",
+        "max_steps",
+        "learning_rate",
+        "lr_scheduler",
+        "warmup_steps",
+        "min_lr_ratio",
+        "objective",
+        "preference",
+        "rl",
+    ),
 )
 
 
@@ -330,6 +340,43 @@ class WandbConfig(StrictModel):
     null: WANDB_MODE, else online."""
 
 
+class MlflowConfig(StrictModel):
+    """MLflow tracking from rank 0 through the `mlflow` package (`pip install 'scaletune[mlflow]'`:
+    mlflow-skinny). The run gets the resolved config's values as parameters (dotted names, secret
+    `distributed.env` values redacted), every number of each metrics.jsonl line at its step (named
+    as in TensorBoard: `train/loss`, `eval/loss`), its end status (FINISHED; KILLED when stopped on
+    request; FAILED) and, at the end, config.yaml, metrics.jsonl and loss.png as artifacts, never a
+    checkpoint. Credentials come from MLflow's own variables (MLFLOW_TRACKING_TOKEN,
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD), never from this file. A resumed run
+    continues its MLflow run (the id is kept in `output_dir/mlflow-run-id`), each step logged once.
+    When the tracking server fails, one warning is printed and training goes on without MLflow
+    (MLflow retries a request first: MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT)."""
+
+    tracking_uri: str | None = None
+    """Where the run is recorded: a tracking server (`http://host:5000`), a database
+    (`sqlite:///mlflow.db`, relative to the working directory; `sqlite:////abs/path.db`) or
+    `databricks`; null: MLFLOW_TRACKING_URI, else MLflow's default (`sqlite:///mlflow.db` in the
+    working directory, artifacts under `./mlruns`), as the `mlflow` command line and UI expect.
+    No credentials in it (`user:password@` is refused)."""
+    experiment: str | None = None
+    """Experiment name, created when missing; null: MLFLOW_EXPERIMENT_NAME, else
+    MLFLOW_EXPERIMENT_ID, else MLflow's `Default` experiment."""
+    run_name: str | None = None
+    """Run name (default: one MLflow generates)."""
+    tags: dict[str, str] = Field(default_factory=dict)
+    """Tags on the run, name -> value."""
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        if v is not None and re.match(r"^[a-z][a-z0-9+.-]*://[^/@]*:[^/@]*@", v, re.IGNORECASE):
+            raise ValueError(
+                "holds a password (user:password@): config.yaml would keep it; set MLFLOW_TRACKING_USERNAME "
+                "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead"
+            )
+        return v
+
+
 class LoggingConfig(StrictModel):
     """Where metrics go besides metrics.jsonl."""
 
@@ -337,6 +384,8 @@ class LoggingConfig(StrictModel):
     """TensorBoard event files under `output_dir/tensorboard`."""
     wandb: WandbConfig | None = None
     """Weights & Biases run; null: none."""
+    mlflow: MlflowConfig | None = None
+    """MLflow run; null: none."""
 
 
 class Config(StrictModel):

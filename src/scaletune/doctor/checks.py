@@ -269,6 +269,29 @@ def check_wandb(spec: RunSpec | None) -> Check:
     return ok(name, f"wandb {installed_version('wandb')}, project {spec.config.logging.wandb.project}")
 
 
+def check_mlflow(spec: RunSpec | None) -> Check:
+    """`logging.mlflow` needs an importable `mlflow` (mlflow-skinny or mlflow; found, not imported)."""
+    import importlib.util
+
+    name = "mlflow"
+    if spec is None or spec.config.logging.mlflow is None:
+        return ok(name, "logging.mlflow off")
+    try:
+        found = importlib.util.find_spec("mlflow") is not None
+    except (ImportError, ValueError):  # a broken or half-imported package
+        found = False
+    if not found:
+        return Check(
+            name,
+            "FAIL",
+            "logging.mlflow needs the mlflow package, which is not installed",
+            "pip install 'scaletune[mlflow]'",
+            fatal=True,
+        )
+    version = installed_version("mlflow-skinny") or installed_version("mlflow") or "(version unknown)"
+    return ok(name, f"mlflow {version}")
+
+
 def check_checkpointing(env: DistributedEnv, spec: RunSpec | None) -> Check:
     """DDP + LoRA + reentrant checkpointing fails with 'Expected to mark a variable ready only once'.
     Guards scaletune's own default: the checkpointing it enables must stay non-reentrant."""

@@ -50,6 +50,7 @@ RUN_OUTPUTS = (
     "samples.md",
     "samples.jsonl",
     "wandb",
+    "mlflow-run-id",  # trainer.tracking.MLFLOW_ID (not imported: the trainer package imports torch)
 )
 
 

@@ -1,4 +1,4 @@
-"""The training loop and its parts: loop, step, stages, batches, metrics, model set-up, freezing."""
+"""The training loop and its parts: loop, step, stages, batches, metrics, MLflow tracking, model set-up, freezing."""
 
 from __future__ import annotations
 

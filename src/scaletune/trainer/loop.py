@@ -53,6 +53,7 @@ from scaletune.trainer.position import Position
 from scaletune.trainer.schedule import Schedule
 from scaletune.trainer.stages import StagePlan, plan_stages, stage_loaders
 from scaletune.trainer.step import DivergenceError, StepResult, evaluate, seed_everything, train_step
+from scaletune.trainer.tracking import Outcome
 
 __all__ = ["Prepared", "Resumed", "RunDirectory", "Trainer"]
 
@@ -111,6 +112,7 @@ class Trainer:
                 with run_dir.checking():  # a replaced run is deleted only once this passes
                     self.wrap(model, progress)
                 self.logger = RunLogger(self.spec.run_dir, self.env, self.cfg)
+                outcome: Outcome = "failed"
                 try:
                     for plan in self.prepared.plans:
                         self.report("phase", phase="training", stage=plan.stage.name)
@@ -118,10 +120,12 @@ class Trainer:
                     self.report("phase", phase="exporting")
                     self.export()
                     self.sample_trained(base_answers)
+                    outcome = "finished"
                 except RunStopped:  # checkpoint saved, no export: resumable, not finished
+                    outcome = "stopped"
                     self.report("stopped on request", step=self.position.step)
                 finally:
-                    self.logger.close()
+                    self.logger.close(outcome)
                 self.strategy.barrier()
         return self.spec.run_dir
 

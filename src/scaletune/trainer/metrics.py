@@ -1,5 +1,6 @@
-"""Metrics of a run: `metrics.jsonl`, TensorBoard, Weights & Biases and the progress display
-(rank 0 only; a no-op logger on other ranks), and `loss.png` drawn from the metrics file."""
+"""Metrics of a run: `metrics.jsonl`, TensorBoard, Weights & Biases, MLflow (`trainer.tracking`)
+and the progress display (rank 0 only; a no-op logger on other ranks), and `loss.png` drawn from the
+metrics file."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ if TYPE_CHECKING:
     import torch
 
     from scaletune.resolve import RunSpec
+    from scaletune.trainer.tracking import MlflowTracker, Outcome
 
 #: The file in `output_dir/wandb/` naming the W&B run, so a resumed run continues it.
 WANDB_ID = "scaletune-run-id"
 
 
 def _sink_key(key: str) -> str:
-    """`eval_loss` -> `eval/loss`, `loss` -> `train/loss`: the same names in TensorBoard and W&B."""
+    """`eval_loss` -> `eval/loss`, `loss` -> `train/loss`: the same names in TensorBoard, W&B and MLflow."""
     return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
 
 
@@ -120,19 +122,21 @@ def rank_resources(
 
 
 class RunLogger:
-    """metrics.jsonl, TensorBoard, W&B and the progress display; a no-op on ranks other than 0.
+    """metrics.jsonl, TensorBoard, W&B, MLflow and the progress display; a no-op on ranks other than 0.
 
     The progress display is a live bar when stderr is a terminal and one plain line per logged
     step otherwise (CI logs, `nohup`, pipes), so redirected output stays readable.
 
     Raises:
-        RuntimeError: `logging.wandb` is set and wandb is not installed (train's preflight says so first).
+        RuntimeError: `logging.wandb` or `logging.mlflow` is set and its package is not installed
+            (train's preflight says so first).
     """
 
     def __init__(self, run_dir: Path, env: DistributedEnv, cfg: Config) -> None:
         self.active = env.is_main
         self._tb = None
         self._wandb = None
+        self._mlflow: MlflowTracker | None = None
         self._file = None
         self._progress = None
         self._lines: dict | None = None  # line mode: description, total, start time, first step
@@ -146,6 +150,10 @@ class RunLogger:
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
         if cfg.logging.wandb is not None:
             self._wandb = _start_wandb(cfg, run_dir)
+        if cfg.logging.mlflow is not None:
+            from scaletune.trainer.tracking import MlflowTracker
+
+            self._mlflow = MlflowTracker(cfg, run_dir)
 
     def objective(self, name: str) -> None:
         """The stage's training objective: its headline metrics (`ObjectiveFacts.headline`) join the
@@ -197,7 +205,7 @@ class RunLogger:
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         reporter().add("metric", record)  # to `scaletune serve` when it watches this run
-        # Not charted in TensorBoard / W&B: the step (their x axis) and the constant total_steps.
+        # Not charted in TensorBoard / W&B / MLflow: the step (their x axis) and the constant total_steps.
         scalars = {
             _sink_key(k): v
             for k, v in record.items()
@@ -208,6 +216,8 @@ class RunLogger:
                 self._tb.add_scalar(k, v, record["step"])
         if self._wandb is not None:
             self._wandb.log(scalars, step=record["step"])
+        if self._mlflow is not None:
+            self._mlflow.log(scalars, record["step"])
         if "loss" in record and self._progress is not None:
             self._progress.update(
                 self._task,
@@ -234,7 +244,8 @@ class RunLogger:
             f"{record['tokens_per_s']:,.0f} tok/s eta {eta}"
         )
 
-    def close(self) -> None:
+    def close(self, outcome: Outcome = "finished") -> None:
+        """Flush and close every sink; `outcome` is how the run ended (MLflow's run status)."""
         if self.active:
             reporter().flush()
         if self._progress is not None:
@@ -245,6 +256,8 @@ class RunLogger:
             self._wandb.finish()
         if self._file is not None:
             self._file.close()
+        if self._mlflow is not None:  # after the file is complete: it is one of the artifacts
+            self._mlflow.close(outcome)
         sys.stderr.flush()
 
 

@@ -311,6 +311,13 @@ def check(data: dict, policy: Policy, places: Places) -> tuple[list[str], Path |
             problems.append(
                 f"policy: {key}: this service runs no model-folder code; admin setting: --allow-remote-code"
             )
+    if _get(data, "logging", "mlflow", "tracking_uri") is not None:
+        # An endpoint or a store path of the job's choosing, as WANDB_BASE_URL would be: the service's
+        # jobs log where its own MLFLOW_TRACKING_URI says (none: MLflow's default, in the job's folder).
+        problems.append(
+            "policy: logging.mlflow.tracking_uri: chooses where the job sends or writes its metrics; jobs here "
+            "log to the service's MLFLOW_TRACKING_URI (set it on the service); no setting allows it"
+        )
     env = _get(data, "distributed", "env")
     for name in env if isinstance(env, dict) else {}:
         name = str(name)
