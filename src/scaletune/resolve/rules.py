@@ -321,7 +321,11 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                         f"trains on {' or '.join(wanted)} data",
                         f"set format: {wanted[0]}"
                         if t.objective != "sft"
-                        else "set training.objective to a preference loss",
+                        else (
+                            "set training.objective: grpo (online RL)"
+                            if source.format == "prompt"
+                            else "set training.objective to a preference loss"
+                        ),
                     )
                 )
         if t.objective == "sft":
