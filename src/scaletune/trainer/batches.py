@@ -44,8 +44,9 @@ class BatchKind:
     checks_units: bool = False
     #: The loss module leaves detached stats sums after each forward (`PreferenceLoss.last_stats`).
     collects_stats: bool = False
-    #: Runs before a step's (or an evaluation's) forwards, over its ``(micro_batch, counted)`` pairs:
-    #: KTO's KL pass, whose global mean every micro-batch's loss needs.
+    #: Runs before a step's (or an evaluation's) forwards, over its ``(micro_batch, counted)`` pairs,
+    #: before the step counts their units: KTO's KL pass, whose global mean every micro-batch's loss
+    #: needs; an online objective's rollout, which turns each micro-batch's prompts into completion rows.
     before_step: Callable[[Any, list], Any] | None = None
 
 
