@@ -5,6 +5,7 @@ password of the test Postgres. The fixtures built on them are in tests/serve/con
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -18,9 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from sqlalchemy import create_engine, text
 
 from scaletune.serve.app import create_app
 from scaletune.serve.edge.policy import Policy
+from scaletune.serve.jobs.db import database_url
 from scaletune.serve.jobs.service import JobService
 from tests.helpers import wait_for
 
@@ -90,6 +93,31 @@ def dom(driver, css: str, attr: str | None = None, *, prop: str | None = None, v
         prop,
         visible,
     )
+
+
+def fresh_postgres(server_url: str, name: str) -> str:
+    """The URL of a new, empty database `name` on the Postgres server of `server_url` (the
+    `postgres` fixture's): a test's own, so what it keeps reaches no other test."""
+    admin = create_engine(database_url(server_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    admin.dispose()
+    return server_url.rsplit("/", 1)[0] + "/" + name
+
+
+def database_bytes(url: str) -> bytes:
+    """Every byte of a job database: the SQLite files as they are on disk (database, WAL, shared
+    memory; the WAL holds the latest writes), read by another process (closing a file this process
+    opened drops every POSIX lock the process holds on it, the test's own SQLite connection's
+    included), or Postgres's `pg_dump` of the database (every table's rows)."""
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        files = [str(p) for p in path.parent.glob(path.name + "*") if p.is_file()]
+        return subprocess.run(["cat", *files], capture_output=True, check=True, timeout=60).stdout
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_dump")) or [shutil.which("pg_dump")]
+    r = subprocess.run([found[-1], "--dbname", url], capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout
 
 
 def free_port() -> int:

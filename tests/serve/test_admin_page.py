@@ -9,22 +9,17 @@ the value shown once, copy, revoke after the confirmation, the audit filtered by
 from __future__ import annotations
 
 import datetime as dt
-import glob
 import inspect
-import shutil
-import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
 from fastapi.routing import APIRoute
-from sqlalchemy import create_engine, text
 
 from scaletune.serve.app import ROUTERS
 from scaletune.serve.edge.auth import ENV_ADMIN, create_token, digest, install_env_admin
-from scaletune.serve.jobs.db import Audit, database_url
+from scaletune.serve.jobs.db import Audit
 from tests.helpers import wait_for
-from tests.serve.serve_helpers import Server, client, dom, headless_chromium
+from tests.serve.serve_helpers import Server, client, database_bytes, dom, fresh_postgres, headless_chromium
 
 ENV_VALUE = "env-admin-" + uuid.uuid4().hex + uuid.uuid4().hex  # SCALETUNE_ADMIN_TOKEN's value
 BASE = dt.datetime(2031, 3, 4, 5, 0, 0)  # the planted audit rows' first time: after any real row
@@ -39,34 +34,14 @@ def team(request, module_tmp_path):
     if request.param == "sqlite":
         url = f"sqlite:///{root / 'serve.db'}"
     else:
-        pg = request.getfixturevalue("postgres")
-        server = create_engine(database_url(pg["url"]), isolation_level="AUTOCOMMIT")
-        with server.connect() as conn:
-            conn.execute(text("CREATE DATABASE admin_page"))
-        server.dispose()
-        url = pg["url"].rsplit("/", 1)[0] + "/admin_page"
+        url = fresh_postgres(request.getfixturevalue("postgres")["url"], "admin_page")
     srv = Server(url, root / "jobs")
-    srv.backend = request.param
     people = (("ops", "admin"), ("alice", "submit"), ("carol", "read"))
     srv.tokens = {name: create_token(srv.svc.Session, scope, name=name) for name, scope in people}
     assert install_env_admin(srv.svc.Session, ENV_VALUE) == []
     yield srv
     srv.stop()
     srv.svc.engine.dispose()
-
-
-def dump(srv) -> bytes:
-    """Every byte of the job database: the SQLite files as they are on disk (database, WAL, shared
-    memory), read by another process (closing a file this process opened would drop the test's own
-    SQLite locks), or `pg_dump`'s dump of the Postgres database."""
-    if srv.backend == "sqlite":
-        path = Path(srv.db.removeprefix("sqlite:///"))
-        files = [str(p) for p in path.parent.glob(path.name + "*") if p.is_file()]
-        return subprocess.run(["cat", *files], capture_output=True, check=True, timeout=60).stdout
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_dump")) or [shutil.which("pg_dump")]
-    r = subprocess.run([found[-1], "--dbname", srv.db], capture_output=True, timeout=120)
-    assert r.returncode == 0, r.stderr.decode()
-    return r.stdout
 
 
 def test_a_token_made_by_an_admin_works_for_its_scope_is_answered_once_and_stored_hashed(team):
@@ -95,7 +70,7 @@ def test_a_token_made_by_an_admin_works_for_its_scope_is_answered_once_and_store
     assert all("token" not in t for t in listed.values())
     assert {n for n, t in listed.items() if t["configured"]} == {ENV_ADMIN}
     assert reserved.status_code == 422 and "kept for the token SCALETUNE_ADMIN_TOKEN installs" in reserved.text
-    stored = dump(team)
+    stored = database_bytes(team.db)
     for value in (*made.values(), *team.tokens.values(), ENV_VALUE):
         assert value.encode() not in stored
         assert digest(value).encode() in stored  # control: the dump holds the tokens table's hashes

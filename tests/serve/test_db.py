@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from scaletune.serve.jobs.db import MIGRATIONS, database_url, redacted, scrubbed
 from tests.helpers import REPO_ROOT, run_cli, subprocess_env
-from tests.serve.serve_helpers import PASSWORD, free_port
+from tests.serve.serve_helpers import PASSWORD, free_port, fresh_postgres
 
 
 def test_postgres_urls_name_the_shipped_driver():
@@ -119,11 +119,7 @@ def test_services_starting_at_once_on_a_fresh_postgres_migrate_it_once(postgres)
     the same instant. Without a lock, two create the same tables and one fails on Postgres's unique
     type names (the failure CI met as a replica that never answered /healthz); the migrations hold
     a transaction-scoped advisory lock, so the first migrates and the others find the head."""
-    admin = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("CREATE DATABASE at_once"))
-    admin.dispose()
-    url = postgres["url"].rsplit("/", 1)[0] + "/at_once"
+    url = fresh_postgres(postgres["url"], "at_once")
     at = str(time.time() + 8)  # after the four interpreters have imported SQLAlchemy and Alembic
     procs = [
         subprocess.Popen(
@@ -197,11 +193,7 @@ def test_two_services_on_one_postgres_start_each_queued_job_once(postgres, tmp_p
     from scaletune.serve.jobs.service import JobService
     from tests.serve.serve_helpers import plant_job
 
-    admin = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text("CREATE DATABASE claims"))
-    admin.dispose()
-    url = postgres["url"].rsplit("/", 1)[0] + "/claims"
+    url = fresh_postgres(postgres["url"], "claims")
     home = tmp_path / "jobs"
     procs, ports = [], [free_port(), free_port()]
     for port in ports:
@@ -260,11 +252,8 @@ def test_tasks_and_policy_outlive_a_clean_stop_on_postgres(postgres, tmp_path):
         tasks_of,
     )
 
-    server = create_engine(database_url(postgres["url"]), isolation_level="AUTOCOMMIT")
-    with server.connect() as conn:
-        conn.execute(text("CREATE DATABASE durable"))  # its own: the kept policy reaches no other test
-    server.dispose()
-    srv = Server(postgres["url"].rsplit("/", 1)[0] + "/durable", tmp_path / "jobs")
+    url = fresh_postgres(postgres["url"], "durable")  # its own: the kept policy reaches no other test
+    srv = Server(url, tmp_path / "jobs")
     admin = create_token(srv.svc.Session, "admin", name="admin-pg")
     job_id = eval_ready_job(srv.svc, tmp_path, "admin-pg")
     pid = None

@@ -18,17 +18,17 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, delete, func, select, text, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from scaletune.serve.edge.auth import create_token, identify
 from scaletune.serve.edge.policy import Policy
 from scaletune.serve.jobs import retention
-from scaletune.serve.jobs.db import Event, Job, Metric, TaskRecord, database_url
+from scaletune.serve.jobs.db import Event, Job, Metric, TaskRecord
 from scaletune.serve.jobs.dispatch.base import start_mark
 from scaletune.serve.jobs.service import JobService
 from tests.helpers import wait_for
-from tests.serve.serve_helpers import TEST_POLICY, Server, client, dom
+from tests.serve.serve_helpers import TEST_POLICY, Server, client, dom, fresh_postgres
 
 RECORD = b'{"instruction": "Say hi.", "input": "", "output": "Hi."}\n'
 DAY = 86400.0
@@ -44,12 +44,7 @@ def team(request, module_tmp_path):
     if request.param == "sqlite":
         url = f"sqlite:///{root / 'serve.db'}"
     else:
-        pg = request.getfixturevalue("postgres")
-        server = create_engine(database_url(pg["url"]), isolation_level="AUTOCOMMIT")
-        with server.connect() as conn:
-            conn.execute(text("CREATE DATABASE deletes"))
-        server.dispose()
-        url = pg["url"].rsplit("/", 1)[0] + "/deletes"
+        url = fresh_postgres(request.getfixturevalue("postgres")["url"], "deletes")
     policy = Policy(read_roots=TEST_POLICY.read_roots, write_roots=(str(root / "runs"),))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(retention, "SWEEP_EVERY_S", 0.5)  # read when the app is made

@@ -16,9 +16,7 @@ its page."""
 
 from __future__ import annotations
 
-import glob
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,15 +29,23 @@ import psutil
 import pytest
 import yaml
 from cryptography.fernet import Fernet
-from sqlalchemy import create_engine, select, text
+from sqlalchemy import select
 
 from scaletune.errors import UserError
 from scaletune.serve.edge.auth import create_token
-from scaletune.serve.jobs.db import Event, Job, database_url
+from scaletune.serve.jobs.db import Event, Job
 from scaletune.serve.jobs.service import JobService
 from scaletune.serve.jobs.vault import KEY_ENV, Vault
 from tests.helpers import REPO_ROOT, make_config, run_cli, subprocess_env, wait_for
-from tests.serve.serve_helpers import TEST_POLICY, client, free_port, plant_job, read_events
+from tests.serve.serve_helpers import (
+    TEST_POLICY,
+    client,
+    database_bytes,
+    free_port,
+    fresh_postgres,
+    plant_job,
+    read_events,
+)
 
 KEY, OTHER_KEY = Fernet.generate_key().decode(), Fernet.generate_key().decode()
 HF, WANDB = "hf_vault_4c1d9e77a2f0", "wandb_vault_b80e31f5c6"
@@ -52,31 +58,14 @@ class Database:
     """A fresh job database: its URL and every byte of it (`dump`)."""
 
     def __init__(self, backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-        self.backend = backend
         if backend == "sqlite":
             self.url = f"sqlite:///{tmp_path / 'jobs.sqlite'}"
             return
-        server = request.getfixturevalue("postgres")["url"]
-        name = f"vault_{uuid.uuid4().hex[:8]}"
-        admin = create_engine(database_url(server), isolation_level="AUTOCOMMIT")
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE DATABASE {name}"))
-        admin.dispose()
-        self.url = server.rsplit("/", 1)[0] + "/" + name
+        self.url = fresh_postgres(request.getfixturevalue("postgres")["url"], f"vault_{uuid.uuid4().hex[:8]}")
 
     def dump(self) -> bytes:
-        """The SQLite files as they are on disk (the WAL holds the latest writes), or Postgres's
-        `pg_dump` of the database (every table's rows)."""
-        if self.backend == "sqlite":
-            # Read by another process: closing a file this process opened drops every POSIX lock
-            # the process holds on it, the locks of the test's own SQLite connection included.
-            path = Path(self.url.removeprefix("sqlite:///"))
-            files = [str(p) for p in path.parent.glob(path.name + "*") if p.is_file()]
-            return subprocess.run(["cat", *files], capture_output=True, check=True, timeout=60).stdout
-        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_dump")) or [shutil.which("pg_dump")]
-        r = subprocess.run([found[-1], "--dbname", self.url], capture_output=True, timeout=120)
-        assert r.returncode == 0, r.stderr.decode()
-        return r.stdout
+        """Every byte of the database (`serve_helpers.database_bytes`)."""
+        return database_bytes(self.url)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
