@@ -25,7 +25,9 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 core="$("$PY" -c 'import importlib.metadata as m; print(next(r.split(";")[0].replace(" ", "") for r in m.requires("pydantic") if r.startswith("pydantic-core")))')"
 case "$core" in pydantic-core==*) ;; *) echo "pydantic does not pin its core exactly ($core)" >&2; exit 1 ;; esac
 names=("pydantic==$(version pydantic)" "$core" annotated-types typing-inspection datasets dill multiprocess hjson
-  trl liger-kernel "transformers==$(version transformers)")
+  trl liger-kernel gguf "peft==$(version peft)")
+# transformers is the image's own (5.17 on the lent H200 image, within scaletune's range): its
+# 13.5 MB wheel beside bitsandbytes' 43 MB and the repository would pass the device tool's 64 MiB.
 # scaletune's gpu extra asks for bitsandbytes >= 0.45: an older resolution is an error, not a fallback.
 [ "${1:-}" = --with-bitsandbytes ] && names+=("bitsandbytes>=0.45")
 "$PY" -m pip download -q --no-deps "${platform[@]}" -d .whl "${names[@]}"
