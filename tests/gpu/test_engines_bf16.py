@@ -12,7 +12,9 @@ import pytest
 from tests.helpers import assert_close, make_config, metrics, train
 
 BF16 = {"dtype": "bfloat16"}
-STEPS = {"max_steps": 6, "save_every": 0, "learning_rate": 1e-3}
+# The tests' base schedule (8 steps at lr 2e-3): its fp32 loss falls 10.21 -> 9.72 (golden_losses.json);
+# 6 steps at 1e-3 fell by 0.13 in bf16 on an H200, too flat for a parity to mean anything.
+STEPS = {"max_steps": 8, "save_every": 0}
 ENGINES = {
     "fsdp": {"strategy": "fsdp"},
     "zero2": {"strategy": "deepspeed", "zero_stage": 2},
@@ -112,6 +114,7 @@ def test_packed_rows_under_autocast_train_with_flex_as_with_sdpa(engine, tiny_ll
             training=STEPS,
             distributed={"strategy": engine, "num_processes": 1},
         )
+        out.mkdir()
         proc = train(cfg, out)
         runs[attn] = metrics(out / "run")
         if attn == "default":

@@ -5,6 +5,7 @@ bf16's bound; torch.compile equals eager on the GPU."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -97,7 +98,8 @@ def test_qlora_matmuls_run_in_bf16_and_its_loss_falls(mid_model_dir, tmp_path):
         loras = {n: m for n, m in layer.named_modules() if type(m) is torch.nn.Linear and ".lora_" in n}
         assert loras, "no LoRA matmul in the layer"
         for name, module in loras.items():
-            module.register_forward_hook(lambda mod, args, out, name=name: seen.setdefault(name, out.dtype))
+            # A forward hook that returns a value replaces the module's output: this one returns None.
+            module.register_forward_hook(lambda mod, args, out, name=name: seen.setdefault(name, out.dtype) and None)
         mb = batch(100_352)
         bitsandbytes.matmul_4bit = matmul_4bit
         try:
@@ -144,7 +146,8 @@ def test_compile_equals_eager_on_the_gpu(tiny_model_dir):
 
     cfg = ModelConfig(name_or_path=str(tiny_model_dir), dtype="float32", gradient_checkpointing=False)
     gpu = DevicePlacement(None, "cuda:0")
-    mb = {k: v.cuda() for k, v in batch(100_352, rows=2, length=128).items()}
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]  # the tests' cut tokenizer's
+    mb = {k: v.cuda() for k, v in batch(vocab, rows=2, length=128).items()}
     results = []
     for compile_ in (False, True):
         model = prepare_model(cfg.model_copy(update={"compile": compile_}), gpu)

@@ -32,6 +32,7 @@ def test_packed_throughput_flex_vs_sdpa_and_checkpointing(mid_model_dir, tmp_pat
             data={"packing": True, "max_seq_length": 1024, "train": {"path": str(ALPACA_5000), "format": "alpaca"}},
             training={"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 10, "save_every": 0},
         )
+        out.mkdir()
         proc = train(cfg, out)
         rows = [m for m in metrics(out / "run") if "loss" in m]
         results[name] = {
