@@ -323,6 +323,11 @@ def test_export_task_matches_the_command_line_and_its_archive_the_folder(server,
         folder = run / task["result"]["path"]
         proc = run_cli(["export", str(run), "-o", str(tmp_path / "control"), "--merge-lora", "--dtype", "float32"])
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # The task ran `export --verify` (the default for a Hugging Face folder): its README has the
+        # check's section, the command line's export without the flag (the control) has none.
+        assert task["result"]["verified"] is True
+        assert "## Verification" in (folder / "README.md").read_text()
+        assert "## Verification" not in (tmp_path / "control" / "README.md").read_text()
         got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
         want = AutoModelForCausalLM.from_pretrained(tmp_path / "control").state_dict()
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
@@ -342,6 +347,8 @@ def test_gguf_export_task_writes_the_command_lines_file(server, jobs, tmp_path):
     with client(server, server.submit) as c:
         bad = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"format": "gguf", "dtype": "float16"})
         assert bad.status_code == 422 and "always merged" in bad.json()["problems"][0], bad.text
+        bad = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"format": "gguf", "verify": True})
+        assert bad.status_code == 422 and "llama.cpp is not built" in bad.json()["problems"][0], bad.text
         r = c.post(f"/api/jobs/{job['id']}/tasks/export", json={"format": "gguf", "checkpoint": "checkpoints/step-1"})
         assert r.status_code == 202, r.text
         task = wait_task(c, job["id"], r.json()["id"])

@@ -232,6 +232,8 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
             driver.find_element(By.ID, "export-merge").click()
         driver.find_element(By.ID, "export-run").click()
         wait_for(lambda: len(dom(driver, "#tasks [data-state=succeeded]")) >= 2, 300, "the export task")
+        # The page's export is checked in a fresh process (export --verify) and says so.
+        assert any("verified: reloaded in a fresh process" in t for t in dom(driver, "#tasks [data-state=succeeded]"))
         links = wait_for(
             lambda: dom(driver, "#downloads a.archive[data-path^=exports]", prop="href"), 60, "the export's archive"
         )

@@ -46,6 +46,13 @@ class ExportRequest(BaseModel):
     merge_lora: bool = False
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     gguf_type: Literal["f16", "bf16", "q8_0", "f32"] | None = None
+    verify: bool | None = Field(
+        None,
+        description="Load the written Hugging Face folder in a fresh process (transformers alone; peft for an "
+        "adapter) and compare its logits with the checkpoint's (`scaletune export --verify`); a folder that "
+        "fails is not kept. Default: on for format hf. A GGUF file's check in llama.cpp is not built: true "
+        "with format gguf is refused.",
+    )
 
 
 def task_runner(request: Request) -> Tasks:
@@ -124,8 +131,8 @@ def eval_path(svc: JobService, job, req: EvalRequest, run_dir: Path) -> Path:
 @router.post("/api/jobs/{job_id}/tasks/export", status_code=202, tags=["results"], responses=E409_422)
 def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks: Runner):
     """Export a checkpoint of the job (`scaletune export`; `final`: the run's last checkpoint)
-    into the run's exports/NAME: a Hugging Face folder (LoRA merged or not, a dtype) or a GGUF
-    file; then downloadable as an archive."""
+    into the run's exports/NAME: a Hugging Face folder (LoRA merged or not, a dtype; verified in a
+    fresh process unless `verify` is false) or a GGUF file; then downloadable as an archive."""
     from scaletune.checkpoint.save import latest_checkpoint
 
     job = job_or_404(svc, job_id)
@@ -136,6 +143,9 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
         problems.append("a GGUF export is always merged; its weights type is gguf_type, not dtype")
     if req.format == "hf" and req.gguf_type:
         problems.append("gguf_type applies to format gguf")
+    if req.format == "gguf" and req.verify:
+        problems.append("verify applies to format hf: checking a GGUF file in llama.cpp is not built")
+    verify = req.format == "hf" if req.verify is None else req.verify
     if problems:
         raise Refused("invalid request", problems, 422)
     source = latest_checkpoint(run_dir) if req.checkpoint == "final" else run_dir / req.checkpoint
@@ -150,10 +160,12 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
     args += ["--merge-lora"] if req.merge_lora else []
     args += ["--dtype", req.dtype] if req.dtype else []
     args += ["--gguf-type", req.gguf_type] if req.gguf_type else []
+    args += ["--verify"] if verify else []
     rel = f"exports/{out.name}"
 
     def finish(task: Task, stdout: str) -> dict:
-        return {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}"}
+        # A folder that fails the check is not kept and the task fails: a result means it passed.
+        return {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}", "verified": verify}
 
     return start(svc, tasks, c, job, "export", f"{source.name} -> {rel}", args, finish)
 
