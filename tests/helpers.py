@@ -441,6 +441,26 @@ def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **confi
     return out
 
 
+def save_teacher_llama(out: Path, student: Path, *, seed: int = 7) -> Path:
+    """A distillation teacher for the tiny `student` folder: a random Llama larger than the tiny
+    presets (hidden 128, 4 layers, untied head) with the tests' tokenizer and the student's
+    `vocab_size` (:func:`save_random_llama`)."""
+    vocab = json.loads((student / "config.json").read_text())["vocab_size"]
+    return save_random_llama(
+        out,
+        SMALL_TOKENIZER,
+        seed=seed,
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
 def modules_after(args: list[str], *, returncode: int = 0) -> set[str]:
     """The modules `scaletune ARGS` has imported by the time it exits (with `returncode`), in a fresh
     process (a name set to None in `sys.modules`, which marks a package absent, is not imported)."""

@@ -15,8 +15,9 @@ from scaletune.objectives.objective import OBJECTIVES
 from scaletune.objectives.table import LOSSES, objective_for
 
 # The online objective (grpo) is checked on fixed tensors against TRL (tests/objectives/test_rl_vs_trl.py)
-# and its metric keys in a run (tests/distributed/test_grpo_parity.py).
-PREFERENCE = [name for name in FACTS if name not in ("sft", "grpo")]
+# and its metric keys in a run (tests/distributed/test_grpo_parity.py); distill's units, metric keys
+# and teacher in tests/objectives/test_distill_vs_trl.py.
+PREFERENCE = [name for name in FACTS if name not in ("sft", "grpo", "distill")]
 
 
 def test_the_table_names_exactly_the_objectives_the_config_accepts() -> None:

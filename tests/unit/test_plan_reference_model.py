@@ -213,3 +213,36 @@ def test_factory_has_no_reference_model(tiny_model_dir):
     spec = spec_for(tiny_model_dir, "model")
     with pytest.raises(UserError, match="reference: model needs a Hugging Face causal LM"):
         FactorySource(spec).load_reference(None)
+
+
+def test_a_distillation_teacher_is_planned_at_its_own_size(tiny_model_dir, tmp_path):
+    """The teacher of objective distill (a Llama of hidden 128 and 4 layers for the olmo2-tiny
+    student, the same tokenizer) is counted from its own config: under ddp its bytes are those of the
+    teacher `load_reference` really loads, not the student's; fsdp holds about half at world size 2."""
+    from scaletune.strategies import memory
+    from scaletune.strategies.frozen_reference import reference_tensors
+    from scaletune.strategies.single import SingleStrategy
+    from scaletune.trainer.model_source import PretrainedSource
+    from tests.helpers import save_teacher_llama
+
+    big = save_teacher_llama(tmp_path / "teacher", tiny_model_dir)
+    cfg = load_config(
+        None,
+        data={
+            "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "gradient_checkpointing": False},
+            "data": {"dummy": {}, "max_seq_length": 64},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1, "objective": "distill",
+                         "distill": {"teacher": str(big)}},
+            "distributed": {"strategy": "ddp", "num_processes": 2},
+        },
+    )  # fmt: skip
+    spec = decide(cfg, GPUS2, world_size=2)
+    one = decide(cfg.model_copy(deep=True), DistributedEnv("none"), world_size=1)
+    teacher = PretrainedSource(one).load_reference(SingleStrategy(one), str(big))
+    real = memory.count_bytes(reference_tensors(teacher), {})
+    student = loaded_reference_bytes(spec_for(tiny_model_dir, "model"))
+    assert real > 1.5 * student  # the control: a plan of the student's size would be far off
+    p = plan(spec, world_size=2)
+    assert p.reference.mode == "model" and "distillation teacher" in p.reference.note
+    assert p.get("ddp").reference == real
+    assert 0.45 * real <= p.get("fsdp").reference <= 0.55 * real

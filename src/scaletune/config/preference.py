@@ -12,7 +12,7 @@ from pydantic import Field
 
 from scaletune.config.strict import StrictModel
 
-Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo", "grpo"]
+Objective = Literal["sft", "dpo", "ipo", "orpo", "kto", "simpo", "grpo", "distill"]
 ReferenceMode = Literal["auto", "base", "precomputed", "model"]
 
 
@@ -26,8 +26,8 @@ class ObjectiveFacts:
         batch_counts: what `micro_batch_size` and `global_batch_size` count for it, in words.
         units: what each component of its loss is averaged over, summed over the global batch
             before dividing (the step's denominators, one per component).
-        reference: its loss compares with a reference model's log-probs
-            (`training.preference.reference` is read).
+        reference: its loss compares with a frozen model's log-probs: the reference model
+            (`training.preference.reference` is read) or distillation's teacher.
         paired: a micro-batch of m examples is one forward over 2m sequences (chosen, then rejected).
         metrics: the keys its metrics.jsonl lines add (``eval_`` prefixed on evaluation lines).
         source: where the loss comes from.
@@ -86,6 +86,12 @@ OBJECTIVES: dict[str, ObjectiveFacts] = {
             ("reward", "reward_std", "completion_length", "clip_fraction", "kl", "zero_variance_groups"),
             "Shao et al. 2024, DeepSeekMath (GRPO); Yu et al. 2025, DAPO; Liu et al. 2025, Dr. GRPO",
             ("reward", "reward_std"),
+        ),
+        ObjectiveFacts(
+            "distill", ("alpaca", "messages", "text"), "sequences", ("target tokens",), True, False,
+            ("student_nll", "teacher_nll"),
+            "Agarwal et al. 2024, On-Policy Distillation of Language Models (generalized JSD; TRL's GKDTrainer)",
+            ("student_nll", "teacher_nll"),
         ),
     )
 }  # fmt: skip

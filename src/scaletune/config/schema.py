@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, create_model, field_validator, model_validator
 
+from scaletune.config.distill import DistillConfig
 from scaletune.config.distributed import DistributedConfig
 from scaletune.config.preference import Objective, PreferenceConfig
 from scaletune.config.rl import RLConfig
@@ -266,12 +267,15 @@ class TrainingConfig(StrictModel):
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     objective: Objective = "sft"
     """The stage's loss: sft (next-token cross-entropy), a preference loss, dpo, ipo, orpo, kto or
-    simpo (docs/preference.md), whose batch sizes count pairs (KTO: records), or grpo, online RL
-    (docs/rl.md), whose batch sizes count prompts."""
+    simpo (docs/preference.md), whose batch sizes count pairs (KTO: records), grpo, online RL
+    (docs/rl.md), whose batch sizes count prompts, or distill, a teacher's distributions on SFT data
+    (docs/distill.md)."""
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     """The preference loss's settings and its reference model."""
     rl: RLConfig = Field(default_factory=RLConfig)
     """Online RL's settings (objective grpo): the group, sampling, the loss, rewards, the engine."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """Distillation's settings (objective distill): the teacher and the divergence."""
     resume: str | None = None
     """null: start fresh; auto: continue from the run directory's latest checkpoint (or start fresh);
     a path: a checkpoints/step-N folder or a run directory."""
@@ -295,6 +299,7 @@ StageTraining = _overrides(
         "objective",
         "preference",
         "rl",
+        "distill",
     ),
 )
 

@@ -112,12 +112,18 @@ class PreferencePlan:
 def _run_preference(run: Config) -> tuple[str, Any, Any]:
     """The objective, `preference` settings and stage `data` overrides the run ended with: those of
     the last stage that trains a preference objective (a stage's `preference` replaces the top
-    level's), else the top level's (no overrides)."""
+    level's), else the top level's (no overrides); sft where no stage trains on pairs (grpo and
+    distill runs too: they are scored as an SFT run is)."""
+
+    def pairs(name: str) -> bool:  # a preference objective (not sft, grpo or distill)
+        return bool({"preference", "kto"} & set(OBJECTIVES[name].formats))
+
     objective, settings, data = run.training.objective, run.training.preference, None
+    objective = objective if pairs(objective) else "sft"
     for stage in run.stages or []:
         t = stage.training
         obj = (t.objective if t is not None and t.objective is not None else None) or run.training.objective
-        if obj != "sft":
+        if pairs(obj):
             objective, data = obj, stage.data
             settings = t.preference if t is not None and t.preference is not None else run.training.preference
     return objective, settings, data

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
 
-__all__ = ["sequence_logps", "target_logps", "token_logps"]
+__all__ = ["sequence_logps", "target_logps", "target_states", "token_logps"]
 
 
 def _head_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -105,34 +105,49 @@ def target_logps(
     tokens = torch.zeros(labels.size(0), dtype=torch.long, device=labels.device).index_add_(
         0, rows, torch.ones_like(rows)
     )
+    states, head = target_states(causal_lm, input_ids, index, attention_mask, position_ids)
+    targets = flat.to(states.device).index_select(0, index.to(states.device))
+    if head is None:  # the model's own logits
+        picked = states.float()
+        picked = picked / temperature if temperature != 1.0 else picked
+        per_token = -F.cross_entropy(picked, targets, reduction="none")
+    else:
+        per_token = token_logps(states, head, targets, chunk, partitioned=partitioned_head, temperature=temperature)
+    return per_token.to(labels.device), rows, tokens
+
+
+def target_states(
+    causal_lm: nn.Module,
+    input_ids: torch.Tensor,
+    index: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, nn.Module | None]:
+    """The decoder's final hidden states at the target positions, and the head that makes them logits.
+
+    Args:
+        causal_lm: a Hugging Face causal LM, or a peft model around one.
+        input_ids: [B, T] token ids.
+        index: [n] int64 flat indices into the [B * (T - 1)] shifted positions (`models.loss.target_index`).
+        attention_mask: [B, T] 1 real, 0 padding (None: packed rows, masked by position_ids, or none).
+        position_ids: [B, T].
+
+    Returns:
+        (hidden [n, hidden_size], head), or, for a head that transforms its logits (Gemma-2's
+        soft-capping, Cohere's scale), (logits [n, vocab] from the model's own forward, None).
+    """
     config = getattr(causal_lm, "config", None)
     if attention_mask is None and position_ids is not None:
         attention_mask = packed_mask(config, position_ids)
     if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        # Heads that transform logits (Gemma-2 soft-capping, Cohere's scale): the model's own forward.
         logits = causal_lm(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
-        picked = logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index.to(logits.device)).float()
-        picked = picked / temperature if temperature != 1.0 else picked
-        per_token = -F.cross_entropy(
-            picked, flat.to(logits.device).index_select(0, index.to(logits.device)), reduction="none"
-        )
-    else:
-        decoder, head = decoder_and_head(causal_lm)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state[:, :-1, :]
-        idx = index.to(hidden.device)
-        hidden = hidden.reshape(-1, hidden.size(-1)).index_select(0, idx)
-        per_token = token_logps(
-            hidden,
-            head,
-            flat.to(hidden.device).index_select(0, idx),
-            chunk,
-            partitioned=partitioned_head,
-            temperature=temperature,
-        )
-    return per_token.to(labels.device), rows, tokens
+        return logits[:, :-1, :].reshape(-1, logits.size(-1)).index_select(0, index.to(logits.device)), None
+    decoder, head = decoder_and_head(causal_lm)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    hidden = out.last_hidden_state[:, :-1, :]
+    return hidden.reshape(-1, hidden.size(-1)).index_select(0, index.to(hidden.device)), head
 
 
 def sequence_logps(

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from scaletune.models.loss import CausalLMLoss
-from scaletune.objectives.logprobs import sequence_logps, target_logps
+from scaletune.objectives.distill import chunked_divergence, teacher_logprobs
+from scaletune.objectives.logprobs import sequence_logps, target_logps, target_states
 from scaletune.objectives.objective import Objective
 
 __all__ = ["PreferenceLoss", "kl_inputs", "preference_inputs"]
@@ -129,6 +130,38 @@ class PreferenceLoss(CausalLMLoss):
         self.last_stats = stats
         return components.to(inputs["input_ids"].device)
 
+    def _distill_loss(self, inputs: dict[str, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+        """Distillation's loss (`objectives.distill`): the teacher's log-probs of every target
+        position first (no grad, inside the frozen model's engine-wrapped forward), then the
+        student's divergence from them, chunk by chunk."""
+        assert self.objective is not None
+        settings = self.objective.settings
+
+        def teacher(lm: nn.Module, x: dict[str, torch.Tensor]) -> torch.Tensor:
+            states, head = target_states(lm, x["input_ids"], index, x.get("attention_mask"), x.get("position_ids"))
+            return teacher_logprobs(states, head, settings.temperature, self.chunk)
+
+        with torch.no_grad():
+            teacher_logp = self._reference_call(inputs, teacher)
+        states, head = target_states(
+            self.causal_lm, inputs["input_ids"], index, inputs.get("attention_mask"), inputs.get("position_ids")
+        )
+        targets = inputs["labels"][:, 1:].reshape(-1).index_select(0, index.to(inputs["labels"].device))
+        terms = chunked_divergence(
+            states,
+            head,
+            teacher_logp,
+            targets,
+            settings.mixture_beta,
+            settings.temperature,
+            self.chunk,
+            partitioned=self.partitioned_head,
+        )
+        teacher_nll = -teacher_logp.gather(1, targets.to(teacher_logp.device)[:, None]).squeeze(1)
+        components, stats = self.objective.loss(terms, None, teacher_nll, {"labels": inputs["labels"]})
+        self.last_stats = stats
+        return components.to(inputs["input_ids"].device)
+
     def _reference_call(self, inputs: dict[str, torch.Tensor], fn: Any) -> torch.Tensor:
         """`fn(model, inputs)` on the reference (`model` or `base`; no grad)."""
         assert self.objective is not None
@@ -181,6 +214,9 @@ class PreferenceLoss(CausalLMLoss):
         if self.objective.per_token:
             assert output == "loss", f"output {output} of a per-token objective"
             return self._per_token_loss(inputs, advantages)
+        if self.objective.distills:
+            assert output == "loss" and target_index is not None, f"output {output} of distillation"
+            return self._distill_loss(inputs, target_index)
         if output == "logps":
             with torch.no_grad():
                 return self._logps(self.causal_lm, inputs)[0]

@@ -41,6 +41,8 @@ class Objective:
     #: `loss` gets per-token log-probs [n] and their rows [n] (`logprobs.target_logps`) instead of
     #: per-row sums (online objectives, `objectives.rl.GRPO`).
     per_token: ClassVar[bool] = False
+    #: The loss module hands `loss` per-token divergences from a teacher (`objectives.distill.Distill`).
+    distills: ClassVar[bool] = False
     settings: PreferenceConfig
 
     @property

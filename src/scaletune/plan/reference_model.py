@@ -18,6 +18,8 @@ and SimPO have none):
 * `auto`: `base` under LoRA, else `precomputed`.
 
 The run's most expensive stage counts (a `model` reference in any stage holds its copy then).
+Distillation's teacher (`training.distill.teacher`) is held as `model` is, counted from its own
+config (`teacher_params`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class ReferencePlan:
     mode: str
     stage: str | None
     note: str
+    #: A distillation teacher's parameters (`teacher_params`), in place of the policy's base.
+    teacher: tuple[ParamInfo, ...] | None = None
 
     def to_json(self) -> dict:
         return {"mode": self.mode, "stage": self.stage, "note": self.note}
@@ -57,6 +61,8 @@ def stage_reference(training: object, lora: bool) -> str:
     objective = getattr(training, "objective", "sft")
     if not OBJECTIVES[objective].reference:
         return "none"
+    if objective == "distill":  # the teacher: always a model of its own
+        return "model"
     if objective == "grpo":  # a reference only for a weighted KL; auto: base under LoRA, else model
         rl = getattr(training, "rl", None)
         if not getattr(rl, "beta", 0):
@@ -89,7 +95,33 @@ def reference_plan(spec: RunSpec) -> ReferencePlan:
         notes["model"] = "reference model: not available for model.factory (counted as none)"
         best = "none"
     where = f" (stage {stage})" if stage and len(spec.stages) > 1 else ""
+    teacher = next((s.training.distill.teacher for s in spec.stages if s.training.objective == "distill"), None)
+    if best == "model" and teacher:
+        params = teacher_params(spec, teacher)
+        note = (
+            f"distillation teacher {teacher}: {sum(p.numel for p in params):,} frozen parameters (no gradients, "
+            "no optimizer), whole under ddp and ZeRO-1/2, sharded 1/W under fsdp and ZeRO-3"
+        )
+        return ReferencePlan(best, stage, note + where, tuple(params))
     return ReferencePlan(best, stage, notes[best] + where)
+
+
+def teacher_params(spec: RunSpec, teacher: str) -> list[ParamInfo]:
+    """The teacher's parameters, counted on the meta device from its config (no weights read)."""
+    from scaletune.models import DevicePlacement, load_model
+    from scaletune.plan.shapes import ParamInfo
+
+    cfg = spec.config.model.model_copy(
+        update={"name_or_path": teacher, "dtype": spec.precision.storage, "quantization": None, "lora": None}
+    )
+    model = load_model(cfg, DevicePlacement(None, "cpu"), meta=True)
+    seen: set[int] = set()
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:  # tied embeddings: one tensor
+            seen.add(id(p))
+            out.append(ParamInfo(name=name, shape=tuple(p.shape), trainable=False, quantized=False, in_layer=False))
+    return out
 
 
 def sequences_per_example(spec: RunSpec) -> int:
@@ -118,7 +150,8 @@ def reference_bytes(name: str, shape: ModelShape, spec: RunSpec, w: int, ref: Re
     fsdp, zero1-3, the -offload variants) at world size `w`; (0, 0) unless the mode is `model`."""
     if ref.mode != "model":
         return 0, 0
-    params = [p for p in shape.params if "lora_" not in p.name]  # the base model: no adapters
+    # The base model (no adapters), or a distillation teacher.
+    params = list(ref.teacher) if ref.teacher is not None else [p for p in shape.params if "lora_" not in p.name]
     base = name.removesuffix("-offload")
     offload = name.endswith("-offload")
     if base in ("ddp", "fsdp"):

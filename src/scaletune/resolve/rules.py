@@ -341,10 +341,12 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                         "objective",
                         f"{where}{key}",
                         f"{where}{key} cannot be used with training.objective {t.objective}: "
-                        + (
-                            "online RL generates its completions from prompt records"
-                            if t.objective == "grpo"
-                            else "preference losses read whole chosen and rejected sequences from preference records"
+                        + {
+                            "grpo": "online RL generates its completions from prompt records",
+                            "distill": "distillation compares the teacher's and the student's predictions on unpacked rows",
+                        }.get(
+                            t.objective,
+                            "preference losses read whole chosen and rejected sequences from preference records",
                         ),
                         f"remove {key}",
                     )
@@ -361,6 +363,9 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
             )
         if t.objective == "grpo":
             out += _online_rules(s, t, where)
+            continue
+        if t.objective == "distill":
+            out += _distill_rules(s, t, where)
             continue
         if t.preference.reference == "base" and cfg.model.lora is None and facts.reference:
             out.append(
@@ -409,6 +414,38 @@ def _online_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
             )
         )
     return out
+
+
+def _distill_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
+    """A distill stage: a teacher named, and no second frozen model in the run (one is held)."""
+    key = f"{where}training.distill.teacher"
+    if not t.distill.teacher:
+        return [
+            Problem(
+                "objective",
+                key,
+                f"{key} is not set: distillation trains the model towards a teacher's predictions",
+                "set it to a model folder, preset or Hub name with the same tokenizer",
+            )
+        ]
+    others = [
+        (f"stages.{st.index}." if s.config.stages else "") + "training"
+        for st in s.stages
+        if (st.training.objective == "distill" and st.training.distill.teacher != t.distill.teacher)
+        or (st.training.objective in ("dpo", "ipo", "kto") and st.training.preference.reference == "model")
+        or (st.training.objective == "grpo" and st.training.rl.beta > 0 and st.training.rl.reference == "model")
+    ]
+    if others:
+        return [
+            Problem(
+                "objective",
+                key,
+                f"{key}: a run holds one frozen model beside the one it trains, but {others[0]} asks for "
+                "another (a reference: model, or another teacher)",
+                "train them as two runs, the second from the first's final/",
+            )
+        ]
+    return []
 
 
 def rule_problems(spec: RunSpec) -> list[Problem]:

@@ -104,3 +104,9 @@ def online_kind(objective: Any, rollout: Callable[[Any, list], Any]) -> BatchKin
         collects_stats=True,
         before_step=rollout,
     )
+
+
+def distill_kind(objective: Any) -> BatchKind:
+    """How the loop reads a micro-batch of distillation (`objectives.distill.Distill`): SFT's rows
+    and counts (target tokens; the target positions found on the host), and the objective's stats."""
+    return BatchKind(model_inputs, objective.units, count_input_tokens, collects_stats=True)

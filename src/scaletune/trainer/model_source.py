@@ -61,9 +61,10 @@ class ModelSource(ABC):
     def loss(self, model: nn.Module, strategy: LoopStrategy) -> nn.Module:
         """The module the engine wraps: its forward returns the summed loss of a micro-batch."""
 
-    def load_reference(self, strategy: LoopStrategy) -> nn.Module:
-        """The frozen reference model of `training.preference.reference: model`, resident as the engine
-        keeps the policy (`strategy.wrap_reference`). A collective under fsdp and ZeRO-3.
+    def load_reference(self, strategy: LoopStrategy, name_or_path: str | None = None) -> nn.Module:
+        """The frozen reference model of `training.preference.reference: model` (or the distillation
+        teacher `name_or_path`), resident as the engine keeps the policy (`strategy.wrap_reference`).
+        A collective under fsdp and ZeRO-3.
 
         Raises:
             UserError: the source has no reference model (a factory's module).
@@ -107,10 +108,11 @@ class PretrainedSource(ModelSource):
         )
         return prepare_model(model_cfg, strategy.placement, meta=strategy.load_meta()), None
 
-    def load_reference(self, strategy: LoopStrategy) -> nn.Module:
-        """`model.name_or_path` again, without LoRA, quantization, gradient checkpointing or compile (it
-        never trains), in the run's storage dtype, where the strategy loads the policy (on the meta
-        device on the ranks the engine fills), then handed to `strategy.wrap_reference`.
+    def load_reference(self, strategy: LoopStrategy, name_or_path: str | None = None) -> nn.Module:
+        """`model.name_or_path` again (or the teacher `name_or_path`), without LoRA, quantization,
+        gradient checkpointing or compile (it never trains), in the run's storage dtype, where the
+        strategy loads the policy (on the meta device on the ranks the engine fills), then handed to
+        `strategy.wrap_reference`.
 
         Raises:
             UserError: what `models.prepare_model` raises.
@@ -129,6 +131,7 @@ class PretrainedSource(ModelSource):
                 "gradient_checkpointing": False,
                 "compile": False,
             }
+            | ({"name_or_path": name_or_path} if name_or_path else {})
         )
         model = prepare_model(cfg, strategy.placement, meta=strategy.load_meta())
         return strategy.wrap_reference(model)

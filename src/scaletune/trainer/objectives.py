@@ -28,10 +28,7 @@ class StageObjectives:
         self.spec = spec
         self.steps_done = steps_done
         self.by_stage: dict[int, Objective | None] = {
-            st.index: objective_for(
-                st.training.objective, st.training.rl if st.training.objective == "grpo" else st.training.preference
-            )
-            for st in spec.stages
+            st.index: objective_for(st.training.objective, _settings(st.training)) for st in spec.stages
         }
         #: The current online stage's rollout (`rollout.Rollout`), whose reward metrics a step adds.
         self.rollout: Any = None
@@ -55,13 +52,15 @@ class StageObjectives:
         )
 
     def after_wrap(self, strategy: Any, source: Any) -> None:
-        """`reference: model` in any stage: the frozen reference loaded and made resident like the policy."""
+        """`reference: model` in any stage, or a distillation teacher: the frozen model loaded and
+        made resident like the policy (one per run: `resolve.rules` refuses two different ones)."""
         self.strategy = strategy
         wanted = [
             o for o in self.by_stage.values() if o is not None and o.uses_reference and o.settings.reference == "model"
         ]
         if wanted:
-            strategy.module.set_reference(source.load_reference(strategy))  # loaded and made resident
+            teacher = next((o.settings.teacher for o in wanted if o.distills), None)
+            strategy.module.set_reference(source.load_reference(strategy, teacher))  # loaded and made resident
 
     def enter(self, plan: StagePlan, strategy: Any, tokenizer: Any, resumed: bool, default: BatchKind) -> BatchKind:
         """Set the stage's objective on the loss module; `reference: precomputed`: attach the
@@ -80,6 +79,10 @@ class StageObjectives:
             return default
         if objective.per_token:
             return self._online(objective, strategy, tokenizer)
+        if objective.distills:
+            from scaletune.trainer.batches import distill_kind
+
+            return distill_kind(objective)
         if objective.uses_reference and objective.settings.reference == "precomputed":
             from scaletune.objectives.precomputed import reference_tables
             from scaletune.trainer.stages import stage_collator
@@ -121,3 +124,8 @@ class StageObjectives:
         if self.rollout is not None:
             out = {**self.rollout.last, **out}
         return out
+
+
+def _settings(training: Any) -> Any:
+    """A stage's objective's settings section: `rl` for grpo, `distill` for distill, else `preference`."""
+    return {"grpo": training.rl, "distill": training.distill}.get(training.objective, training.preference)

@@ -98,7 +98,49 @@ def data_problems(spec: RunSpec, tokenizer: Any) -> list[Problem]:
         problems += [Problem("data", None, small)] if small else []
         if stage.training.objective == "grpo":
             problems += reward_problems(spec, stage, bundle, tokenizer)
+        if stage.training.objective == "distill":
+            problems += teacher_problems(spec, stage, tokenizer)
     return problems
+
+
+def teacher_problems(spec: RunSpec, stage: Stage, tokenizer: Any) -> list[Problem]:
+    """A distill stage's teacher has the student's tokenizer (the same vocabulary, token for token)
+    and head size: their distributions are compared over the same token ids."""
+    from scaletune.models import load_config, load_tokenizer
+
+    teacher = stage.training.distill.teacher
+    key = "training.distill.teacher" if not spec.config.stages else f"stages.{stage.index}.training.distill.teacher"
+    m = spec.config.model
+    teacher_cfg = m.model_copy(update={"name_or_path": teacher, "tokenizer": None, "lora": None, "quantization": None})
+    try:
+        theirs = load_tokenizer(teacher_cfg).get_vocab()
+        sizes = {name: load_config(c).vocab_size for name, c in (("teacher", teacher_cfg), ("student", m))}
+    except UserError as exc:
+        return [Problem("objective", key, f"{key} {teacher}: {p.message}") for p in problems_of(exc, "objective")]
+    ours = tokenizer.get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])[:3]
+        return [
+            Problem(
+                "objective",
+                key,
+                f"{key} {teacher} has another tokenizer than the model trained ({len(theirs):,} tokens against "
+                f"{len(ours):,}; differing entries: {', '.join(repr(k) for k, _ in differ)}): distillation compares "
+                "their predictions token id by token id",
+                "pick a teacher of the same model family (the same tokenizer)",
+            )
+        ]
+    if sizes["teacher"] != sizes["student"]:
+        return [
+            Problem(
+                "objective",
+                key,
+                f"{key} {teacher} predicts over {sizes['teacher']:,} token ids, the model trained over "
+                f"{sizes['student']:,} (config vocab_size): their distributions cannot be compared",
+                "pick a teacher whose vocab_size equals the model's",
+            )
+        ]
+    return []
 
 
 def reward_problems(spec: RunSpec, stage: Stage, bundle: Any, tokenizer: Any) -> list[Problem]:
@@ -139,6 +181,10 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
             bad = reward_problems(spec, stage, bundle, tokenizer)
             if bad:
                 raise UserError(bad, title="invalid reward functions")
+        if stage.training.objective == "distill":
+            bad = teacher_problems(spec, stage, tokenizer)
+            if bad:
+                raise UserError(bad, title="cannot start training")
         steps_per_epoch = len(bundle.train) // batch.global_batch_size
         total = steps_for(steps_per_epoch, stage.training)
         origin = plans[-1].schedule_origin if (stage.continue_schedule and plans) else stage.index
