@@ -62,12 +62,22 @@ def _chunk_terms(hidden, head, teacher_logp, targets, beta, temperature):
     return torch.stack([token_divergence(logits, teacher_logp, beta, temperature), nll])
 
 
-def teacher_logprobs(states: torch.Tensor, head: nn.Module | None, temperature: float, chunk: int | None = None):
+def teacher_logprobs(
+    states: torch.Tensor,
+    head: nn.Module | None,
+    temperature: float,
+    chunk: int | None = None,
+    partitioned: bool = False,
+):
     """The teacher's log-softmax at `temperature` of every target position ([n, vocab] float32, no
-    grad), its head run chunk by chunk. `states`, `head`: `objectives.logprobs.target_states`."""
+    grad), its head run chunk by chunk. `states`, `head`: `objectives.logprobs.target_states`.
+    `partitioned`: the engine gathers the head inside each call (DeepSpeed ZeRO-3), so it is called
+    once, whatever this rank's count of targets (unequal counts of calls across ranks deadlock)."""
     with torch.no_grad():
         if head is None:
             return F.log_softmax(states.float() / temperature, dim=-1)
+        if partitioned:
+            return F.log_softmax(head(states).float() / temperature, dim=-1)
         if chunk is None:
             vocab = getattr(head, "out_features", None) or head.weight.shape[0]
             chunk = default_chunk(vocab, states.device)

@@ -139,7 +139,7 @@ class PreferenceLoss(CausalLMLoss):
 
         def teacher(lm: nn.Module, x: dict[str, torch.Tensor]) -> torch.Tensor:
             states, head = target_states(lm, x["input_ids"], index, x.get("attention_mask"), x.get("position_ids"))
-            return teacher_logprobs(states, head, settings.temperature, self.chunk)
+            return teacher_logprobs(states, head, settings.temperature, self.chunk, partitioned=self.partitioned_head)
 
         with torch.no_grad():
             teacher_logp = self._reference_call(inputs, teacher)
