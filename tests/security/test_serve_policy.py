@@ -196,6 +196,12 @@ def test_reads_outside_the_roots_refused(strict, tmp_path):
     problems = refused(post(strict, cfg, ["training.resume=/root"]), "model.name_or_path")
     assert any(p.startswith("policy: data.train.path") for p in problems), problems
     assert any(p.startswith("policy: training.resume") for p in problems), problems
+    # What objectives read: a distillation teacher's folder, a replayed rollouts.jsonl (a stage's too).
+    cfg = make_config(REPO_ROOT / "examples", "runs/x")
+    cfg["training"]["distill"] = {"teacher": "/etc"}
+    cfg["stages"] = [{"name": "a", "training": {"rl": {"engine": "replay", "replay": str(data)}}}]
+    problems = refused(post(strict, cfg), "training.distill.teacher")
+    assert any(p.startswith("policy: stages.0.training.rl.replay") for p in problems), problems
 
 
 @pytest.mark.parametrize("where", ["etc", "service", "other job", "escape", "jobs"])

@@ -109,6 +109,8 @@ def teacher_problems(spec: RunSpec, stage: Stage, tokenizer: Any) -> list[Proble
     from scaletune.models import load_config, load_tokenizer
 
     teacher = stage.training.distill.teacher
+    if not teacher:
+        return []  # resolve.rules says so
     key = "training.distill.teacher" if not spec.config.stages else f"stages.{stage.index}.training.distill.teacher"
     m = spec.config.model
     teacher_cfg = m.model_copy(update={"name_or_path": teacher, "tokenizer": None, "lora": None, "quantization": None})

@@ -278,6 +278,13 @@ def _read_paths(data: dict) -> Iterator[tuple[str, Any]]:
     if resume != "auto":
         yield "training.resume", resume
     stages = data.get("stages") if isinstance(data.get("stages"), list) else []
+    # Read by objectives: a distillation teacher's folder, a replayed rollouts.jsonl (a stage's too).
+    for prefix, training in [
+        ("training", data.get("training")),
+        *((f"stages.{i}.training", _get(s, "training")) for i, s in enumerate(stages)),
+    ]:
+        yield f"{prefix}.distill.teacher", _get(training, "distill", "teacher")
+        yield f"{prefix}.rl.replay", _get(training, "rl", "replay")
     for prefix, section in [
         ("data", data.get("data")),
         *((f"stages.{i}.data", _get(s, "data")) for i, s in enumerate(stages)),
