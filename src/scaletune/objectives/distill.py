@@ -22,10 +22,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from scaletune.config.distill import DistillConfig
-from scaletune.models.loss import default_chunk
+from scaletune.data import count_target_tokens
+from scaletune.objectives.logprobs import over_chunks
 from scaletune.objectives.objective import Objective
 
 __all__ = ["Distill", "chunked_divergence", "teacher_logprobs", "token_divergence"]
@@ -55,11 +55,16 @@ def token_divergence(student_logits: torch.Tensor, teacher_logp: torch.Tensor, b
     return beta * kl_teacher + (1 - beta) * kl_student
 
 
-def _chunk_terms(hidden, head, teacher_logp, targets, beta, temperature):
+def _chunk_terms(hidden, teacher_logp, targets, head, beta, temperature):
     """[2, c]: the divergence, and the student's negative log-likelihood of the targets at `temperature`."""
     logits = head(hidden) if head is not None else hidden
     nll = F.cross_entropy(logits.float() / temperature, targets.to(logits.device), reduction="none")
     return torch.stack([token_divergence(logits, teacher_logp, beta, temperature), nll])
+
+
+def _teacher_chunk(hidden, head, temperature):
+    logits = head(hidden) if head is not None else hidden
+    return F.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def teacher_logprobs(
@@ -70,22 +75,12 @@ def teacher_logprobs(
     partitioned: bool = False,
 ):
     """The teacher's log-softmax at `temperature` of every target position ([n, vocab] float32, no
-    grad), its head run chunk by chunk. `states`, `head`: `objectives.logprobs.target_states`.
-    `partitioned`: the engine gathers the head inside each call (DeepSpeed ZeRO-3), so it is called
-    once, whatever this rank's count of targets (unequal counts of calls across ranks deadlock)."""
+    grad), its head run chunk by chunk (`objectives.logprobs.over_chunks`; `partitioned`: called once,
+    whatever this rank's count of targets). `states`, `head`: `objectives.logprobs.target_states`."""
     with torch.no_grad():
-        if head is None:
-            return F.log_softmax(states.float() / temperature, dim=-1)
-        if partitioned:
-            return F.log_softmax(head(states).float() / temperature, dim=-1)
-        if chunk is None:
-            vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-            chunk = default_chunk(vocab, states.device)
-        parts = [
-            F.log_softmax(head(states[i : i + chunk]).float() / temperature, dim=-1)
-            for i in range(0, max(states.size(0), 1), chunk)
-        ]
-        return torch.cat(parts)
+        return over_chunks(
+            _teacher_chunk, (states,), (head, temperature), head=head, chunk=chunk, partitioned=partitioned
+        )
 
 
 def chunked_divergence(
@@ -100,27 +95,21 @@ def chunked_divergence(
 ) -> torch.Tensor:
     """:func:`token_divergence` of the student's head over `states` ([n, hidden], or logits where
     `head` is None) against `teacher_logp` [n, vocab], with the student's NLL of `targets` [n], chunk
-    by chunk under activation checkpointing: only one chunk's logits exist at a time, in the forward
-    and in the backward. `partitioned`: the engine gathers the head inside each call (DeepSpeed
-    ZeRO-3), so one call per micro-batch on every rank.
+    by chunk under activation checkpointing (`objectives.logprobs.over_chunks`: only one chunk's
+    logits exist at a time; `partitioned`: one call per micro-batch on every rank).
 
     Returns:
         [2, n] float32: the divergences (with grad), the NLLs.
     """
-    n = states.size(0)
-    if head is None or partitioned or n == 0:
-        args = (states, head, teacher_logp, targets, beta, temperature)
-        return checkpoint(_chunk_terms, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_terms(*args)
-    if chunk is None:
-        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-        chunk = default_chunk(vocab, states.device)
-    parts = []
-    for i in range(0, n, chunk):
-        args = (states[i : i + chunk], head, teacher_logp[i : i + chunk], targets[i : i + chunk], beta, temperature)
-        parts.append(
-            checkpoint(_chunk_terms, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_terms(*args)
-        )
-    return torch.cat(parts, dim=1)
+    return over_chunks(
+        _chunk_terms,
+        (states, teacher_logp, targets),
+        (head, beta, temperature),
+        head=head,
+        chunk=chunk,
+        partitioned=partitioned,
+        dim=1,
+    )
 
 
 class Distill(Objective):
@@ -135,7 +124,7 @@ class Distill(Objective):
     settings: DistillConfig  # type: ignore[assignment]
 
     def units(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
-        return (int((batch["labels"][:, 1:] != -100).sum()),)
+        return (count_target_tokens(batch["labels"]),)
 
     def loss(self, logp, tokens, ref, batch):
         terms, teacher_nll = logp, ref

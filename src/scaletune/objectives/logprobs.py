@@ -7,6 +7,9 @@ the full ``[rows, T, vocab]`` logits never exist. Each target's log-probability 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,14 +17,49 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
 
-__all__ = ["sequence_logps", "target_logps", "target_states", "token_logps"]
+__all__ = ["over_chunks", "sequence_logps", "target_logps", "target_states", "token_logps"]
 
 
-def _head_logps(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def _head_logps(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float = 1.0) -> torch.Tensor:
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     return -F.cross_entropy(logits, targets.to(logits.device), reduction="none")
+
+
+def over_chunks(
+    fn: Callable[..., torch.Tensor],
+    rows: tuple[torch.Tensor, ...],
+    fixed: tuple = (),
+    *,
+    head: nn.Module | None,
+    chunk: int | None = None,
+    partitioned: bool = False,
+    dim: int = 0,
+) -> torch.Tensor:
+    """``fn(*row_slices, *fixed)`` over chunks of the rows of `rows` (tensors of the same first
+    dimension n), concatenated along `dim`: the one rule for running an output head over target
+    positions. Each call runs under activation checkpointing while grad is enabled, so only one
+    chunk's logits exist at a time, in the forward and in the backward.
+
+    Args:
+        head: the output projection whose vocabulary sizes the default chunk
+            (`models.loss.default_chunk`); None: `fn` gets logits, one call.
+        chunk: rows per call.
+        partitioned: the engine gathers the head's weight inside each call (DeepSpeed ZeRO-3): one
+            call per micro-batch on every rank, also with no row, since unequal calls deadlock.
+    """
+
+    def call(*args: Any) -> torch.Tensor:
+        return checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args)
+
+    n = rows[0].size(0)
+    if head is None or partitioned or n == 0:
+        return call(*rows, *fixed)
+    if chunk is None:
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        chunk = default_chunk(vocab, rows[0].device)
+    return torch.cat([call(*(r[i : i + chunk] for r in rows), *fixed) for i in range(0, n, chunk)], dim=dim)
 
 
 def token_logps(
@@ -33,7 +71,7 @@ def token_logps(
     partitioned: bool = False,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """log p(targets[i] | hidden[i]) under `head`, chunk by chunk.
+    """log p(targets[i] | hidden[i]) under `head`, chunk by chunk (:func:`over_chunks`).
 
     Args:
         hidden: [n, hidden_size] final hidden states at target positions.
@@ -49,26 +87,9 @@ def token_logps(
     Returns:
         [n] float32 log-probabilities (connected to the graph when grad is enabled).
     """
-    grad = torch.is_grad_enabled()
-    n = hidden.size(0)
-    if partitioned or n == 0:
-        return (
-            checkpoint(_head_logps, hidden, head, targets, temperature, use_reentrant=False)
-            if grad
-            else _head_logps(hidden, head, targets, temperature)
-        )
-    if chunk is None:
-        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
-        chunk = default_chunk(vocab, hidden.device)
-    parts = []
-    for start in range(0, n, chunk):
-        h, y = hidden[start : start + chunk], targets[start : start + chunk]
-        parts.append(
-            checkpoint(_head_logps, h, head, y, temperature, use_reentrant=False)
-            if grad
-            else _head_logps(h, head, y, temperature)
-        )
-    return torch.cat(parts)
+    return over_chunks(
+        _head_logps, (hidden, targets), (head, temperature), head=head, chunk=chunk, partitioned=partitioned
+    )
 
 
 def target_logps(
