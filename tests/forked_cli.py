@@ -76,6 +76,8 @@ PRELOAD = (
     "scaletune.cli.app",
     "scaletune.trainer",
     "scaletune.models.loading",
+    "datasets",  # data/build.py (0.5 CPU-s)
+    "matplotlib.pyplot",  # loss.png (trainer/metrics.py, 0.4 CPU-s)
 )
 
 
