@@ -6,6 +6,7 @@
 # --slow (first): also the tests marked slow (SCALETUNE_SLOW_TESTS=1), which CI leaves out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SECONDS=0
 . scripts/venv.sh
 python -m pip install -q -e '.[dev]'
 # MLflow's client (the mlflow extra) goes beside the venv's site-packages, its dependencies into it:
@@ -20,6 +21,7 @@ if [ ! -d "$SCALETUNE_TEST_MLFLOW/mlflow" ]; then
   python -m pip uninstall -q -y mlflow-skinny
   python -m pip install -q --no-deps --target "$SCALETUNE_TEST_MLFLOW" "mlflow-skinny==$mlflow_version"
 fi
+echo "[test.sh] set-up (venv, packages): ${SECONDS} s"
 python -m ruff check src tests benchmarks
 python -m ruff format --check src tests benchmarks
 where=(tests)
