@@ -27,7 +27,9 @@ if CLIENT and CLIENT not in sys.path:
 if importlib.util.find_spec("mlflow") is None:
     if os.environ.get("CI") == "true":
         raise RuntimeError("CI runs the MLflow tests: no mlflow client (scripts/test.sh installs one)")
-    pytest.skip("needs mlflow: bash scripts/test.sh installs it (or pip install 'scaletune[mlflow]')", allow_module_level=True)
+    pytest.skip(
+        "needs mlflow: bash scripts/test.sh installs it (or pip install 'scaletune[mlflow]')", allow_module_level=True
+    )
 
 
 def client_env() -> dict[str, str]:
