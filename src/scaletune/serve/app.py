@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
-from scaletune.serve.api import artifacts, chat, config, data, docs, jobs, results, service, tasks, teams
+from scaletune.serve.api import artifacts, chat, config, data, docs, jobs, mcp_server, results, service, tasks, teams
 from scaletune.serve.api.results import Refused, refused
 from scaletune.serve.api.schemas import refusal, validation_lines
 from scaletune.serve.edge import access, auth
@@ -66,7 +66,8 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
             svc.start()
             runner.sweep()  # the tasks a stopped service left running: interrupted, not running for ever
             sweeper.start()
-        yield
+        async with mcp.serving():  # the /mcp route's transport, while the app serves
+            yield
         sweeper.stop()
         runner.stop_all()  # a task is the service's child: it ends with it (recorded before the database closes)
         if start:
@@ -99,4 +100,5 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     app.add_exception_handler(ChecksBusy, checks_busy)
     for router in ROUTERS:
         app.include_router(router)
+    mcp = mcp_server.mount(app)
     return app
