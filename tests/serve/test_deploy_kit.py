@@ -44,7 +44,7 @@ from tests.serve.serve_helpers import NGINX, PASSWORD, PREFIX, Proxy, free_port,
 DEPLOY = REPO_ROOT / "deploy"
 # The parser's refusal, from the click typer runs on (typer 0.29 ships its own copy of click).
 USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
-SECRET_VARS = ("SCALETUNE_ADMIN_TOKEN", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET")
+SECRET_VARS = ("SCALETUNE_ADMIN_TOKEN", "SCALETUNE_SECRETS_KEY", "MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET")
 RENDER_SETS = {"PORT", "RENDER_EXTERNAL_URL"}  # what Render gives a web service at run time
 
 
@@ -66,13 +66,15 @@ def parse_serve(args: list[str]) -> dict:
 
 
 def read_vars() -> set[str]:
-    """The environment variables scaletune serve reads: its options' (click's envvar) and the admin
-    token's, plus the Modal SDK's credentials (its settings token_id, token_secret)."""
+    """The environment variables scaletune serve reads: its options' (click's envvar), the admin
+    token's, the key the jobs' secrets are sealed with, plus the Modal SDK's credentials (its
+    settings token_id, token_secret)."""
     from modal.config import _SETTINGS
 
     from scaletune.cli import serve_verbs
+    from scaletune.serve.jobs import vault
 
-    names = {serve_verbs.ADMIN_ENV}
+    names = {serve_verbs.ADMIN_ENV, vault.KEY_ENV}
     for p in serve_command().params:
         names.update([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])
     assert {"token_id", "token_secret"} <= set(_SETTINGS), "the Modal SDK no longer reads MODAL_TOKEN_ID/SECRET"
@@ -213,8 +215,12 @@ def test_compose_runs_the_service_on_postgres():
     url = env["SCALETUNE_DB"].replace("${POSTGRES_PASSWORD}", "pw")
     assert url.startswith("postgres://") and database_url(url).drivername == "postgresql+psycopg"
     assert database_url(url).host == "db"
-    for name in ("SCALETUNE_ADMIN_TOKEN", "MODAL_TOKEN_SECRET"):
+    for name in SECRET_VARS:
         assert env[name].startswith("${"), f"{name}: a value from deploy/.env, never one in the file"
+    # deploy/.env's template names what compose and the service read, the secrets each
+    lines = (DEPLOY / "scaletune.env.example").read_text().splitlines()
+    example = {line.split("=", 1)[0] for line in lines if "=" in line and not line.startswith("#")}
+    assert set(SECRET_VARS) <= example and example - {"POSTGRES_PASSWORD"} <= read_vars(), example
     assert db["environment"]["POSTGRES_PASSWORD"].startswith("${")
 
 
