@@ -301,3 +301,44 @@ def test_the_vault_seals_per_job_and_rotates_keys(tmp_path):
                 env={KEY_ENV: bad}, timeout=120)  # fmt: skip
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"{KEY_ENV}: its value is not a Fernet key" in r.stderr and bad not in r.stdout + r.stderr
+
+
+def test_a_clone_takes_its_owners_secrets_and_never_starts_without_them(server, tiny_model_dir, tmp_path):
+    """A job's stored config holds no secret, so a clone used to start without them. Now (on the
+    real service, the only slot held by a planted running job): another submit token's clone is
+    refused naming each secret and how to give it, nothing made; the owner's clone carries the
+    values the service still holds, and its process starts with them once the slot frees (its
+    original cancelled first, which drops the original's copy); a clone of the cancelled job is
+    refused as no longer held, and taken with the values given as its overrides."""
+    alice = server.submit
+    bob = create_token(server.svc.Session, "submit", name="clone-bob")
+    blocker = plant_job(server.svc, tmp_path / "blocker", state="running", owner="admin")
+    with client(server, alice) as c, client(server, bob) as b, client(server, server.admin) as a:
+        job_id = submit(c, tiny_model_dir, tmp_path / "run")
+        before = {j["id"] for j in a.get("/api/jobs").json()}
+        foreign = b.post(f"/api/jobs/{job_id}/clone", json={"overrides": [f"output_dir={tmp_path / 'bobs'}"]})
+        assert {j["id"] for j in a.get("/api/jobs").json()} == before  # nothing made
+        own = c.post(f"/api/jobs/{job_id}/clone", json={"overrides": [f"output_dir={tmp_path / 'clone'}"]})
+        assert own.status_code == 201 and own.json()["state"] == "queued", own.text
+        clone_id = own.json()["id"]
+        assert record(server.svc, clone_id).secret_refs == ["HF_TOKEN", "WANDB_API_KEY"]
+        cancel(c, job_id)  # the original's copy is dropped; the clone holds its own
+        assert a.post(f"/api/jobs/{blocker}/cancel").status_code == 200
+        env, pid = started(c, clone_id)
+        cancel(c, clone_id, pid)
+        gone = c.post(f"/api/jobs/{job_id}/clone", json={"overrides": [f"output_dir={tmp_path / 'gone'}"]})
+        assert gone.status_code == 422, gone.text
+        given = [f"distributed.env.HF_TOKEN={HF_AGAIN}", f"distributed.env.WANDB_API_KEY={WANDB_AGAIN}"]
+        late = c.post(f"/api/jobs/{job_id}/clone", json={"overrides": [f"output_dir={tmp_path / 'late'}", *given]})
+        assert late.status_code == 201, late.text
+        late_env, late_pid = started(c, late.json()["id"])
+        cancel(c, late.json()["id"], late_pid)
+    assert foreign.status_code == 422, foreign.text
+    said = foreign.json()["problems"][0]
+    assert "secrets (HF_TOKEN, WANDB_API_KEY) its clone cannot take: they are" in said, said
+    assert "distributed.env.HF_TOKEN=VALUE distributed.env.WANDB_API_KEY=VALUE" in said
+    assert (env.get("HF_TOKEN"), env.get("WANDB_API_KEY")) == (HF, WANDB)
+    assert gone.status_code == 422 and "this service no longer holds them" in gone.text, gone.text
+    assert (late_env.get("HF_TOKEN"), late_env.get("WANDB_API_KEY")) == (HF_AGAIN, WANDB_AGAIN)
+    answers = (foreign.text, own.text, gone.text, late.text)
+    assert not [v for v in NEVER_STORED.values() for text in answers if v in text]

@@ -11,6 +11,7 @@ import os
 import secrets
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,14 @@ class JobService:
         return job, plan
 
     def draft_job(
-        self, config: str, overrides: list[str], target: str, resources: dict, *, job_id: str | None = None
+        self,
+        config: str,
+        overrides: list[str],
+        target: str,
+        resources: dict,
+        *,
+        job_id: str | None = None,
+        extra_secrets: Mapping[str, str] | None = None,
     ) -> tuple[Job, bool, bool, dict[str, str]]:
         """What is checked before the config's own check: the request, the policy on the raw
         mapping; then the job folder with the config written (secrets taken out) and the record
@@ -238,13 +246,13 @@ class JobService:
             config_yaml=sub.text,
             overrides=list(sub.overrides),
             resources=dict(resources),
-            secret_refs=sub.secret_names,
+            secret_refs=sorted({*sub.secret_names, *(extra_secrets or {})}),
             job_dir=str(job_dir),
             run_dir=str(run_dir),
             token_hash="",
             stop_requested=0,
         )
-        return job, fresh, in_child(sub.data), dict(sub.secrets)
+        return job, fresh, in_child(sub.data), dict(extra_secrets or {}) | dict(sub.secrets)
 
     def _other_runs(self, job_id: str) -> list[Path]:
         with self.Session() as s:
@@ -261,11 +269,13 @@ class JobService:
         *,
         request_id: str | None = None,
         wait_s: float | None = None,
+        extra_secrets: Mapping[str, str] | None = None,
     ) -> dict:
         """Record a job owned by `owner` (the submitting token's name) as `checking` and check it
         (`checking.submit_checked`): `{id, state}`, the state `queued`, or `checking` when the check
         outlasts `wait_s` (None: wait for it). The same `request_id` from the same owner again
         answers that job, with `replayed`. A dry run returns the plan and keeps nothing.
+        `extra_secrets` (name -> value) join those the config and overrides hold (a clone's).
 
         Raises:
             UserError: every problem of the config, the policy or the target, at once (found inside
@@ -279,7 +289,7 @@ class JobService:
             return {"id": None, "state": "dry_run", "plan": plan}
         if request_id is not None and (known := self._requested(owner, request_id)) is not None:
             return known
-        job, fresh, child, secrets_ = self.draft_job(config, overrides, target, resources)
+        job, fresh, child, secrets_ = self.draft_job(config, overrides, target, resources, extra_secrets=extra_secrets)
         job.owner, job.request_id = owner, request_id
         self.vault.seal(job, secrets_)  # with a key: stored encrypted from the start (a restart mid-check keeps them)
         with self.lock, self.Session() as s:
@@ -378,11 +388,39 @@ class JobService:
         return job
 
     def clone(self, job_id: str, overrides: list[str], owner: str = "") -> dict:
+        """A new job of `job_id`'s config and overrides (a resume's dropped) plus `overrides`, owned
+        by `owner`, submitted as :meth:`submit` does. The secrets the job was submitted with (its
+        stored config holds none) go with the clone when `owner` submitted the job and this service
+        still holds them (a stopped job keeps them; one that ended does not); a secret given as an
+        override (`distributed.env.NAME=VALUE`) replaces its. A clone never starts without them.
+
+        Raises:
+            JobNotFound: no such job.
+            UserError: a secret the clone cannot take (another token's, or no longer held), naming
+                each and how to give it; or any problem :meth:`submit` finds.
+        """
         job = self.get(job_id)
         if job is None:
             raise JobNotFound(job_id)
-        base = [o for o in job.overrides if not o.startswith("training.resume=")]
-        return self.submit(job.config_yaml, base + list(overrides), job.target, dict(job.resources), owner=owner)
+        added = [o for o in job.overrides if not o.startswith("training.resume=")] + list(overrides)
+        carried: dict[str, str] = {}
+        if job.secret_refs:
+            given = submission.read(job.config_yaml, added, self.policy.max_depth).secret_names
+            wanted = [n for n in job.secret_refs if n not in given]
+            held = self.vault.values(job) if wanted and owner == job.owner else None
+            if wanted and (held is None or not set(wanted) <= set(held)):
+                why = (
+                    f"they are {job.owner or 'another token'}'s"
+                    if owner != job.owner
+                    else "this service no longer holds them (a job that ended drops them)"
+                )
+                raise UserError(
+                    f"job {job_id} was submitted with secrets ({', '.join(wanted)}) its clone cannot take: {why}; "
+                    f"give each as an override of the clone: {' '.join(f'distributed.env.{n}=VALUE' for n in wanted)}",
+                    title="invalid clone",
+                )
+            carried = {n: held[n] for n in wanted} if held else {}
+        return self.submit(job.config_yaml, added, job.target, dict(job.resources), owner=owner, extra_secrets=carried)
 
     def _need(self, s: Any, job_id: str) -> Job:
         job = s.get(Job, job_id)

@@ -5,7 +5,9 @@ that took them, for the job's processes only. With `SCALETUNE_SECRETS_KEY` set (
 `cryptography` package; several, comma-separated: the first seals, each one opens, for a rotation)
 they are also sealed with it onto the job's record (`jobs.sealed_secrets`) as the job is recorded,
 opened when the job starts (by whichever service on the database starts it) and deleted when it ends
-(succeeded, failed, cancelled: `records.set_state`; a stopped job keeps them for its resume). The key
+(succeeded, failed, cancelled: `records.set_state`; the copy in memory too, when the job is next asked
+about; a stopped job keeps them for its resume). A clone takes its job's secrets while they are held,
+for the job's owner only (`JobService.clone`). The key
 is read from the service's environment only: never stored, printed or given to a job.
 
 A queued job whose secrets this service cannot give it is never started without them. At a service's
@@ -78,6 +80,16 @@ class Vault:
             plain = json.dumps({"job": job.id, "values": dict(values)}, sort_keys=True).encode()
             job.sealed_secrets = self._fernet.encrypt(plain).decode("ascii")
 
+    def values(self, job: Job) -> dict[str, str] | None:
+        """The secret values `job` was submitted with, when this service can give them (held in
+        memory, or sealed and opened now; nothing is held by asking); None otherwise."""
+        self._forget_ended(job)
+        if job.id in self._held:
+            return dict(self._held[job.id])
+        if job.sealed_secrets is None or self._fernet is None:
+            return None
+        return self._open(job)
+
     def missing(self, job: Job, *, hold: bool = True) -> tuple[str, str] | None:
         """None when this service can give `job` the secrets it was submitted with: none, held in
         memory, or sealed and opened now (with `hold`, then held for its start; without, forgotten
@@ -85,6 +97,7 @@ class Vault:
         held but no longer stored (a job resumed after it ended) is sealed again (the caller commits)."""
         if not job.secret_refs:
             return None
+        self._forget_ended(job)
         if job.id in self._held:
             if job.sealed_secrets is None:
                 self.seal(job, self._held[job.id])
@@ -105,6 +118,12 @@ class Vault:
         if hold:
             self._held[job.id] = values
         return None
+
+    def _forget_ended(self, job: Job) -> None:
+        """A job that ended (not stopped) has no secrets: its stored copy went with its last state
+        (`records.set_state`), its copy in memory goes when it is next asked about."""
+        if job.state in S.SECRETS_DROPPED:
+            self._held.pop(job.id, None)
 
     def _open(self, job: Job) -> dict[str, str] | None:
         from cryptography.fernet import InvalidToken
