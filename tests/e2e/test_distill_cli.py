@@ -1,6 +1,6 @@
 """`scaletune train` with objective distill refuses what cannot train, exit 2, nothing written
-(issue 36): the config's rules in one call (no teacher, packed rows, a second frozen model asked by
-another stage), each at its file:line; then, once the rules pass, a teacher whose tokenizer is not
+(issue 36): the config's rules in one call (no teacher, packed rows, on policy: answer data and an
+engine fsdp cannot run; a second frozen model asked by another stage), each at its file:line; then, once the rules pass, a teacher whose tokenizer is not
 the student's (the full OLMo-2 tokenizer against the tests' cut one), named with both sizes."""
 
 from __future__ import annotations
@@ -9,13 +9,23 @@ from tests.helpers import assert_located, assert_refused, make_config
 
 
 def test_no_teacher_and_packing_in_one_message_at_their_lines(tiny_model_dir, tmp_path):
+    """And, on policy: answer data where prompts are sampled from, an engine fsdp cannot run."""
     cfg = make_config(
-        tiny_model_dir, tmp_path / "run", data={"packing": True}, training={"objective": "distill", "max_steps": 2}
+        tiny_model_dir,
+        tmp_path / "run",
+        data={"packing": True},
+        training={"objective": "distill", "max_steps": 2, "distill": {"mode": "on_policy"}},
+        distributed={"strategy": "fsdp", "num_processes": 2},
     )
     err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
     assert_located(err, config, "  packing: true", "data.packing cannot be used with training.objective distill")
     assert "training.distill.teacher is not set: distillation trains the model towards a teacher's predictions" in err
+    assert (
+        "data.train.format is alpaca, but training.objective distill with distill.mode on_policy trains on prompt data"
+        in err
+    )
+    assert "training.distill.engine hf generates with the trained module, which fsdp shards" in err
 
 
 def test_two_frozen_models_in_one_run_are_refused(tiny_model_dir, tiny_llama_dir, tmp_path):

@@ -199,9 +199,13 @@ def test_reads_outside_the_roots_refused(strict, tmp_path):
     # What objectives read: a distillation teacher's folder, a replayed rollouts.jsonl (a stage's too).
     cfg = make_config(REPO_ROOT / "examples", "runs/x")
     cfg["training"]["distill"] = {"teacher": "/etc"}
-    cfg["stages"] = [{"name": "a", "training": {"rl": {"engine": "replay", "replay": str(data)}}}]
+    cfg["stages"] = [
+        {"name": "a", "training": {"rl": {"engine": "replay", "replay": str(data)}}},
+        {"name": "b", "training": {"distill": {"mode": "on_policy", "engine": "replay", "replay": str(data)}}},
+    ]
     problems = refused(post(strict, cfg), "training.distill.teacher")
     assert any(p.startswith("policy: stages.0.training.rl.replay") for p in problems), problems
+    assert any(p.startswith("policy: stages.1.training.distill.replay") for p in problems), problems
 
 
 @pytest.mark.parametrize("where", ["etc", "service", "other job", "escape", "jobs"])

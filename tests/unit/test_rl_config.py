@@ -40,3 +40,28 @@ def test_a_prompt_file_trained_as_sft_is_pointed_to_grpo(tmp_path):
         err.value
     )
     assert "set training.objective: grpo (online RL)" in str(err.value)
+
+
+def test_on_policy_distillation_reads_prompts_and_counts_its_completions(tmp_path):
+    """`training.distill` on policy: prompts as GRPO's (answers refused by the format rule, which a
+    prompt file passes), an engine replay needs its file, and a micro-batch unit is a prompt with
+    its num_generations completions (`plan.reference_model.sequences_per_example`)."""
+    from scaletune.errors import ConfigError
+    from scaletune.plan.reference_model import sequences_per_example
+
+    on_policy = {
+        "objective": "distill",
+        "rl": None,
+        "distill": {"teacher": str(tmp_path), "mode": "on_policy", "num_generations": 3},
+    }
+    cfg = _grpo(tmp_path, training=on_policy)
+    spec = resolve(cfg, make_env(), check=False)
+    assert sequences_per_example(spec) == 3
+    offline = _grpo(tmp_path, training={**on_policy, "distill": {"teacher": str(tmp_path)}})
+    with pytest.raises(UserError) as err:
+        resolve(offline, make_env())
+    assert "data.train.format is prompt, but training.objective distill trains on alpaca or messages or text" in str(
+        err.value
+    )
+    with pytest.raises(ConfigError, match="engine replay reads its completions from training.distill.replay"):
+        _grpo(tmp_path, training={**on_policy, "distill": {"mode": "on_policy", "engine": "replay"}})

@@ -1,22 +1,28 @@
-"""Knowledge distillation settings (`training.distill`, objective `distill`): the teacher and the
-divergence the student is trained to minimise against it, token by token. The loss is in
-`objectives.distill`."""
+"""Knowledge distillation settings (`training.distill`, objective `distill`): the teacher, the
+divergence the student is trained to minimise against it token by token, and where the tokens come
+from (the data's answers, or the student's own completions). The loss is in `objectives.distill`,
+generation in `rollout`."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from scaletune.config.rl import RLEngine
 from scaletune.config.strict import StrictModel
 
 DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
+DistillMode = Literal["offline", "on_policy"]
 
 
 class DistillConfig(StrictModel):
-    """Offline distillation (docs/distill.md): on the stage's SFT data (alpaca, messages or text),
-    at every trained token the student's next-token distribution is pulled towards the teacher's.
-    Read only when `objective` is `distill`. Batch sizes count sequences, as SFT's."""
+    """Distillation (docs/distill.md): at every trained token the student's next-token distribution
+    is pulled towards the teacher's. `offline`: on the stage's SFT data (alpaca, messages or text),
+    batch sizes counting sequences, as SFT's. `on_policy`: on completions the student samples for
+    the stage's prompt data (`format: prompt`), as GKD (Agarwal et al. 2024) with its lambda 1;
+    batch sizes count prompts, each bringing `num_generations` completions. Read only when
+    `objective` is `distill`."""
 
     teacher: str | None = None
     """The teacher: a model folder, a preset or a Hub name, with the student's tokenizer (the same
@@ -32,7 +38,30 @@ class DistillConfig(StrictModel):
     (1 - beta) * student."""
     temperature: float = Field(1.0, gt=0)
     """Both models' logits are divided by it before the softmax (TRL's; the loss is not rescaled by
-    its square)."""
+    its square); on_policy samples the student's completions at it too, as TRL's GKDTrainer does."""
+    mode: DistillMode = "offline"
+    """offline: the data's own answers are the tokens compared; on_policy: the student's completions
+    of the data's prompts, sampled at every step (and at every evaluation) by `engine`."""
+    num_generations: int = Field(1, ge=1)
+    """on_policy: completions sampled per prompt."""
+    max_new_tokens: int = Field(128, ge=1)
+    """on_policy: longest completion, in tokens (one that reaches it without the end-of-sequence
+    token is cut there and trained as it is)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """on_policy: nucleus sampling; 1.0 samples from the whole vocabulary."""
+    engine: RLEngine = "hf"
+    """on_policy: what samples the completions, as `training.rl.engine`: hf, the student's own
+    `generate`; replay, the completions of an earlier run's rollouts.jsonl (`replay`)."""
+    replay: str | None = None
+    """on_policy with engine replay: the rollouts.jsonl to read."""
+
+    @model_validator(mode="after")
+    def _engine(self) -> DistillConfig:
+        if self.engine == "replay" and not self.replay:
+            raise ValueError("engine replay reads its completions from training.distill.replay: give a rollouts.jsonl")
+        if self.replay and self.engine != "replay":
+            raise ValueError(f"training.distill.replay is read only by engine replay, not {self.engine}: remove it")
+        return self
 
     @property
     def reference(self) -> str:

@@ -126,13 +126,15 @@ def teacher_params(spec: RunSpec, teacher: str) -> list[ParamInfo]:
 
 def sequences_per_example(spec: RunSpec) -> int:
     """Sequences in one forward per `micro_batch_size` unit, the most of any stage: 2 where a stage
-    trains on pairs (`micro_batch_size` counts pairs), num_generations for grpo (it counts prompts),
-    else 1 (SFT, KTO's records)."""
+    trains on pairs (`micro_batch_size` counts pairs), num_generations for grpo and on-policy
+    distillation (it counts prompts), else 1 (SFT, KTO's records)."""
     counts = [1]
     for s in spec.stages:
         objective = getattr(s.training, "objective", "sft")
         if objective == "grpo":
             counts.append(s.training.rl.num_generations)
+        elif objective == "distill" and s.training.distill.mode == "on_policy":
+            counts.append(s.training.distill.num_generations)
         elif OBJECTIVES[objective].paired:
             counts.append(2)
     return max(counts)

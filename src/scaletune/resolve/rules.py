@@ -310,7 +310,8 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
         where = "" if not cfg.stages else f"stages.{stage.index}."
         t, d = stage.training, stage.data
         facts = OBJECTIVES[t.objective]
-        wanted = facts.formats
+        on_policy = t.objective == "distill" and t.distill.mode == "on_policy"
+        wanted = ("prompt",) if on_policy else facts.formats
         for split, source in (("train", d.train), ("eval", d.eval)):
             if source is not None and source.format not in wanted:
                 out.append(
@@ -318,7 +319,8 @@ def _objective_rules(s: RunSpec) -> list[Problem]:
                         "objective",
                         f"{where}data.{split}.format",
                         f"{where}data.{split}.format is {source.format}, but {where}training.objective {t.objective} "
-                        f"trains on {' or '.join(wanted)} data",
+                        + ("with distill.mode on_policy " if on_policy else "")
+                        + f"trains on {' or '.join(wanted)} data",
                         f"set format: {wanted[0]}"
                         if t.objective != "sft"
                         else (
@@ -401,26 +403,32 @@ def _online_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
                 "set reference: model, or add model.lora",
             )
         )
-    sharded = s.strategy == "fsdp" or (s.strategy == "deepspeed" and s.zero_stage == 3)
-    if rl.engine == "hf" and sharded:
-        engine = "fsdp" if s.strategy == "fsdp" else "deepspeed ZeRO-3"
-        out.append(
-            Problem(
-                "objective",
-                f"{key}.engine",
-                f"{key}.engine hf generates with the trained module, which {engine} shards; generating "
-                "through sharded parameters is not built yet",
-                "use ddp or deepspeed zero_stage 1 or 2 (or engine: replay)",
-            )
+    return out + _engine_problems(s, rl.engine, key)
+
+
+def _engine_problems(s: RunSpec, engine: str, key: str) -> list[Problem]:
+    """An engine the strategy can run: hf generates with the trained module, whole on each rank."""
+    if engine != "hf" or not (s.strategy == "fsdp" or (s.strategy == "deepspeed" and s.zero_stage == 3)):
+        return []
+    sharder = "fsdp" if s.strategy == "fsdp" else "deepspeed ZeRO-3"
+    return [
+        Problem(
+            "objective",
+            f"{key}.engine",
+            f"{key}.engine hf generates with the trained module, which {sharder} shards; generating "
+            "through sharded parameters is not built yet",
+            "use ddp or deepspeed zero_stage 1 or 2 (or engine: replay)",
         )
-    return out
+    ]
 
 
 def _distill_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
-    """A distill stage: a teacher named, and no second frozen model in the run (one is held)."""
+    """A distill stage: a teacher named, and no second frozen model in the run (one is held); on
+    policy, an engine its strategy runs."""
+    out = _engine_problems(s, t.distill.engine, f"{where}training.distill") if t.distill.mode == "on_policy" else []
     key = f"{where}training.distill.teacher"
     if not t.distill.teacher:
-        return [
+        return out + [
             Problem(
                 "objective",
                 key,
@@ -436,7 +444,7 @@ def _distill_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
         or (st.training.objective == "grpo" and st.training.rl.beta > 0 and st.training.rl.reference == "model")
     ]
     if others:
-        return [
+        out.append(
             Problem(
                 "objective",
                 key,
@@ -444,8 +452,8 @@ def _distill_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
                 "another (a reference: model, or another teacher)",
                 "train them as two runs, the second from the first's final/",
             )
-        ]
-    return []
+        )
+    return out
 
 
 def rule_problems(spec: RunSpec) -> list[Problem]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from scaletune.config.distill import DistillConfig
 from scaletune.config.rl import RLConfig
 from scaletune.errors import UserError
 
@@ -60,7 +61,7 @@ class HFEngine(Engine):
 
     name = "hf"
 
-    def __init__(self, strategy: Any, tokenizer: Any, settings: RLConfig) -> None:
+    def __init__(self, strategy: Any, tokenizer: Any, settings: RLConfig | DistillConfig) -> None:
         self.strategy, self.tokenizer, self.settings = strategy, tokenizer, settings
         self.eos = eos_ids(tokenizer)
 
@@ -98,19 +99,18 @@ class HFEngine(Engine):
 
 class ReplayEngine(Engine):
     """Completions read from a rollouts.jsonl: for (split, step, prompt index) the file's lines of
-    that key, in file order (the order they were generated)."""
+    that key, in file order (the order they were generated). `key` names the setting that gave the
+    file in messages (`training.rl.replay`, `training.distill.replay`)."""
 
     name = "replay"
 
-    def __init__(self, path: str | Path, pad_token_id: int) -> None:
-        self.path, self.pad = Path(path).expanduser(), pad_token_id
+    def __init__(self, path: str | Path, pad_token_id: int, key: str = "training.rl.replay") -> None:
+        self.path, self.pad, self.key = Path(path).expanduser(), pad_token_id, key
         self.table: dict[tuple[str, int, int], list[list[int]]] = {}
         try:
             lines = self.path.read_text().splitlines()
         except OSError as exc:
-            raise UserError(
-                f"training.rl.replay {self.path}: cannot be read ({exc.strerror})", title="invalid data"
-            ) from None
+            raise UserError(f"{self.key} {self.path}: cannot be read ({exc.strerror})", title="invalid data") from None
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -120,7 +120,7 @@ class ReplayEngine(Engine):
                 ids = [int(t) for t in r["completion_ids"]]
             except (ValueError, KeyError, TypeError):
                 raise UserError(
-                    f"training.rl.replay {self.path}, line {number}: not a rollout (a JSON object with step, "
+                    f"{self.key} {self.path}, line {number}: not a rollout (a JSON object with step, "
                     "prompt_index and completion_ids)",
                     title="invalid data",
                 ) from None
@@ -132,7 +132,7 @@ class ReplayEngine(Engine):
             got = self.table.get((split, step, i), [])
             if len(got) < n:
                 raise UserError(
-                    f"training.rl.replay {self.path}: {len(got)} completions of prompt {i} at {split} step {step}, "
+                    f"{self.key} {self.path}: {len(got)} completions of prompt {i} at {split} step {step}, "
                     f"need num_generations ({n}); replay with the data, seed and batch sizes of the run that wrote it",
                     title="cannot replay",
                 )
@@ -152,9 +152,10 @@ def eos_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
-def make_engine(settings: RLConfig, strategy: Any, tokenizer: Any) -> Engine:
-    """The engine `training.rl.engine` names."""
+def make_engine(settings: Any, strategy: Any, tokenizer: Any, key: str = "training.rl") -> Engine:
+    """The engine `settings.engine` names (`settings`: `training.rl`, or on-policy
+    `training.distill`, at the config key `key`)."""
     if settings.engine == "replay":
         assert settings.replay is not None
-        return ReplayEngine(settings.replay, tokenizer.pad_token_id)
+        return ReplayEngine(settings.replay, tokenizer.pad_token_id, key=f"{key}.replay")
     return HFEngine(strategy, tokenizer, settings)

@@ -106,7 +106,9 @@ def online_kind(objective: Any, rollout: Callable[[Any, list], Any]) -> BatchKin
     )
 
 
-def distill_kind(objective: Any) -> BatchKind:
+def distill_kind(objective: Any, rollout: Callable[[Any, list], Any] | None = None) -> BatchKind:
     """How the loop reads a micro-batch of distillation (`objectives.distill.Distill`): SFT's rows
-    and counts (target tokens; the target positions found on the host), and the objective's stats."""
-    return BatchKind(model_inputs, objective.units, count_input_tokens, collects_stats=True)
+    and counts (target tokens; the target positions found on the host), and the objective's stats.
+    On-policy, the prompts the loader gives become the student's completion rows in `rollout`
+    (`rollout.Rollout.before_step`) first."""
+    return BatchKind(model_inputs, objective.units, count_input_tokens, collects_stats=True, before_step=rollout)

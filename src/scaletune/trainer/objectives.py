@@ -82,7 +82,8 @@ class StageObjectives:
         if objective.distills:
             from scaletune.trainer.batches import distill_kind
 
-            return distill_kind(objective)
+            on_policy = objective.settings.mode == "on_policy"
+            return distill_kind(objective, self._rollout(objective, strategy, tokenizer, []) if on_policy else None)
         if objective.uses_reference and objective.settings.reference == "precomputed":
             from scaletune.objectives.precomputed import reference_tables
             from scaletune.trainer.stages import stage_collator
@@ -91,22 +92,34 @@ class StageObjectives:
         return preference_kind(objective, self.kl_pass)
 
     def _online(self, objective: Objective, strategy: Any, tokenizer: Any) -> BatchKind:
-        """An online stage: its engine, reward functions and rollout, whose `before_step` generates
-        each step's completions."""
+        """An online stage: its reward functions and rollout, whose `before_step` generates and
+        scores each step's completions."""
         from scaletune.rewards.scoring import load_rewards
-        from scaletune.rollout.engines import make_engine
-        from scaletune.rollout.rollout import ROLLOUTS, Rollout
         from scaletune.trainer.batches import online_kind
 
+        prefix = f"{self._key('rl')}.rewards"
+        rewards = load_rewards([(r.function, r.weight, r.kwargs) for r in objective.settings.rewards], prefix=prefix)
+        return online_kind(objective, self._rollout(objective, strategy, tokenizer, rewards))
+
+    def _rollout(
+        self, objective: Objective, strategy: Any, tokenizer: Any, rewards: list
+    ) -> Callable[[Any, list], Any]:
+        """The stage's engine and rollout (`rollout.Rollout`, kept for its metrics; rank 0 writes
+        rollouts.jsonl): its `before_step`, which turns each micro-batch's prompts into completion rows."""
+        from scaletune.rollout.engines import make_engine
+        from scaletune.rollout.rollout import ROLLOUTS, Rollout
+
         settings = objective.settings
-        prefix = (
-            "training.rl.rewards" if not self.spec.config.stages else f"stages.{self.current_index}.training.rl.rewards"
-        )
-        rewards = load_rewards([(r.function, r.weight, r.kwargs) for r in settings.rewards], prefix=prefix)
         log = self.spec.run_dir / ROLLOUTS if self.spec.env.is_main else None
-        engine = make_engine(settings, strategy, tokenizer)
+        section = "distill" if objective.distills else "rl"
+        engine = make_engine(settings, strategy, tokenizer, key=self._key(section))
         self.rollout = Rollout(settings, engine, rewards, tokenizer, self.steps_done, log)
-        return online_kind(objective, self.rollout.before_step)
+        return self.rollout.before_step
+
+    def _key(self, section: str) -> str:
+        """`training.SECTION`, or the current stage's `stages.N.training.SECTION`."""
+        where = f"stages.{self.current_index}." if self.spec.config.stages else ""
+        return f"{where}training.{section}"
 
     def kl_pass(self, strategy: Any, batches: list) -> None:
         """KTO's KL pass (`trainer.batches.kto_kl_pass`), its value kept for the metrics."""

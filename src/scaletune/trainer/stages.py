@@ -69,8 +69,12 @@ def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrat
 
 
 def _unit(stage: Stage) -> str:
-    """What a stage's batch sizes count: sequences, or (preference objectives) pairs, KTO's records."""
-    return OBJECTIVES[stage.training.objective].batch_counts
+    """What a stage's batch sizes count: sequences, or (preference objectives) pairs, KTO's records,
+    prompts (grpo, on-policy distillation)."""
+    t = stage.training
+    if t.objective == "distill" and t.distill.mode == "on_policy":
+        return "prompts (num_generations completions each)"
+    return OBJECTIVES[t.objective].batch_counts
 
 
 def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:

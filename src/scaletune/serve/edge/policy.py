@@ -285,6 +285,7 @@ def _read_paths(data: dict) -> Iterator[tuple[str, Any]]:
     ]:
         yield f"{prefix}.distill.teacher", _get(training, "distill", "teacher")
         yield f"{prefix}.rl.replay", _get(training, "rl", "replay")
+        yield f"{prefix}.distill.replay", _get(training, "distill", "replay")
     for prefix, section in [
         ("data", data.get("data")),
         *((f"stages.{i}.data", _get(s, "data")) for i, s in enumerate(stages)),
