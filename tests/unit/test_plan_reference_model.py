@@ -215,7 +215,7 @@ def test_factory_has_no_reference_model(tiny_model_dir):
         FactorySource(spec).load_reference(None)
 
 
-def test_a_distillation_teacher_is_planned_at_its_own_size(tiny_model_dir, tmp_path):
+def test_a_distillation_teacher_is_planned_at_its_own_size(tiny_model_dir, tmp_path, caplog):
     """The teacher of objective distill (a Llama of hidden 128 and 4 layers for the olmo2-tiny
     student, the same tokenizer) is counted from its own config: under ddp its bytes are those of the
     teacher `load_reference` really loads, not the student's; fsdp holds about half at world size 2."""
@@ -238,7 +238,11 @@ def test_a_distillation_teacher_is_planned_at_its_own_size(tiny_model_dir, tmp_p
     )  # fmt: skip
     spec = decide(cfg, GPUS2, world_size=2)
     one = decide(cfg.model_copy(deep=True), DistributedEnv("none"), world_size=1)
-    teacher = PretrainedSource(one).load_reference(SingleStrategy(one), str(big))
+    with caplog.at_level("INFO"):
+        teacher = PretrainedSource(one).load_reference(SingleStrategy(one), str(big))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"model {big}: ")]
+    count = sum(p.numel() for p in teacher.parameters())  # torch's own count (shared tensors once)
+    assert said == [f"model {big}: {count:,} parameters, frozen (not trained)"], said  # never "trainable"
     real = memory.count_bytes(reference_tensors(teacher), {})
     student = loaded_reference_bytes(spec_for(tiny_model_dir, "model"))
     assert real > 1.5 * student  # the control: a plan of the student's size would be far off

@@ -283,10 +283,13 @@ def apply_liger_kernels(model: torch.nn.Module) -> bool:
     return True
 
 
-def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False) -> torch.nn.Module:
+def prepare_model(
+    cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False, frozen: bool = False
+) -> torch.nn.Module:
     """:func:`load_model`, then Liger's kernels (`cfg.liger`), then LoRA (`cfg.lora`), then
     gradient checkpointing (`cfg.gradient_checkpointing`), then `torch.compile` of the decoder
-    layers (`cfg.compile`); logs the trainable and total parameter counts.
+    layers (`cfg.compile`); logs the trainable and total parameter counts (`frozen`: the total
+    only, for a model that never trains: a reference or a distillation teacher).
 
     Liger's environment (CUDA, liger-kernel) is checked before any weight is read. Its kernels
     go in before LoRA so that they patch the model's own modules (peft then wraps the Linear
@@ -312,6 +315,11 @@ def prepare_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = 
     if cfg.compile:
         compile_decoder_layers(model)
     trainable, total = parameter_counts(model)
+    if frozen:
+        log.info(
+            f"model {cfg.name_or_path}: {total:,} parameters, frozen (not trained){', meta device' if meta else ''}"
+        )
+        return model
     kind = "LoRA" if cfg.lora is not None else "full fine-tuning"
     log.info(
         f"model {cfg.name_or_path}: {trainable:,} trainable of {total:,} parameters "

@@ -133,7 +133,7 @@ class PretrainedSource(ModelSource):
             }
             | ({"name_or_path": name_or_path} if name_or_path else {})
         )
-        model = prepare_model(cfg, strategy.placement, meta=strategy.load_meta())
+        model = prepare_model(cfg, strategy.placement, meta=strategy.load_meta(), frozen=True)
         return strategy.wrap_reference(model)
 
     def loss(self, model: nn.Module, strategy: LoopStrategy) -> nn.Module:
