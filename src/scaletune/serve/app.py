@@ -100,5 +100,5 @@ def create_app(svc: JobService, *, start: bool = True) -> FastAPI:
     app.add_exception_handler(ChecksBusy, checks_busy)
     for router in ROUTERS:
         app.include_router(router)
-    mcp = mcp_server.mount(app)
+    mcp = mcp_server.mount(app)  # its transport runs while the app serves (the lifespan above)
     return app
