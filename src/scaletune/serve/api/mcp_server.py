@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from scaletune.serve.jobs.states import TERMINAL
 
 PATH = "/mcp"
+HOST = re.compile(r"[A-Za-z0-9.\-]+(:\d{1,5})?|\[[0-9A-Fa-f:.]+\](:\d{1,5})?")  # name or [IPv6], and a port
 WATCH_POLL_S = 1.0
 MAX_WATCH_S = 600.0  # one watch_job call at most; the agent calls again to go on watching
 INSTRUCTIONS = (
@@ -61,10 +63,14 @@ class Api:
         given = request.headers.get("authorization") if request is not None else None
         if given:
             headers["authorization"] = given
-        host = (request.headers.get("host") if request is not None else None) or "127.0.0.1"
+        # The Host the guard saw (it checks the inner request's too), passed as a header only: the
+        # URL, and so the path, is fixed whatever the header holds.
+        host = request.headers.get("host", "") if request is not None else ""
+        if HOST.fullmatch(host):
+            headers["host"] = host
         client = tuple(request.client) if request is not None and request.client else ("127.0.0.1", 0)
         transport = httpx.ASGITransport(app=self.app, client=client)  # type: ignore[arg-type]
-        async with httpx.AsyncClient(transport=transport, base_url=f"http://{host}", headers=headers) as http:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", headers=headers) as http:
             answer = await http.request(method, path, **kw)
         if answer.status_code >= 400:
             raise ToolError(refusal_text(answer))
