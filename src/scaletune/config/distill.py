@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from scaletune.config.rl import RLEngine
+from scaletune.config.rl import RLEngine, check_replay
 from scaletune.config.strict import StrictModel
 
 DistillLoss = Literal["forward_kl", "reverse_kl", "jsd"]
@@ -57,10 +57,7 @@ class DistillConfig(StrictModel):
 
     @model_validator(mode="after")
     def _engine(self) -> DistillConfig:
-        if self.engine == "replay" and not self.replay:
-            raise ValueError("engine replay reads its completions from training.distill.replay: give a rollouts.jsonl")
-        if self.replay and self.engine != "replay":
-            raise ValueError(f"training.distill.replay is read only by engine replay, not {self.engine}: remove it")
+        check_replay(self.engine, self.replay, "training.distill")
         return self
 
     @property

@@ -75,8 +75,17 @@ class RLConfig(StrictModel):
 
     @model_validator(mode="after")
     def _engine(self) -> RLConfig:
-        if self.engine == "replay" and not self.replay:
-            raise ValueError("engine replay reads its completions from training.rl.replay: give a rollouts.jsonl")
-        if self.replay and self.engine != "replay":
-            raise ValueError(f"training.rl.replay is read only by engine replay, not {self.engine}: remove it")
+        check_replay(self.engine, self.replay, "training.rl")
         return self
+
+
+def check_replay(engine: str, replay: str | None, key: str) -> None:
+    """An engine and its `replay` file agree (`training.rl`'s, on-policy `training.distill`'s).
+
+    Raises:
+        ValueError: engine replay without a file, or a file for another engine.
+    """
+    if engine == "replay" and not replay:
+        raise ValueError(f"engine replay reads its completions from {key}.replay: give a rollouts.jsonl")
+    if replay and engine != "replay":
+        raise ValueError(f"{key}.replay is read only by engine replay, not {engine}: remove it")
