@@ -280,6 +280,16 @@ class TrainingConfig(StrictModel):
     """null: start fresh; auto: continue from the run directory's latest checkpoint (or start fresh);
     a path: a checkpoints/step-N folder or a run directory."""
 
+    @property
+    def sampling(self) -> RLConfig | DistillConfig | None:
+        """The settings that sample completions of the data's prompts at every step (grpo's `rl`,
+        on-policy distillation's `distill`); None where the objective trains on the data's rows."""
+        if self.objective == "grpo":
+            return self.rl
+        if self.objective == "distill" and self.distill.mode == "on_policy":
+            return self.distill
+        return None
+
 
 StageData = _overrides(
     DataConfig,

@@ -130,12 +130,9 @@ def sequences_per_example(spec: RunSpec) -> int:
     distillation (it counts prompts), else 1 (SFT, KTO's records)."""
     counts = [1]
     for s in spec.stages:
-        objective = getattr(s.training, "objective", "sft")
-        if objective == "grpo":
-            counts.append(s.training.rl.num_generations)
-        elif objective == "distill" and s.training.distill.mode == "on_policy":
-            counts.append(s.training.distill.num_generations)
-        elif OBJECTIVES[objective].paired:
+        if s.training.sampling is not None:
+            counts.append(s.training.sampling.num_generations)
+        elif OBJECTIVES[s.training.objective].paired:
             counts.append(2)
     return max(counts)
 

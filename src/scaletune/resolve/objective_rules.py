@@ -19,8 +19,8 @@ def objective_rules(s: RunSpec) -> list[Problem]:
         where = "" if not cfg.stages else f"stages.{stage.index}."
         t, d = stage.training, stage.data
         facts = OBJECTIVES[t.objective]
-        on_policy = t.objective == "distill" and t.distill.mode == "on_policy"
-        wanted = ("prompt",) if on_policy else facts.formats
+        on_policy = t.objective == "distill" and t.sampling is not None
+        wanted = OBJECTIVES["grpo"].formats if t.sampling is not None else facts.formats
         for split, source in (("train", d.train), ("eval", d.eval)):
             if source is not None and source.format not in wanted:
                 out.append(
@@ -134,7 +134,7 @@ def _engine_problems(s: RunSpec, engine: str, key: str) -> list[Problem]:
 def _distill_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
     """A distill stage: a teacher named, and no second frozen model in the run (one is held); on
     policy, an engine its strategy runs."""
-    out = _engine_problems(s, t.distill.engine, f"{where}training.distill") if t.distill.mode == "on_policy" else []
+    out = _engine_problems(s, t.distill.engine, f"{where}training.distill") if t.sampling is not None else []
     key = f"{where}training.distill.teacher"
     if not t.distill.teacher:
         return out + [

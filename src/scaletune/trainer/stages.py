@@ -72,9 +72,7 @@ def _unit(stage: Stage) -> str:
     """What a stage's batch sizes count: sequences, or (preference objectives) pairs, KTO's records,
     prompts (grpo, on-policy distillation)."""
     t = stage.training
-    if t.objective == "distill" and t.distill.mode == "on_policy":
-        return "prompts (num_generations completions each)"
-    return OBJECTIVES[t.objective].batch_counts
+    return OBJECTIVES["grpo" if t.sampling is not None else t.objective].batch_counts
 
 
 def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
