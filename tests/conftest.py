@@ -128,11 +128,14 @@ _CPU_AT_START: list[int] = []
 
 
 def _process_cpu() -> tuple[float, float]:
-    """(this process's CPU seconds, its waited-for descendants' CPU seconds), user + system."""
+    """(this process's CPU seconds, its waited-for descendants' CPU seconds), user + system: the
+    forks of its CLI zygote and the processes delegated to it are counted as its descendants."""
+    from tests import helpers
     from tests.forked_cli import FORKED_CPU
 
     me, kids = (resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + FORKED_CPU[0]
+    delegated = helpers._zygote().delegated_cpu() if helpers._zygote.cache_info().currsize else 0.0
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + FORKED_CPU[0] + delegated
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -250,6 +253,17 @@ def _process_summary(write) -> None:
     write(f"processes the tests started: {len(lines)}, {total:.0f} CPU-s (each line of {path}):")
     for kind, cpus in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))[:12]:
         write(f"  {kind:<28} {len(cpus):5d} processes {sum(cpus):8.0f} CPU-s  ({sum(cpus) / len(cpus):5.1f} each)")
+    started = [line.get("started", "fresh") for line in lines]
+    refused: dict[str, int] = {}
+    for how in started:
+        if how.startswith("refused: "):
+            refused[how[len("refused: ") :]] = refused.get(how[len("refused: ") :], 0) + 1
+    write(
+        f"  forks of a test worker's zygote (tests/forked_cli.py): {started.count('forked')} CLI calls, "
+        f"{started.count('delegated')} processes delegated to it; {sum(refused.values())} asked and started fresh:"
+    )
+    for why, count in sorted(refused.items(), key=lambda kv: -kv[1])[:5]:
+        write(f"  {count:5d} {why[:150]}")
     write("  the ten test modules whose processes took the most CPU:")
     for module, cpus in sorted(tests.items(), key=lambda kv: -sum(kv[1]))[:10]:
         write(f"  {sum(cpus):8.0f} CPU-s {len(cpus):5d} processes  {module}")

@@ -17,6 +17,23 @@ the command imports or costs to start. The tests that prove the user's command i
 user's way (`train(..., launcher="scaletune")` of several processes re-executes under a real
 torchrun; tests/e2e/test_train_cli.py, test_quickstart, the distributed tier).
 
+**Delegated processes.** The processes a forked command starts in turn are fresh interpreters: the
+torchrun that a plain `scaletune train` of several processes re-executes into, and each rank that
+torchrun starts (`python -u -m scaletune train ...`), ~6 CPU-s of imports each (141 ranks and 61
+torchruns in CI at 27fa30c). Where SCALETUNE_TEST_ZYGOTE names this zygote's socket (run_cli's
+forks and run_torchrun set it, and their descendants inherit it), such a process hands itself to the
+zygote at start-up (:func:`delegate`, called by tests/instrument/sitecustomize.py): a fork of the
+zygote becomes it (its argv, environment, working directory, umask, standard files by descriptor,
+session), and the process that was started stays as its stand-in: it forwards the signals it gets
+(torchrun ends a worker by signalling its process group) and ends as the fork ended (its exit status,
+or the same signal). It is done only for `-m scaletune`, `-m torch.distributed.run` and the scripts
+of tests/distributed, only where the environment differs from the zygote's in variables read when a
+command runs (:data:`CALL_TIME_VARIABLES`, :data:`WORKER_VARIABLES`), with the same interpreter,
+no interpreter option but `-u`, the same CPU affinity and resource limits; anything else runs itself.
+What the ranks run is the program a fresh rank runs (`runpy`, as `python -m` does); only the
+imports are already done. A fresh interpreter is still proven where it is the question (`fresh=True`,
+SCALETUNE_TEST_FORK=0, a test's own environment or cores).
+
 Run as a script (by :class:`ForkServer`), this file is the zygote: it imports, then serves requests
 on a Unix socket until its standard input closes (its pytest worker has gone). Each request is one
 connection: the zygote forks a monitor for it, which forks the child, sends back the child's pid,
@@ -55,12 +72,47 @@ CALL_TIME_VARIABLES = (
     "WANDB_",
     "PYTORCH_NVML_BASED_CUDA_CHECK",
     "TORCHINDUCTOR_CACHE_DIR",
+    # scaletune.safe_load.enforce sets the first in a command's process, so its torchrun and ranks
+    # inherit it; torch.serialization reads both in torch.load.
+    "TORCH_FORCE_WEIGHTS_ONLY_LOAD",
+    "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
 )
+
+# What torchrun gives each worker beyond its own environment (torch 2.13:
+# torch/distributed/elastic/agent/server/local_elastic_agent.py _start_workers; the error file,
+# elastic/multiprocessing/api.py; TORCHELASTIC_* also what torchrun passes its own agent), read when
+# the process group starts: tracing os.environ during
+# PRELOAD's imports and torch.distributed.run's finds none of them read at import (issue 33).
+WORKER_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+# The programs a process may hand to the zygote (:func:`delegate`): `python -m NAME` of these, or a
+# script of this folder.
+DELEGATED_MODULES = ("scaletune", "torch.distributed.run")
+DELEGATED_SCRIPTS = Path(__file__).resolve().parent / "distributed"
 
 # The CPU seconds of the forks this process's zygote ran and waited for (theirs and their waited-for
 # children's): what RUSAGE_CHILDREN would count had they been this process's children (tests/conftest.py
 # adds it to a test's CPU).
 FORKED_CPU = [0.0]
+
+# The zygote's socket, in the zygote (its folder holds `delegated-cpu`: one line per delegated
+# process, its CPU seconds and its waited-for children's).
+SOCKET_PATH = [""]
 
 # What the zygote imports before it forks: what a tiny `scaletune train`, `export`, `eval` and
 # `generate` import anyway (python -X importtime of each), so that a child imports almost nothing.
@@ -76,6 +128,7 @@ PRELOAD = (
     "scaletune.cli.app",
     "scaletune.trainer",
     "scaletune.models.loading",
+    "torch.distributed.launcher.api",  # torchrun's, when it is delegated (not torchrun itself: runpy runs it)
     "datasets",  # data/build.py (0.5 CPU-s)
     "matplotlib.pyplot",  # loss.png (trainer/metrics.py, 0.4 CPU-s)
 )
@@ -112,6 +165,7 @@ def serve(socket_path: str) -> None:
     """Import :data:`PRELOAD`, then answer requests on `socket_path` until standard input closes."""
     import importlib
 
+    SOCKET_PATH[0] = socket_path
     for name in PRELOAD:
         importlib.import_module(name)
     # Nothing may run in another thread when the zygote forks (a lock held there stays held in the
@@ -139,6 +193,9 @@ def _monitor(conn: socket.socket) -> None:
     try:
         request = _recv(conn)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        if "program" in request:
+            _monitor_delegated(conn, request)
+            return
         pid = os.fork()
         if pid == 0:
             conn.close()
@@ -170,6 +227,7 @@ def _child(request: dict) -> None:
         sys.argv = [entry.__file__, *request["argv"]]
         if "sitecustomize" in sys.modules:  # tests/instrument: this process's wall time starts now
             sys.modules["sitecustomize"]._started = time.monotonic()
+            sys.modules["sitecustomize"]._started_as = "forked"
         from scaletune.cli import main
 
         main()  # ends the process (cli._exit_now), with the verb's exit status
@@ -182,6 +240,235 @@ def _child(request: dict) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _monitor_delegated(conn: socket.socket, request: dict) -> None:
+    """A process handing itself over (:func:`delegate`): fork the child that becomes it, or say why
+    it must run itself; then wait for the child (or kill its process group, should the process that
+    handed itself over end first), send its status, add its CPU to the zygote's tally."""
+    _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+    refusal = _refusal(request)
+    if refusal:
+        _send(conn, {"fresh": refusal})
+        return
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _delegated_child(request, fds)
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pid": pid})
+    pidfd = os.pidfd_open(pid)
+    while pidfd not in select.select([conn, pidfd], [], [])[0]:
+        if not conn.recv(1):  # the stand-in has gone (killed): so does what it stood for
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:  # not yet its own group
+                os.kill(pid, signal.SIGKILL)
+            break
+    _, status, usage = os.wait4(pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime
+    with open(os.path.join(os.path.dirname(SOCKET_PATH[0]), "delegated-cpu"), "a") as tally:
+        tally.write(f"{cpu:.3f}\n")  # one short write under O_APPEND: whole
+    try:
+        _send(conn, {"status": status, "cpu": cpu})
+    except OSError:
+        pass
+
+
+def _refusal(request: dict) -> str:
+    """Why a process with `request`'s circumstances would not behave as a fork of this zygote ('': it would)."""
+    import resource
+
+    if request["executable"] != sys.executable:
+        return f"another interpreter ({request['executable']})"
+    env = request["env"]
+    changed = sorted(k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k))
+    read_at_import = [
+        k for k in changed if not (k in WORKER_VARIABLES or k.startswith((*CALL_TIME_VARIABLES, "TORCHELASTIC_")))
+    ]
+    if read_at_import:
+        return "its environment differs in variables read at import: " + ", ".join(read_at_import)
+    if request["affinity"] != sorted(os.sched_getaffinity(0)):
+        return "another CPU affinity"
+    for name, limits in request["rlimits"].items():
+        if list(resource.getrlimit(getattr(resource, name))) != limits:
+            return f"another {name}"
+    return ""
+
+
+def _delegated_child(request: dict, fds: list[int]) -> None:
+    """Become the process that handed itself over: `python [-u] -m MODULE ARGS` or `python [-u]
+    SCRIPT ARGS` as a fresh interpreter runs it (runpy, as Python's main does); never returns."""
+    code = 1
+    try:
+        os.setsid() if request["session"] else os.setpgid(0, 0)
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(sig, signal.SIG_DFL)
+        # What Python's start-up sets (Python/pylifecycle.c): KeyboardInterrupt, no death by SIGPIPE or SIGXFSZ.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        _standard_streams(unbuffered=request["unbuffered"])
+        sys.orig_argv = request["orig_argv"]
+        if "sitecustomize" in sys.modules:  # tests/instrument: this process's wall time starts now
+            sys.modules["sitecustomize"]._started = time.monotonic()
+            sys.modules["sitecustomize"]._started_as = "delegated"
+        import runpy
+
+        program = request["program"]
+        try:
+            if program[0] == "-m":
+                sys.argv = ["-m", *program[2:]]
+                sys.path[0] = request["cwd"]
+                runpy._run_module_as_main(program[1], alter_argv=True)
+            else:
+                sys.argv = list(program)
+                sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
+                runpy.run_path(program[0], run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except KeyboardInterrupt:
+            code = -signal.SIGINT  # Python ends by SIGINT after an uncaught KeyboardInterrupt
+            sys.excepthook(*sys.exc_info())
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        # What the interpreter does at exit (Py_FinalizeEx): wait for threads, exit functions, flush.
+        threading._shutdown()
+        import atexit
+
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 1)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The exit status Python gives `raise SystemExit(code)` (None: 0; not an int: printed, 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _standard_streams(*, unbuffered: bool) -> None:
+    """sys.stdin/stdout/stderr over descriptors 0-2 as Python's start-up makes them
+    (Python/pylifecycle.c create_stdio): stdout line-buffered on a terminal, stderr always; with -u
+    both written through, unbuffered."""
+    import io
+
+    made = []
+    for fd, like in enumerate((sys.__stdin__, sys.__stdout__, sys.__stderr__)):
+        write = fd > 0
+        raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)
+        buffered = not (write and unbuffered)
+        buffer = raw if not buffered else (io.BufferedWriter(raw) if write else io.BufferedReader(raw))
+        made.append(
+            io.TextIOWrapper(
+                buffer,
+                encoding=like.encoding,
+                errors=like.errors,
+                newline="\n",
+                line_buffering=buffered and write and (fd == 2 or raw.isatty()),
+                write_through=not buffered,
+            )
+        )
+    sys.stdin, sys.stdout, sys.stderr = made
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = made
+
+
+def delegate() -> None:
+    """At the start of a process the tests started (tests/instrument/sitecustomize.py): if
+    SCALETUNE_TEST_ZYGOTE names a zygote and this process is one it may stand for (`python [-u] -m`
+    of :data:`DELEGATED_MODULES`, or a script of tests/distributed), hand it over and end as the
+    fork that became it ends; return where it must run itself (another interpreter, option,
+    environment, affinity or limits: :func:`_refusal`; SCALETUNE_TEST_FORK=0; no zygote)."""
+    socket_path = os.environ.get("SCALETUNE_TEST_ZYGOTE")
+    if not socket_path or os.environ.get("SCALETUNE_TEST_FORK") == "0":
+        return
+    program = sys.orig_argv[1:]
+    unbuffered = program[:1] == ["-u"]
+    program = program[1:] if unbuffered else program
+    if program[:1] == ["-m"]:
+        if program[1:2] not in ([m] for m in DELEGATED_MODULES):
+            return
+    elif not (program and program[0].endswith(".py") and Path(program[0]).resolve().parent == DELEGATED_SCRIPTS):
+        return
+    import resource
+
+    request = {
+        "program": program,
+        "unbuffered": unbuffered,
+        "orig_argv": sys.orig_argv,
+        "executable": sys.executable,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "umask": os.umask(0o022),
+        "session": os.getsid(0) == os.getpid(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+        "rlimits": {
+            name: list(resource.getrlimit(getattr(resource, name)))
+            for name in dir(resource)
+            if name.startswith("RLIMIT_")
+        },
+    }
+    os.umask(request["umask"])
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path)
+    except OSError:  # the worker and its zygote have gone (a process that outlived its test)
+        conn.close()
+        return
+    _send(conn, request)
+    socket.send_fds(conn, [b"\0"], [0, 1, 2])
+    answer = _recv(conn) or {"fresh": "the zygote's monitor ended"}
+    if "fresh" in answer:
+        conn.close()
+        if "sitecustomize" in sys.modules:  # its line in the process log says why (tests/conftest.py sums them)
+            sys.modules["sitecustomize"]._started_as = "refused: " + answer["fresh"]
+        return
+    pid = answer["pid"]
+
+    def forward(sig: int, _frame) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    answer = _recv(conn)
+    if answer is None:
+        os.write(2, b"[forked_cli] the zygote's monitor ended without the delegated process's status\n")
+        os._exit(1)
+    status = answer["status"]
+    if os.WIFSIGNALED(status):
+        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if not os.WIFSIGNALED(status) else 128 + os.WTERMSIG(status))
 
 
 # ---------------------------------------------------------------- the client (a pytest worker)
@@ -251,6 +538,13 @@ class ForkServer:
             assert answer is not None, f"the CLI zygote's monitor of pid {pid} ended without its status"
             FORKED_CPU[0] += answer["cpu"]
             return answer["status"]
+
+    def delegated_cpu(self) -> float:
+        """The CPU seconds of the processes delegated to this zygote that have ended (:func:`delegate`)."""
+        try:
+            return sum(float(x) for x in (self.folder / "delegated-cpu").read_text().split())
+        except FileNotFoundError:
+            return 0.0
 
     def close(self) -> None:
         if self.proc.poll() is None:

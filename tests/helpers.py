@@ -137,7 +137,7 @@ def subprocess_env(base: Mapping[str, str] | None = None, /, **extra: str | None
     """This process's environment (or `base`) for a child that runs scaletune: offline, DeepSpeed on its CPU
     accelerator where no CUDA GPU is visible (on a GPU, DeepSpeed must find CUDA), the checkout
     (src/ and the repository, for `tests.*`) first on PYTHONPATH (tests/instrument before them while
-    SCALETUNE_PROCESS_LOG is set), no launcher variables inherited; `extra` set last (a value of
+    tests/instrument), no launcher variables inherited; `extra` set last (a value of
     None removes the variable)."""
     import torch
 
@@ -145,9 +145,9 @@ def subprocess_env(base: Mapping[str, str] | None = None, /, **extra: str | None
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
-    paths = [str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]
-    if env.get("SCALETUNE_PROCESS_LOG"):  # each child logs its CPU at exit (tests/instrument/sitecustomize.py)
-        paths.insert(0, str(REPO_ROOT / "tests" / "instrument"))
+    # tests/instrument/sitecustomize.py: each child logs its CPU at exit while SCALETUNE_PROCESS_LOG is
+    # set, and hands itself to a zygote where SCALETUNE_TEST_ZYGOTE names one (tests/forked_cli.py delegate)
+    paths = [str(REPO_ROOT / "tests" / "instrument"), str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
     for name, value in extra.items():
         if value is None:
@@ -176,6 +176,8 @@ def run_torchrun(
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
     argv += ["--nproc-per-node", str(nproc), *(["-m"] if module else []), str(target), *map(str, args)]
     child_env = subprocess_env(OMP_NUM_THREADS="1")
+    if os.environ.get("SCALETUNE_TEST_FORK") != "0":  # torchrun and its ranks: forks of the zygote where they can be
+        child_env["SCALETUNE_TEST_ZYGOTE"] = _zygote().socket_path
     for name in unset:
         child_env.pop(name, None)
     child_env.update(env or {})
@@ -267,14 +269,22 @@ def run_cli(
     (tests/forked_cli.py: torch and transformers already imported, 8-10 CPU-s less a call) unless
     `fresh` is set, `cores` is, its environment changes a variable read at import time, or
     SCALETUNE_TEST_FORK=0: then, as every other verb (`--help` costs 0.4 CPU-s, the zygote 12 once),
-    in a new process."""
+    in a new process. The processes a forked verb starts in turn (the torchrun a plain `train` of
+    several processes re-executes into, its ranks) are handed to the zygote where they can be
+    (tests/forked_cli.py delegate); with `fresh`, `cores` or SCALETUNE_TEST_FORK=0 they start as
+    users' do."""
     if cores:
         env = {"OMP_NUM_THREADS": None, **(env or {})}
     child_env = subprocess_env(**(env or {}))
     forked = args[:1] and args[0] in FORKED_VERBS and "--help" not in args
     zygote = _zygote() if forked and not (fresh or cores or os.environ.get("SCALETUNE_TEST_FORK") == "0") else None
-    if zygote is not None and zygote.can_run(child_env):
-        return zygote.run(args, env=child_env, cwd=cwd or REPO_ROOT, input=input or "", timeout=timeout)
+    if zygote is not None:
+        # The torchrun a plain `train` of several processes re-executes into, and that torchrun's
+        # ranks, are forks of the zygote too where their environment allows (tests/forked_cli.py
+        # delegate), even where this command itself must start fresh.
+        child_env["SCALETUNE_TEST_ZYGOTE"] = zygote.socket_path
+        if zygote.can_run(child_env):
+            return zygote.run(args, env=child_env, cwd=cwd or REPO_ROOT, input=input or "", timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", "scaletune", *args],
         capture_output=True,

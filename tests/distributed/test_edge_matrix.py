@@ -40,7 +40,8 @@ model (`model.factory`, examples/digits) across two processes through the real c
 
 How they start (:data:`USER_CASES`): ZeRO-3 at 2 exactly as users start it, the run and its
 same-world-size resume through the plain command (which re-executes under torchrun and sizes each
-rank's threads), the resharding resume onto 3 through `torchrun -m scaletune train`. The other nine
+rank's threads; its torchrun and ranks are new interpreters, as users' are, where the suite's others
+are forks of the test worker's zygote: tests/forked_cli.py delegate), the resharding resume onto 3 through `torchrun -m scaletune train`. The other nine
 cases pass the same command lines to `scaletune.cli.main` one after another in the ranks of three
 torchruns
 (tests/distributed/sequential_runs.py): their subject is the engines' arithmetic and files, which
@@ -168,8 +169,12 @@ def scaletune_train(
     if via == "torchrun":
         return run_torchrun("scaletune", *args, nproc=nproc, module=True, timeout=TIMEOUT)
     # Several processes start without the test worker's OMP_NUM_THREADS (tests/conftest.py): the
-    # plain command sizes it for its ranks.
-    return run_cli(args, timeout=TIMEOUT, env={"OMP_NUM_THREADS": None} if nproc > 1 else None)
+    # plain command sizes it for its ranks. And fresh: the torchrun and ranks of this case start as
+    # users' do, new interpreters (elsewhere they are forks of the test worker's zygote:
+    # tests/forked_cli.py delegate).
+    if nproc > 1:
+        return run_cli(args, timeout=TIMEOUT, env={"OMP_NUM_THREADS": None}, fresh=True)
+    return run_cli(args, timeout=TIMEOUT)
 
 
 def trained(proc: subprocess.CompletedProcess, what: str) -> None:
