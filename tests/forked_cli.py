@@ -76,6 +76,14 @@ CALL_TIME_VARIABLES = (
     # inherit it; torch.serialization reads both in torch.load.
     "TORCH_FORCE_WEIGHTS_ONLY_LOAD",
     "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD",
+    # Set in a test worker by what its tests import or run in-process: scikit-learn, joblib and
+    # threadpoolctl set Intel/LLVM OpenMP's KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK at import, and
+    # inductor's compile sets the first and the pointer its compiled module reads when loaded. The
+    # OpenMP that torch (and scikit-learn) load here is GNU's libgomp, which reads no KMP_ variable.
+    # (In CI at 358b446 they made 280 of 330 processes that asked start fresh.)
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
 )
 
 # What torchrun gives each worker beyond its own environment (torch 2.13:

@@ -48,6 +48,8 @@ if mode == "report":
         # the control that tells the two starts apart: a delegated rank is a fork of a zygote that
         # imported torch; a fresh one has imported nothing heavy
         "torch_imported": "torch" in sys.modules,
+        # how tests/instrument/sitecustomize.py saw it start (a refusal names its reason)
+        "started_as": getattr(sys.modules.get("sitecustomize"), "_started_as", None),
     }
     print(f"rank {rank} reporting", flush=True)
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:

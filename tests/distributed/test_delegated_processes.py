@@ -41,6 +41,8 @@ def test_a_delegated_rank_sees_what_a_fresh_rank_sees(tmp_path):
         reports[fresh] = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
     for fresh_rank, delegated_rank in zip(reports[True], reports[False]):
         # the control: the fresh rank imported nothing heavy, the delegated one is a fork of the zygote
+        assert fresh_rank.pop("started_as") == "fresh"
+        assert delegated_rank.pop("started_as") == "delegated"  # else a refusal's reason
         assert fresh_rank.pop("torch_imported") is False
         assert delegated_rank.pop("torch_imported") is True
         for report in (fresh_rank, delegated_rank):

@@ -611,7 +611,10 @@ def test_page_uses_a_chat_file_with_its_format(srv, tiny_model_dir, tmp_path):
         driver.find_element(By.ID, "data-upload").click()
         wait_for(lambda: "format messages" in " ".join(dom(driver, "#data-files li")), 30, "the upload, its format")
         driver.find_element(By.ID, "data-use").click()
-        wait_for(lambda: chosen("#f-format") == "messages", 30, "messages in the format field")
+        # The form's requests run one after another: this one may wait for the plan preview the
+        # model's change scheduled (the job's preflight in a child process; it took over 30 s in CI at
+        # 358b446 with both cores busy).
+        wait_for(lambda: chosen("#f-format") == "messages", 90, "messages in the format field")
         area = str(data_area(srv.svc.home) / "own-chat.jsonl")
         now = yaml_now()
         assert now["data"] == {**example["data"], "train": {"path": area, "format": "messages"}}, now["data"]
