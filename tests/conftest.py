@@ -93,7 +93,31 @@ if LoadScopeScheduling is not None:
             return worker_group(nodeid)
 
     def pytest_xdist_make_scheduler(config, log):
+        # Units are handed out in collection order, which pytest_collection_modifyitems makes the
+        # longest first (xdist's own reorder puts the units of most tests first: the unit tier's).
+        config.option.loadscopereorder = False
         return _ByWorkerGroup(config, log)
+
+
+# What each unit took in CI (tests/assets/test-costs.json, scripts/test_costs.py): the units are
+# collected longest first, so that the last ones handed out are short and the workers end together
+# (the longest processing time first rule); a unit the table does not know counts as a minute.
+UNKNOWN_UNIT_SECONDS = 60.0
+
+
+def _by_cost(items: list) -> None:
+    import json
+
+    table = json.loads((Path(__file__).parent / "assets" / "test-costs.json").read_text())["seconds"]
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(worker_group(item.nodeid), i)
+    items.sort(
+        key=lambda item: (
+            -table.get(worker_group(item.nodeid), UNKNOWN_UNIT_SECONDS),
+            first_seen[worker_group(item.nodeid)],
+        )
+    )
 
 
 def pytest_collection_finish(session) -> None:
@@ -107,6 +131,7 @@ def pytest_collection_finish(session) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     """Tests marked `slow` measure rather than prove (benchmarks, load) or wait for CI time:
     they run with SCALETUNE_SLOW_TESTS=1 (`bash scripts/test.sh --slow`), not in the default run CI makes."""
+    _by_cost(items)
     if os.environ.get("SCALETUNE_SLOW_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="slow tier: set SCALETUNE_SLOW_TESTS=1 (bash scripts/test.sh --slow)")
