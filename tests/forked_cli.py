@@ -55,6 +55,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 # What a child's environment may change from the zygote's: variables read when a command runs, not
@@ -233,9 +234,7 @@ def _child(request: dict) -> None:
         import scaletune.__main__ as entry
 
         sys.argv = [entry.__file__, *request["argv"]]
-        if "sitecustomize" in sys.modules:  # tests/instrument: this process's wall time starts now
-            sys.modules["sitecustomize"]._started = time.monotonic()
-            sys.modules["sitecustomize"]._started_as = "forked"
+        _mark_started("forked")
         from scaletune.cli import main
 
         main()  # ends the process (cli._exit_now), with the verb's exit status
@@ -290,11 +289,7 @@ def _refusal(request: dict) -> str:
 
     if request["executable"] != sys.executable:
         return f"another interpreter ({request['executable']})"
-    env = request["env"]
-    changed = sorted(k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k))
-    read_at_import = [
-        k for k in changed if not (k in WORKER_VARIABLES or k.startswith((*CALL_TIME_VARIABLES, "TORCHELASTIC_")))
-    ]
+    read_at_import = read_at_import_differences(request["env"], os.environ, launched=True)
     if read_at_import:
         return "its environment differs in variables read at import: " + ", ".join(read_at_import)
     if request["affinity"] != sorted(os.sched_getaffinity(0)):
@@ -303,6 +298,27 @@ def _refusal(request: dict) -> str:
         if list(resource.getrlimit(getattr(resource, name))) != limits:
             return f"another {name}"
     return ""
+
+
+def read_at_import_differences(env: Mapping[str, str], base: Mapping[str, str], *, launched: bool = False) -> list[str]:
+    """The variables in which `env` differs from `base` (a zygote's) that a process may read at
+    import, where a fork of the zygote would not see them as a fresh process does: all but
+    :data:`CALL_TIME_VARIABLES`, and (`launched`: a process torchrun started, or torchrun itself)
+    :data:`WORKER_VARIABLES` and TORCHELASTIC_*."""
+    allowed = (*CALL_TIME_VARIABLES, "TORCHELASTIC_") if launched else CALL_TIME_VARIABLES
+    return sorted(
+        k
+        for k in env.keys() | base.keys()
+        if env.get(k) != base.get(k) and not (k.startswith(allowed) or (launched and k in WORKER_VARIABLES))
+    )
+
+
+def _mark_started(how: str) -> None:
+    """Tell tests/instrument/sitecustomize.py, where it is loaded, how this process started
+    ("forked", "delegated") and that its wall time starts now."""
+    if "sitecustomize" in sys.modules:
+        sys.modules["sitecustomize"]._started = time.monotonic()
+        sys.modules["sitecustomize"]._started_as = how
 
 
 def _delegated_child(request: dict, fds: list[int]) -> None:
@@ -327,9 +343,7 @@ def _delegated_child(request: dict, fds: list[int]) -> None:
         os.umask(request["umask"])
         _standard_streams(unbuffered=request["unbuffered"])
         sys.orig_argv = request["orig_argv"]
-        if "sitecustomize" in sys.modules:  # tests/instrument: this process's wall time starts now
-            sys.modules["sitecustomize"]._started = time.monotonic()
-            sys.modules["sitecustomize"]._started_as = "delegated"
+        _mark_started("delegated")
         import runpy
 
         program = request["program"]
@@ -504,8 +518,7 @@ class ForkServer:
     def can_run(self, env: dict[str, str]) -> bool:
         """Whether a child with `env` behaves as a fresh process would: only variables read when a
         command runs differ from the zygote's."""
-        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return all(k.startswith(CALL_TIME_VARIABLES) for k in changed)
+        return not read_at_import_differences(env, self.env)
 
     def run(
         self, argv: list[str], *, env: dict[str, str], cwd: Path, input: str, timeout: float
