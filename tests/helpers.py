@@ -184,6 +184,17 @@ def run_torchrun(
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
 
 
+def run_python(script: Path, *args: str | Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python SCRIPT args` as one process, as :func:`run_torchrun` starts each rank (its environment,
+    one OpenMP thread, a fork of the zygote where it can be), for a driver's single-process control.
+    Returns the finished process, its output captured as text; raises subprocess.TimeoutExpired."""
+    child_env = subprocess_env(OMP_NUM_THREADS="1")
+    if os.environ.get("SCALETUNE_TEST_FORK") != "0":
+        child_env["SCALETUNE_TEST_ZYGOTE"] = _zygote().socket_path
+    argv = [sys.executable, str(script), *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=REPO_ROOT)
+
+
 SEQUENTIAL_RUNS = REPO_ROOT / "tests" / "distributed" / "sequential_runs.py"
 
 

@@ -7,16 +7,17 @@ resumed in the middle of stage 2 continues with the uninterrupted run's losses (
 final/ holds the same weights under every engine, and `export` of a checkpoint equals final/.
 
 One torchrun launch of 2 ranks runs every multi-rank case in one process group (this file is the
-driver: `python tests/distributed/test_custom_model.py OUT CASES`); the single-process cases run
+driver: `python tests/distributed/test_custom_model.py OUT LM CASES`); the single-process cases run
 the same driver without torchrun. Each case is the real `Trainer` on a config read from
-examples/digits/digits.yaml with 3 steps per stage and 64 held-out images.
+examples/digits/digits.yaml with 3 steps per stage and 64 held-out images, its language model the
+session's tiny OLMo-2 (`lm_path`: the example's own option; the tests' 27,110-token tokenizer, where
+the example's preset carries OLMo-2's 100,352 rows, whose head was most of each step's arithmetic).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -37,12 +38,14 @@ DIST = {
 }
 
 
-def config_dict(out: Path, case: str, resume: Path | None = None) -> dict:
-    """The example's config with 3 steps per stage, a checkpoint at step 4 (mid stage 2) and the case's engine."""
+def config_dict(out: Path, lm: Path, case: str, resume: Path | None = None) -> dict:
+    """The example's config with the language model in `lm`, 3 steps per stage, a checkpoint at
+    step 4 (mid stage 2) and the case's engine."""
     import yaml
 
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg.update(output_dir=str(out / case), overwrite=True, distributed=DIST[case.removesuffix("-resume")])
+    cfg["model"]["factory_kwargs"] = {"lm_path": str(lm)}
     cfg["data"]["factory_kwargs"] = {"holdout": 64}  # a short eval (at stage ends) keeps the test fast
     cfg["training"].update(save_every=4, keep_last=10, log_every=1, warmup_steps=1, resume=resume and str(resume))
     for stage in cfg["stages"]:
@@ -50,7 +53,7 @@ def config_dict(out: Path, case: str, resume: Path | None = None) -> dict:
     return cfg
 
 
-def run_case(out: Path, case: str) -> None:
+def run_case(out: Path, lm: Path, case: str) -> None:
     """Train one case with the real Trainer, recording which tensors each stage changed (rank 0)."""
     import torch
 
@@ -62,7 +65,7 @@ def run_case(out: Path, case: str) -> None:
 
     resume = out / case.removesuffix("-resume") / "checkpoints" / "step-4" if case.endswith("-resume") else None
     env = DistributedEnv.from_environ()
-    spec = prepare(read_config(None, data=config_dict(out, case, resume)), env)
+    spec = prepare(read_config(None, data=config_dict(out, lm, case, resume)), env)
     changed: dict[str, list[str]] = {}
 
     class Probe(Trainer):
@@ -81,7 +84,7 @@ def run_case(out: Path, case: str) -> None:
         (out / case / "changed.json").write_text(json.dumps(changed))
 
 
-def _driver(out: str, cases: list[str]) -> None:
+def _driver(out: str, lm: str, cases: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import torch.distributed as dist
 
@@ -90,7 +93,7 @@ def _driver(out: str, cases: list[str]) -> None:
         dist.init_process_group("gloo")
     try:
         for case in cases:
-            run_case(Path(out), case)
+            run_case(Path(out), Path(lm), case)
             if launched:
                 dist.barrier()
     finally:
@@ -101,24 +104,17 @@ def _driver(out: str, cases: list[str]) -> None:
 ENGINES = ("ddp", "fsdp", "zero3")
 
 
-def _run(cmd: list[str], timeout: int = 1800) -> None:
-    # A guard against a hung rank, not a budget: on a loaded 2-core machine the launch took 7 minutes.
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(REPO / "src"), env.get("PYTHONPATH")]))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-
-
 @pytest.fixture(scope="module")
-def runs(module_tmp_path) -> Path:
+def runs(module_tmp_path, tiny_model_dir) -> Path:
     pytest.importorskip("sklearn")
+    from tests.helpers import run_python, run_torchrun
+
     out = module_tmp_path
-    _run([sys.executable, str(HERE), str(out), "single", "single-resume"])
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    _run([*torchrun, str(HERE), str(out), *ENGINES, "zero3-resume"])
+    # A guard against a hung rank, not a budget: on a loaded 2-core machine the launch took 7 minutes.
+    single = run_python(HERE, out, tiny_model_dir, "single", "single-resume", timeout=1800)
+    ranks = run_torchrun(HERE, out, tiny_model_dir, *ENGINES, "zero3-resume", nproc=2, timeout=1800)
+    for what, proc in (("single", single), ("ranks", ranks)):
+        assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return out
 
 
@@ -142,7 +138,8 @@ def test_world2_reproduces_single_through_three_stages(case, runs):
     for a, b in zip(got, ref):
         assert rel(a["loss"], b["loss"]) <= 1e-4, f"{case} step {a['step']} loss {a['loss']} vs {b['loss']}"
         assert rel(a["grad_norm"], b["grad_norm"]) <= 1e-4, f"{case} step {a['step']} grad_norm"
-    assert ref[-1]["loss"] < ref[0]["loss"] - 1.0  # the curve moves: parity over a flat curve proves nothing
+    # The curve moves (parity over a flat curve proves nothing): 10.18 -> 9.22 measured.
+    assert ref[-1]["loss"] < ref[0]["loss"] - 0.5
 
 
 @pytest.mark.parametrize("case", ["single", *ENGINES])
@@ -193,4 +190,4 @@ def test_final_weights_agree_and_export_equals_final(runs, tmp_path):
 
 if __name__ == "__main__":
     sys.path[:0] = [str(REPO), str(REPO / "src")]
-    _driver(sys.argv[1], sys.argv[2:])
+    _driver(sys.argv[1], sys.argv[2], sys.argv[3:])

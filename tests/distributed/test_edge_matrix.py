@@ -161,10 +161,11 @@ def edge_config(model: Path, out: Path) -> dict:
 
 
 def scaletune_train(
-    config: Path, *overrides: str, nproc: int = 1, via: str = "scaletune"
+    config: Path, *overrides: str, nproc: int = 1, via: str = "scaletune", fresh: bool = True
 ) -> subprocess.CompletedProcess:
     """`scaletune train CONFIG overrides` as a user types it (a plain command that re-executes under
-    torchrun for nproc > 1), or `torchrun --nproc-per-node N -m scaletune train ...` (via="torchrun")."""
+    torchrun for nproc > 1), or `torchrun --nproc-per-node N -m scaletune train ...` (via="torchrun").
+    `fresh=False`: the plain command's torchrun and ranks are forks of the zygote where they can be."""
     args = ["train", str(config), *overrides, f"distributed.num_processes={nproc}"]
     if via == "torchrun":
         return run_torchrun("scaletune", *args, nproc=nproc, module=True, timeout=TIMEOUT)
@@ -173,7 +174,7 @@ def scaletune_train(
     # users' do, new interpreters (elsewhere they are forks of the test worker's zygote:
     # tests/forked_cli.py delegate).
     if nproc > 1:
-        return run_cli(args, timeout=TIMEOUT, env={"OMP_NUM_THREADS": None}, fresh=True)
+        return run_cli(args, timeout=TIMEOUT, env={"OMP_NUM_THREADS": None}, fresh=fresh)
     return run_cli(args, timeout=TIMEOUT)
 
 
@@ -447,18 +448,21 @@ def test_data_smaller_than_one_global_batch_under_torchrun_names_it_once(module_
 DIGITS = REPO_ROOT / "examples" / "digits" / "digits.yaml"
 
 
-def test_factory_model_across_two_processes(module_tmp_path):
+def test_factory_model_across_two_processes(module_tmp_path, tiny_model_dir):
     """examples/digits (your own model and data) started as `scaletune train digits.yaml
     distributed.strategy=ddp distributed.num_processes=2` trains (the preflight tokenises with the
     factory's own tokenizer) and its two steps and its eval of 65 held-out images (uneven over two
-    ranks of 16-image micro-batches) equal the single-process run's."""
+    ranks of 16-image micro-batches) equal the single-process run's. Its language model is the
+    session's tiny OLMo-2 (the factory's `lm_path`), and its torchrun and ranks forks of the zygote:
+    the fresh plain command is the ZeRO-3 user case's."""
     common = ["stages=[{name: all, training: {max_steps: 2}}]", "data.factory_kwargs.holdout=65"]
+    common += [f"model.factory_kwargs={{lm_path: {tiny_model_dir}}}"]
     common += ["training.log_every=1", "training.warmup_steps=1"]
     runs = {}
     for nproc, strategy in ((1, "single"), (2, "ddp")):
         runs[nproc] = module_tmp_path / f"digits-{nproc}"
         over = [f"output_dir={runs[nproc]}", *common, f"distributed.strategy={strategy}"]
-        trained(scaletune_train(DIGITS, *over, nproc=nproc), f"digits x{nproc}")
+        trained(scaletune_train(DIGITS, *over, nproc=nproc, fresh=False), f"digits x{nproc}")
     diffs = agreement(runs[2], runs[1])
     print(f"\n[edge] digits ddp x2: worst relative difference {json.dumps(diffs)}")
     assert [m["step"] for m in metrics(runs[2]) if "eval_loss" in m] == [2]

@@ -27,6 +27,28 @@ SHORT = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _one_reader_per_file(monkeypatch):
+    """transformers parses a GGUF file's metadata anew for its config, its tokenizer and its weights
+    (modeling_gguf_pytorch_utils.load_gguf_checkpoint), with gguf's GGUFReader, whose parse of
+    GPT-NeoX's 50k-token vocabulary costs ~4 CPU-s (half of this module's time was seven of them).
+    Here an unchanged file (same path, size and mtime) is parsed once: the reader is gguf's own."""
+    import os
+
+    import gguf
+
+    real, parsed = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, mode)
+        if key not in parsed:
+            parsed[key] = real(path, mode)
+        return parsed[key]
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+
+
 def _records(n: int = 4) -> list[str]:
     """Real strings: the first Alpaca records' fields joined as a prompt and its answer are."""
     records = json.loads(ALPACA_5000.read_text())[:n]
