@@ -45,9 +45,9 @@ export SCALETUNE_TEST_DURATIONS="${SCALETUNE_TEST_DURATIONS:-$PWD/test-durations
 # the run ends with them summed by kind and by test module.
 export SCALETUNE_PROCESS_LOG="${SCALETUNE_PROCESS_LOG:-$PWD/test-processes.jsonl}"
 rm -f "$SCALETUNE_PROCESS_LOG"
-# The tiers run on pytest-xdist workers, one per core (at least 2: much of a test's time is a
-# process starting or a service answering, not arithmetic; at most 4), a test module to a worker at
-# a time (tests/conftest.py worker_group); pyproject's `-n auto` says the same for plain `pytest`.
+# The tiers run on pytest-xdist workers, one more than the cores (at least 3: much of a test's time
+# is a service answering or a browser rendering, not arithmetic; at most 4), a test module to a
+# worker at a time (tests/conftest.py worker_group); pyproject's `-n auto` says the same for plain `pytest`.
 # SCALETUNE_TEST_WORKERS=0 runs them in this one process.
 workers="${SCALETUNE_TEST_WORKERS:-auto}"
 python -m pytest -q -n "$workers" ${where[@]+"${where[@]}"} "$@"

@@ -29,7 +29,7 @@ def _cores_per_worker() -> int | None:
     cores this process may use (affinity, cgroup quota: scaletune's own `cpu_budget`) split between
     the workers as between a node's ranks.
 
-    `scripts/test.sh` runs one worker per core, so two tests' processes always share the machine;
+    `scripts/test.sh` runs one worker more than the cores, so tests' processes always share the machine;
     a process that sized its OpenMP pool from the whole machine (torch's default, and scaletune's
     own `CpuBudget` for one rank) runs threads that spin against the other worker's. Measured on
     2 cores: two tiny single-process runs at once took 21.7 s and 21 CPU-s each with 2 threads,
@@ -69,12 +69,15 @@ def worker_group(nodeid: str) -> str:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """How many workers `-n auto` (pyproject's addopts: plain `pytest` too) starts: one per core this
-    process may use, at least 2 (much of a test's time is a process starting or a service answering,
-    not arithmetic), at most 4 (each worker imports torch and transformers, ~12 CPU-s)."""
+    """How many workers `-n auto` (pyproject's addopts: plain `pytest` too) starts: one more than the
+    cores this process may use (at least 2 of them), at most 4 (each worker imports torch and
+    transformers, ~12 CPU-s, and its zygote as much again). Much of a test's time is a service
+    answering, a browser rendering or SLURM scheduling, not arithmetic: on 2 cores, one worker a core
+    kept them 93 % busy and CI's pytest took 1,760 s (at 4c51e8c); three workers, 99 % and 1,665 s
+    (at 11794c3)."""
     from scaletune.env import cpu_budget
 
-    return min(4, max(2, cpu_budget(1, environ={}).threads))
+    return min(4, max(2, cpu_budget(1, environ={}).threads) + 1)
 
 
 try:

@@ -40,8 +40,9 @@ model (`model.factory`, examples/digits) across two processes through the real c
 
 How they start (:data:`USER_CASES`): ZeRO-3 at 2 exactly as users start it, the run and its
 same-world-size resume through the plain command (which re-executes under torchrun and sizes each
-rank's threads; its torchrun and ranks are new interpreters, as users' are, where the suite's others
-are forks of the test worker's zygote: tests/forked_cli.py delegate), the resharding resume onto 3 through `torchrun -m scaletune train`. The other nine
+rank's threads; the run's torchrun and ranks are new interpreters, as users' are, where the suite's
+others, the resume's included, are forks of the test worker's zygote: tests/forked_cli.py
+delegate), the resharding resume onto 3 through `torchrun -m scaletune train`. The other nine
 cases pass the same command lines to `scaletune.cli.main` one after another in the ranks of three
 torchruns
 (tests/distributed/sequential_runs.py): their subject is the engines' arithmetic and files, which
@@ -346,7 +347,10 @@ def by_command(edge_yaml: Path, root: Path, strategy: str, world: int) -> Case:
     for (step, on, _), via in zip(cells(world), (USER_CASES[(strategy, world)], "torchrun")):
         out = root / f"{strategy}-{world}-from-{step}-on-{on}"
         resume = f"training.resume={checkpoint(run, step)}"
-        proc = scaletune_train(edge_yaml, f"output_dir={out}", resume, *STRATEGIES[strategy], nproc=on, via=via)
+        # fresh=False: a new interpreter's start is the run's (above) to prove; ~40 CPU-s of imports
+        proc = scaletune_train(
+            edge_yaml, f"output_dir={out}", resume, *STRATEGIES[strategy], nproc=on, via=via, fresh=False
+        )
         trained(proc, f"{strategy} x{world} resumed from step {step} on {on} ({via})")
         case.resumed[(step, on)] = (out, proc.stdout + proc.stderr)
     return case
