@@ -16,10 +16,12 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
   and `ddp-replay`, one process replaying them: world size 2 reproduces world size 1 on the same
   completions (1e-4); `resumed-1` (one process, replaying) and `resumed-2` (two, hf) resume from its
   checkpoint inside the GRPO stage and continue as it did;
-- `fsdp-2`, `zero3-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5
+- `fsdp-2`, `zero2-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5
   held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
-- `zero2-2` (in the same torchrun) samples with the `hf` engine under DeepSpeed ZeRO-2, and
-  `zero2-replay`, one process replaying it, reproduces it (1e-4).
+- `zero3-2` (in the same torchrun) samples with the `hf` engine under DeepSpeed ZeRO-3, whose every
+  forward gathers parameters from both ranks, from a model whose completions end early and unevenly
+  (:func:`eos_prone_model`), so one rank's generation ends before the other's; `zero3-replay`, one
+  process replaying it, reproduces it (1e-4).
 """
 
 from __future__ import annotations
@@ -53,6 +55,31 @@ def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
         path.write_text("\n".join(json.dumps(p) for p in _prompts(part)) + "\n")
         out.append(path)
     return out[0], out[1]
+
+
+# The end-of-sequence token made likely everywhere (:func:`eos_prone_model`).
+EOS_PUSH, EOS_GAIN = 10.0, 1.5  # completions of 1-8 tokens (of 8 at most)
+
+
+@pytest.fixture(scope="module")
+def eos_prone_model(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model whose sampled completions end early and at uneven lengths (a random model's
+    almost never end: 1 in 27,110 a token): every token's embedding holds EOS_PUSH in dimension 0,
+    which the residual stream carries to the final norm (positive there), and the head's row of the
+    end-of-sequence token reads that dimension with weight EOS_GAIN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("models") / "eos-prone"
+    shutil.copytree(tiny_model_dir, out)
+    eos = AutoTokenizer.from_pretrained(str(out)).eos_token_id
+    weights = load_file(str(out / "model.safetensors"))
+    weights["model.embed_tokens.weight"][:, 0] = EOS_PUSH
+    weights["lm_head.weight"][eos, 0] = EOS_GAIN
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def _config(model: Path, out: Path, files: tuple[Path, Path], **distributed) -> dict:
@@ -115,7 +142,7 @@ def _staged(cfg: dict, **training) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
+def runs(tiny_model_dir, eos_prone_model, prompt_files, module_tmp_path) -> dict[str, Path]:
     base = module_tmp_path
     names = (
         "hf",
@@ -126,8 +153,8 @@ def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
         "resumed-2",
         "fsdp-2",
         "zero2-2",
-        "zero2-replay",
         "zero3-2",
+        "zero3-replay",
         "fsdp-3",
     )
     out = {name: base / name for name in names}
@@ -144,25 +171,25 @@ def runs(tiny_model_dir, prompt_files, module_tmp_path) -> dict[str, Path]:
     train(resumed, base, name="resumed-1.yaml")
     layouts = {
         "fsdp-2": {"strategy": "fsdp", "num_processes": 2},
-        "zero3-2": {"strategy": "deepspeed", "zero_stage": 3, "num_processes": 2},
+        "zero2-2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
     }
     batch = {
         name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"])
         for name, d in layouts.items()
     }
-    # ZeRO-2 samples with the hf engine itself (the module DeepSpeed holds whole on each rank).
-    batch["zero2-2"] = _config(
-        tiny_model_dir, out["zero2-2"], prompt_files, strategy="deepspeed", zero_stage=2, num_processes=2
+    # ZeRO-3 samples with the hf engine itself, through the parameters it shards.
+    batch["zero3-2"] = _config(
+        eos_prone_model, out["zero3-2"], prompt_files, strategy="deepspeed", zero_stage=3, num_processes=2
     )
-    # Resumed on its own world size with the hf engine: the sampling RNG and the prompt position restored.
+    # Resumed on its own world size with the hf engine: each call's sampling seed drawn again, the prompt position restored.
     batch["resumed-2"] = _staged(
         _config(tiny_model_dir, out["resumed-2"], prompt_files, strategy="ddp", num_processes=2), resume=inside
     )
     train_batch(batch, base / "batch")
     train(
-        _replaying(_config(tiny_model_dir, out["zero2-replay"], prompt_files), out["zero2-2"]),
+        _replaying(_config(eos_prone_model, out["zero3-replay"], prompt_files), out["zero3-2"]),
         base,
-        name="zero2-replay.yaml",
+        name="zero3-replay.yaml",
     )
     fsdp3 = _replaying(
         _config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"]
@@ -247,7 +274,7 @@ def test_sft_then_grpo_on_ddp_with_the_hf_engine_equals_one_process_on_its_compl
 def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(runs, name):
     """From the checkpoint after the GRPO stage's first step: on one process replaying the
     uninterrupted run's completions (another world size samples differently), and on two with the hf
-    engine (its sampling RNG and prompt position restored: the same completions again)."""
+    engine (each call's sampling seed drawn again and the prompt position restored: the same completions again)."""
     mine, ref = steps(runs[name]), steps(runs["ddp-hf"])
     assert [m["step"] for m in mine] == [4, 5]
     for key in ("loss", "grad_norm", "reward", "reward_std", "kl"):
@@ -260,10 +287,24 @@ def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(
         assert resumed == uninterrupted
 
 
-@pytest.mark.parametrize("layout", ["fsdp-2", "zero3-2", "fsdp-3"])
+@pytest.mark.parametrize("layout", ["fsdp-2", "zero2-2", "fsdp-3"])
 def test_layout_reproduces_the_single_process_run(runs, layout):
     _assert_reproduces(runs[layout], runs["hf"], REL, layout)
 
 
-def test_zero2_with_the_hf_engine_equals_one_process_on_its_completions(runs):
-    _assert_reproduces(runs["zero2-replay"], runs["zero2-2"], REL, "ZeRO-2 world size 2 (hf engine) vs 1")
+def test_zero3_with_the_hf_engine_ends_unevenly_and_equals_one_process_on_its_completions(runs):
+    """Under ZeRO-3 each rank's generate runs until both ranks' completions have ended (a rank that
+    stopped first would leave the other in an all-gather): the run finished, some micro-batch's
+    completions ended at another length on one rank than on the other, and one process replaying
+    its completions trains the same steps (1e-4)."""
+    lines = [r for r in _rollouts(runs["zero3-2"]) if r["split"] == "train"]
+    assert len(lines) == 3 * 6 * G
+    longest: dict[tuple[int, int, int], int] = {}  # (step, micro-batch, rank) -> its longest completion
+    for i, r in enumerate(lines):
+        rank, within = divmod(i % (6 * G), 3 * G)  # a step's lines: rank 0's 3 prompts x G, then rank 1's
+        key = (r["step"], within // G, rank)
+        longest[key] = max(longest.get(key, 0), len(r["completion_ids"]))
+    uneven = [(s, m) for (s, m, rank) in longest if rank == 0 and longest[s, m, 0] != longest[s, m, 1]]
+    assert uneven, longest
+    assert min(len(r["completion_ids"]) for r in lines) < 8
+    _assert_reproduces(runs["zero3-replay"], runs["zero3-2"], REL, "ZeRO-3 world size 2 (hf engine) vs 1")

@@ -116,17 +116,17 @@ def _online_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
 
 
 def _engine_problems(s: RunSpec, engine: str, key: str) -> list[Problem]:
-    """An engine the strategy can run: hf generates with the trained module, whole on each rank."""
-    if engine != "hf" or not (s.strategy == "fsdp" or (s.strategy == "deepspeed" and s.zero_stage == 3)):
+    """An engine the strategy can run: hf generates with the trained module, which it calls outside
+    FSDP2's root forward (the root unit holds the embeddings and the head)."""
+    if engine != "hf" or s.strategy != "fsdp":
         return []
-    sharder = "fsdp" if s.strategy == "fsdp" else "deepspeed ZeRO-3"
     return [
         Problem(
             "objective",
             f"{key}.engine",
-            f"{key}.engine hf generates with the trained module, which {sharder} shards; generating "
-            "through sharded parameters is not built yet",
-            "use ddp or deepspeed zero_stage 1 or 2 (or engine: replay)",
+            f"{key}.engine hf generates with the trained module, which fsdp shards; generating "
+            "through FSDP2's units is not built yet",
+            "use deepspeed (zero_stage 1, 2 or 3) or ddp (or engine: replay)",
         )
     ]
 

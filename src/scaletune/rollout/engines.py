@@ -56,14 +56,40 @@ class Engine:
 
 class HFEngine(Engine):
     """`generate` of the trained model (`strategy.module.causal_lm`: the module DDP and DeepSpeed
-    ZeRO-1/2 hold whole), in eval mode (no dropout), sampling at `temperature` and `top_p` from the
-    whole vocabulary (`top_k` 0, no repetition penalty: the model's generation_config is not read)."""
+    ZeRO-1/2 hold whole, and whose parameters ZeRO-3's hooks gather for each submodule's forward),
+    in eval mode (no dropout), sampling at `temperature` and `top_p` from the whole vocabulary
+    (`top_k` 0, no repetition penalty: the model's generation_config is not read).
+
+    Where the engine shards the parameters (ZeRO-3) on several ranks, every forward is a collective,
+    so generation runs `synced_gpus`: a rank whose completions have all ended goes on with forwards
+    (whose tokens it discards) until every rank's have, as transformers' `generate` does when it sees
+    ZeRO-3 announced; it is passed, not left to that detection, since a rank that left the loop
+    first would leave the others waiting in an all-gather.
+
+    Each call samples from its own seed, drawn from (the run's seed, this rank, split, step, the
+    call's place in that step), in a forked RNG: ranks sample independently (on the run's one
+    seed they drew the same random numbers, so a prompt-insensitive model gave every rank the same
+    completions; TRL seeds each process apart for the same reason, `set_seed(seed,
+    device_specific=True)` in GRPOTrainer), a resumed run draws what the uninterrupted one drew
+    without restoring any RNG, and sampling leaves the training RNG (dropout) untouched."""
 
     name = "hf"
 
     def __init__(self, strategy: Any, tokenizer: Any, settings: RLConfig | DistillConfig) -> None:
         self.strategy, self.tokenizer, self.settings = strategy, tokenizer, settings
         self.eos = eos_ids(tokenizer)
+        self.synced = strategy.spec.shards_params and strategy.env.world_size > 1
+        self.calls: dict[tuple[str, int], int] = {}  # (split, step) -> generate calls made for it
+
+    def sampling_seed(self, split: str, step: int) -> int:
+        """The seed of this rank's next `generate` call at (split, step): 63 bits of
+        sha256(run seed / rank / split / step / call)."""
+        import hashlib
+
+        call = self.calls.get((split, step), 0)
+        self.calls = {(split, step): call + 1}  # one (split, step) at a time: older keys are done
+        key = f"{self.strategy.spec.config.seed}/{self.strategy.env.rank}/{split}/{step}/{call}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
     def generate(self, prompt_ids, prompt_mask, n, *, split, step, prompt_index):
         from transformers import GenerationConfig
@@ -83,10 +109,15 @@ class HFEngine(Engine):
         )
         was_training = model.training
         strategy.train_mode(False)
+        seed = self.sampling_seed(split, step)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
                 out = model.generate(
-                    input_ids=prompt_ids.to(device), attention_mask=prompt_mask.to(device), generation_config=config
+                    input_ids=prompt_ids.to(device),
+                    attention_mask=prompt_mask.to(device),
+                    generation_config=config,
+                    synced_gpus=self.synced,
                 )
         finally:
             strategy.train_mode(was_training)
