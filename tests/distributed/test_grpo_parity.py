@@ -16,12 +16,12 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
   and `ddp-replay`, one process replaying them: world size 2 reproduces world size 1 on the same
   completions (1e-4); `resumed-1` (one process, replaying) and `resumed-2` (two, hf) resume from its
   checkpoint inside the GRPO stage and continue as it did;
-- `fsdp-2`, `zero2-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5
-  held-out prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
-- `zero3-2` (in the same torchrun) samples with the `hf` engine under DeepSpeed ZeRO-3, whose every
-  forward gathers parameters from both ranks, from a model whose completions end early and unevenly
-  (:func:`eos_prone_model`), so one rank's generation ends before the other's; `zero3-replay`, one
-  process replaying it, reproduces it (1e-4).
+- `zero2-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5 held-out
+  prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
+- `zero3-2` and `fsdp-2` (in the same torchrun) sample with the `hf` engine under DeepSpeed ZeRO-3
+  and FSDP2, whose every forward gathers parameters from both ranks, from a model whose completions
+  end early and unevenly (:func:`eos_prone_model`), so one rank's generation ends before the
+  other's; `zero3-replay` and `fsdp-replay`, one process replaying each, reproduce them (1e-4).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
     return out[0], out[1]
 
 
+# The layouts that sample with the hf engine through sharded parameters (each replayed on one process).
+SAMPLING_SHARDED = {"zero3-2": {"strategy": "deepspeed", "zero_stage": 3}, "fsdp-2": {"strategy": "fsdp"}}
 # The end-of-sequence token made likely everywhere (:func:`eos_prone_model`).
 EOS_PUSH, EOS_GAIN = 10.0, 1.5  # completions of 1-8 tokens (of 8 at most)
 
@@ -155,6 +157,7 @@ def runs(tiny_model_dir, eos_prone_model, prompt_files, module_tmp_path) -> dict
         "zero2-2",
         "zero3-2",
         "zero3-replay",
+        "fsdp-replay",
         "fsdp-3",
     )
     out = {name: base / name for name in names}
@@ -169,28 +172,19 @@ def runs(tiny_model_dir, eos_prone_model, prompt_files, module_tmp_path) -> dict
     inside = str(out["ddp-hf"] / "checkpoints" / "step-3")
     resumed = _replaying(_staged(_config(tiny_model_dir, out["resumed-1"], prompt_files), resume=inside), out["ddp-hf"])
     train(resumed, base, name="resumed-1.yaml")
-    layouts = {
-        "fsdp-2": {"strategy": "fsdp", "num_processes": 2},
-        "zero2-2": {"strategy": "deepspeed", "zero_stage": 2, "num_processes": 2},
-    }
-    batch = {
-        name: _replaying(_config(tiny_model_dir, out[name], prompt_files, **d), out["hf"])
-        for name, d in layouts.items()
-    }
-    # ZeRO-3 samples with the hf engine itself, through the parameters it shards.
-    batch["zero3-2"] = _config(
-        eos_prone_model, out["zero3-2"], prompt_files, strategy="deepspeed", zero_stage=3, num_processes=2
-    )
+    zero2 = _config(tiny_model_dir, out["zero2-2"], prompt_files, strategy="deepspeed", zero_stage=2, num_processes=2)
+    batch = {"zero2-2": _replaying(zero2, out["hf"])}
+    # ZeRO-3 and fsdp sample with the hf engine itself, through the parameters they shard.
+    for name, d in SAMPLING_SHARDED.items():
+        batch[name] = _config(eos_prone_model, out[name], prompt_files, num_processes=2, **d)
     # Resumed on its own world size with the hf engine: each call's sampling seed drawn again, the prompt position restored.
     batch["resumed-2"] = _staged(
         _config(tiny_model_dir, out["resumed-2"], prompt_files, strategy="ddp", num_processes=2), resume=inside
     )
     train_batch(batch, base / "batch")
-    train(
-        _replaying(_config(eos_prone_model, out["zero3-replay"], prompt_files), out["zero3-2"]),
-        base,
-        name="zero3-replay.yaml",
-    )
+    for name in SAMPLING_SHARDED:
+        replay = name.replace("-2", "-replay")
+        train(_replaying(_config(eos_prone_model, out[replay], prompt_files), out[name]), base, name=f"{replay}.yaml")
     fsdp3 = _replaying(
         _config(tiny_model_dir, out["fsdp-3"], prompt_files, strategy="fsdp", num_processes=3), out["hf"]
     )
@@ -287,17 +281,18 @@ def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(
         assert resumed == uninterrupted
 
 
-@pytest.mark.parametrize("layout", ["fsdp-2", "zero2-2", "fsdp-3"])
+@pytest.mark.parametrize("layout", ["zero2-2", "fsdp-3"])
 def test_layout_reproduces_the_single_process_run(runs, layout):
     _assert_reproduces(runs[layout], runs["hf"], REL, layout)
 
 
-def test_zero3_with_the_hf_engine_ends_unevenly_and_equals_one_process_on_its_completions(runs):
-    """Under ZeRO-3 each rank's generate runs until both ranks' completions have ended (a rank that
-    stopped first would leave the other in an all-gather): the run finished, some micro-batch's
-    completions ended at another length on one rank than on the other, and one process replaying
-    its completions trains the same steps (1e-4)."""
-    lines = [r for r in _rollouts(runs["zero3-2"]) if r["split"] == "train"]
+@pytest.mark.parametrize("layout", list(SAMPLING_SHARDED))
+def test_sharded_hf_sampling_ends_unevenly_and_equals_one_process_on_its_completions(runs, layout):
+    """Under ZeRO-3 and fsdp each rank's generate runs until both ranks' completions have ended (a
+    rank that stopped first would leave the other in an all-gather): the run finished, some
+    micro-batch's completions ended at another length on one rank than on the other, and one
+    process replaying its completions trains the same steps (1e-4)."""
+    lines = [r for r in _rollouts(runs[layout]) if r["split"] == "train"]
     assert len(lines) == 3 * 6 * G
     longest: dict[tuple[int, int, int], int] = {}  # (step, micro-batch, rank) -> its longest completion
     for i, r in enumerate(lines):
@@ -307,4 +302,5 @@ def test_zero3_with_the_hf_engine_ends_unevenly_and_equals_one_process_on_its_co
     uneven = [(s, m) for (s, m, rank) in longest if rank == 0 and longest[s, m, 0] != longest[s, m, 1]]
     assert uneven, longest
     assert min(len(r["completion_ids"]) for r in lines) < 8
-    _assert_reproduces(runs["zero3-replay"], runs["zero3-2"], REL, "ZeRO-3 world size 2 (hf engine) vs 1")
+    replay = layout.replace("-2", "-replay")
+    _assert_reproduces(runs[replay], runs[layout], REL, f"{layout} world size 2 (hf engine) vs 1")

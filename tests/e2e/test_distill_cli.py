@@ -15,7 +15,7 @@ def test_no_teacher_and_packing_in_one_message_at_their_lines(tiny_model_dir, tm
         tmp_path / "run",
         data={"packing": True},
         training={"objective": "distill", "max_steps": 2, "distill": {"mode": "on_policy"}},
-        distributed={"strategy": "fsdp", "num_processes": 2},
+        distributed={"strategy": "fsdp", "num_processes": 2, "tensor_parallel": 2},
     )
     err = assert_refused(cfg, tmp_path)
     config = tmp_path / "config.yaml"
@@ -25,7 +25,7 @@ def test_no_teacher_and_packing_in_one_message_at_their_lines(tiny_model_dir, tm
         "data.train.format is alpaca, but training.objective distill with distill.mode on_policy trains on prompt data"
         in err
     )
-    assert "training.distill.engine hf generates with the trained module, which fsdp shards" in err
+    assert "training.distill.engine hf generates with the trained module on each rank, which world_size 2" in err
 
 
 def test_two_frozen_models_in_one_run_are_refused(tiny_model_dir, tiny_llama_dir, tmp_path):

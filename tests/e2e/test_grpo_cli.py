@@ -39,14 +39,14 @@ def test_config_rules_are_refused_together(tiny_model_dir, tmp_path):
         tiny_model_dir,
         tmp_path,
         {"rewards": [], "beta": 0.1, "reference": "base", "engine": "hf"},
-        distributed={"strategy": "fsdp", "num_processes": 2},
+        distributed={"strategy": "fsdp", "num_processes": 2, "tensor_parallel": 2},
     )
     proc = train(cfg, tmp_path, expect_ok=False)
     err = proc.stderr
     assert proc.returncode == 2, err[-2000:]
     assert "training.rl.rewards is empty" in err
     assert "training.rl.reference base is the model with its LoRA adapters disabled, but model.lora is not set" in err
-    assert "training.rl.engine hf generates with the trained module, which fsdp shards" in err
+    assert "training.rl.engine hf generates with the trained module on each rank, which world_size 2" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -410,6 +411,13 @@ class CausalLMLoss(nn.Module):
         # Heads that transform logits (Gemma-2 soft-capping, Cohere's logit scale) keep the
         # model's own forward: computing the head here would skip that transform.
         self.plain = bool(getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+
+    def generate(self, **kwargs: Any) -> torch.Tensor:
+        """The causal LM's `generate` (transformers; `kwargs` as it takes them): [rows, prompt +
+        new tokens]. Called through this module so that an engine whose hooks sit on it (FSDP2's
+        root unit holds the embeddings and the head: `register_fsdp_forward_method`) runs them
+        around the whole call."""
+        return self.causal_lm.generate(**kwargs)
 
     def _saved_tensors_context(self) -> contextlib.AbstractContextManager:
         if not self.activation_offload:

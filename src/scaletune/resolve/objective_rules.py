@@ -116,17 +116,17 @@ def _online_rules(s: RunSpec, t: Any, where: str) -> list[Problem]:
 
 
 def _engine_problems(s: RunSpec, engine: str, key: str) -> list[Problem]:
-    """An engine the strategy can run: hf generates with the trained module, which it calls outside
-    FSDP2's root forward (the root unit holds the embeddings and the head)."""
-    if engine != "hf" or s.strategy != "fsdp":
+    """An engine the strategy can run: hf generates with the trained module on each rank, which a
+    mesh's tensor, context or pipeline degree splits across ranks."""
+    if engine != "hf" or not s.mesh.model_parallel:
         return []
     return [
         Problem(
             "objective",
             f"{key}.engine",
-            f"{key}.engine hf generates with the trained module, which fsdp shards; generating "
-            "through FSDP2's units is not built yet",
-            "use deepspeed (zero_stage 1, 2 or 3) or ddp (or engine: replay)",
+            f"{key}.engine hf generates with the trained module on each rank, which {s.mesh.describe()} "
+            "splits across ranks; generating through a tensor, context or pipeline split is not built",
+            "set distributed.tensor_parallel, context_parallel and pipeline_parallel to 1 (or use engine: replay)",
         )
     ]
 

@@ -55,12 +55,13 @@ class Engine:
 
 
 class HFEngine(Engine):
-    """`generate` of the trained model (`strategy.module.causal_lm`: the module DDP and DeepSpeed
-    ZeRO-1/2 hold whole, and whose parameters ZeRO-3's hooks gather for each submodule's forward),
+    """`generate` of the trained model (`strategy.module.generate`, the causal LM's: the module DDP
+    and DeepSpeed ZeRO-1/2 hold whole, whose parameters ZeRO-3's hooks gather for each submodule's
+    forward and FSDP2's for each layer's, its root unit gathered around the whole call),
     in eval mode (no dropout), sampling at `temperature` and `top_p` from the whole vocabulary
     (`top_k` 0, no repetition penalty: the model's generation_config is not read).
 
-    Where the engine shards the parameters (ZeRO-3) on several ranks, every forward is a collective,
+    Where the engine shards the parameters (ZeRO-3, fsdp) on several ranks, every forward is a collective,
     so generation runs `synced_gpus`: a rank whose completions have all ended goes on with forwards
     (whose tokens it discards) until every rank's have, as transformers' `generate` does when it sees
     ZeRO-3 announced; it is passed, not left to that detection, since a rank that left the loop
@@ -113,7 +114,7 @@ class HFEngine(Engine):
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(seed)
-                out = model.generate(
+                out = strategy.module.generate(
                     input_ids=prompt_ids.to(device),
                     attention_mask=prompt_mask.to(device),
                     generation_config=config,
