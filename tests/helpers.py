@@ -175,9 +175,7 @@ def run_torchrun(
     its output captured as text; raises subprocess.TimeoutExpired after `timeout` seconds."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
     argv += ["--nproc-per-node", str(nproc), *(["-m"] if module else []), str(target), *map(str, args)]
-    child_env = subprocess_env(OMP_NUM_THREADS="1")
-    if os.environ.get("SCALETUNE_TEST_FORK") != "0":  # torchrun and its ranks: forks of the zygote where they can be
-        child_env["SCALETUNE_TEST_ZYGOTE"] = _zygote().socket_path
+    child_env = _rank_env()
     for name in unset:
         child_env.pop(name, None)
     child_env.update(env or {})
@@ -188,11 +186,18 @@ def run_python(script: Path, *args: str | Path, timeout: int = 300) -> subproces
     """`python SCRIPT args` as one process, as :func:`run_torchrun` starts each rank (its environment,
     one OpenMP thread, a fork of the zygote where it can be), for a driver's single-process control.
     Returns the finished process, its output captured as text; raises subprocess.TimeoutExpired."""
+    argv = [sys.executable, str(script), *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=_rank_env(), cwd=REPO_ROOT)
+
+
+def _rank_env() -> dict[str, str]:
+    """A rank's environment (:func:`run_torchrun`'s and :func:`run_python`'s): :func:`subprocess_env`
+    with one OpenMP thread, and the zygote named so the process and its children are forks of it
+    where they can be (tests/forked_cli.py delegate)."""
     child_env = subprocess_env(OMP_NUM_THREADS="1")
     if os.environ.get("SCALETUNE_TEST_FORK") != "0":
         child_env["SCALETUNE_TEST_ZYGOTE"] = _zygote().socket_path
-    argv = [sys.executable, str(script), *map(str, args)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=REPO_ROOT)
+    return child_env
 
 
 SEQUENTIAL_RUNS = REPO_ROOT / "tests" / "distributed" / "sequential_runs.py"

@@ -80,15 +80,16 @@ class HFEngine(Engine):
         self.strategy, self.tokenizer, self.settings = strategy, tokenizer, settings
         self.eos = eos_ids(tokenizer)
         self.synced = strategy.spec.shards_params and strategy.env.world_size > 1
-        self.calls: dict[tuple[str, int], int] = {}  # (split, step) -> generate calls made for it
+        self.last_call: tuple[str, int, int] = ("", -1, -1)  # (split, step, call) of the last `generate`
 
     def sampling_seed(self, split: str, step: int) -> int:
         """The seed of this rank's next `generate` call at (split, step): 63 bits of
         sha256(run seed / rank / split / step / call)."""
         import hashlib
 
-        call = self.calls.get((split, step), 0)
-        self.calls = {(split, step): call + 1}  # one (split, step) at a time: older keys are done
+        last_split, last_step, last = self.last_call
+        call = last + 1 if (last_split, last_step) == (split, step) else 0
+        self.last_call = (split, step, call)
         key = f"{self.strategy.spec.config.seed}/{self.strategy.env.rank}/{split}/{step}/{call}"
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
