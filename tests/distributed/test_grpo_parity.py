@@ -18,10 +18,15 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
   checkpoint inside the GRPO stage and continue as it did;
 - `zero2-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5 held-out
   prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
-- `zero3-2` and `fsdp-2` (in the same torchrun) sample with the `hf` engine under DeepSpeed ZeRO-3
-  and FSDP2, whose every forward gathers parameters from both ranks, from a model whose completions
-  end early and unevenly (:func:`eos_prone_model`), so one rank's generation ends before the
-  other's; `zero3-replay` and `fsdp-replay`, one process replaying each, reproduce them (1e-4).
+- `zero3-2` (`torchrun -m scaletune train`) and `fsdp-2` (in zero2-2's torchrun) sample with the
+  `hf` engine under DeepSpeed ZeRO-3 and FSDP2, whose every forward gathers parameters from both
+  ranks, from a model whose completions end early and unevenly (:func:`eos_prone_model`), so one
+  rank's generation ends before the other's; `zero3-replay` and `fsdp-replay`, one process
+  replaying each, reproduce them (1e-4).
+
+Every run's trainer recomputes the log-probs its completions were sampled at (the hf engine's, or
+the replayed file's, recorded as the control's engine sampled them) within 1e-5 nats a token
+(`logp_mismatch`), and the hf run's `entropy` is that of the distribution it sampled from.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ pytestmark = pytest.mark.distributed
 
 REL = 1e-4
 G = 4
+# Trainer vs engine log-probs of the same tokens (`logp_mismatch`, nats a token): fp32 on the CPU.
+AGREE = 1e-5
 
 
 def _prompts(records: list[dict]) -> list[dict]:
@@ -174,9 +181,13 @@ def runs(tiny_model_dir, eos_prone_model, prompt_files, module_tmp_path) -> dict
     train(resumed, base, name="resumed-1.yaml")
     zero2 = _config(tiny_model_dir, out["zero2-2"], prompt_files, strategy="deepspeed", zero_stage=2, num_processes=2)
     batch = {"zero2-2": _replaying(zero2, out["hf"])}
-    # ZeRO-3 and fsdp sample with the hf engine itself, through the parameters they shard.
-    for name, d in SAMPLING_SHARDED.items():
-        batch[name] = _config(eos_prone_model, out[name], prompt_files, num_processes=2, **d)
+    # ZeRO-3 and fsdp sample with the hf engine itself, through the parameters they shard: ZeRO-3 as
+    # a user starts it (torchrun), fsdp in the batch.
+    zero3 = _config(eos_prone_model, out["zero3-2"], prompt_files, num_processes=2, **SAMPLING_SHARDED["zero3-2"])
+    train(zero3, base, name="zero3-2.yaml", launcher="torchrun")
+    batch["fsdp-2"] = _config(
+        eos_prone_model, out["fsdp-2"], prompt_files, num_processes=2, **SAMPLING_SHARDED["fsdp-2"]
+    )
     # Resumed on its own world size with the hf engine: each call's sampling seed drawn again, the prompt position restored.
     batch["resumed-2"] = _staged(
         _config(tiny_model_dir, out["resumed-2"], prompt_files, strategy="ddp", num_processes=2), resume=inside
@@ -206,6 +217,8 @@ def _assert_reproduces(run: Path, control: Path, rel: float, what: str) -> None:
     for key in ("loss", "grad_norm", "reward", "reward_std", "completion_length", "kl"):
         assert_close([m[key] for m in mine], [m[key] for m in ref], rel, f"{what} {key}")
     assert [m["zero_variance_groups"] for m in mine] == [m["zero_variance_groups"] for m in ref]
+    # The trainer's log-probs on this layout against those the control's engine recorded as it sampled.
+    assert all(m["logp_mismatch"] < AGREE for m in mine + ref), [m["logp_mismatch"] for m in mine + ref]
     e_mine, e_ref = _evals(run), _evals(control)
     assert [m["step"] for m in e_mine] == [m["step"] for m in e_ref] == [2, 3]
     for key in ("eval_loss", "eval_reward"):
@@ -230,6 +243,7 @@ def test_the_hf_runs_rollouts_are_whole_groups_with_trls_advantages(runs):
             assert r["advantage"] == pytest.approx((r["reward"] - mean) / (std + 1e-4), abs=1e-4)
             assert r["policy_version"] == r["step"] - 1
             assert 1 <= len(r["completion_ids"]) <= 8
+            assert len(r["completion_logps"]) == len(r["completion_ids"]) and max(r["completion_logps"]) <= 0
     evals = [r for r in _rollouts(runs["hf"]) if r["split"] == "eval"]
     assert sorted({r["step"] for r in evals}) == [2, 3] and len(evals) == 2 * 5 * G
     m = steps(runs["hf"])
@@ -240,6 +254,12 @@ def test_the_hf_runs_rollouts_are_whole_groups_with_trls_advantages(runs):
     assert all(s["loss"] != 0 and s["grad_norm"] > 0 for s in m)
     assert all(0 <= s["zero_variance_groups"] <= 6 for s in m) and any(s["reward_std"] > 0 for s in m)
     assert all(s["kl"] >= 0 for s in m) and m[-1]["kl"] > 0  # the policy has moved from the reference
+    # The engine sampled from the trained weights: the trainer recomputes its log-probs (AGREE). Its
+    # entropy is of the distribution sampled from: the mean surprisal of what it sampled estimates it.
+    assert all(s["logp_mismatch"] < AGREE for s in m), [s["logp_mismatch"] for s in m]
+    for s in m:
+        sampled = [-v for r in lines if r["step"] == s["step"] for v in r["completion_logps"]]
+        assert s["entropy"] == pytest.approx(statistics.fmean(sampled), rel=0.05)
 
 
 def test_a_replay_of_the_rollouts_trains_the_same_steps(runs):

@@ -3,7 +3,8 @@ call, exit 2, before any step (issue 36): the config's rules (no reward function
 without LoRA, the hf engine under a sharding strategy, a replay file given to another engine) in one
 call; the reward functions that cannot score (one raises, one returns the wrong length, one whose
 signature does not take the data's fields) in one call after the data are read, each named with its
-key. The prompts are real Alpaca instructions (tests/distributed/test_grpo_parity.py's)."""
+key. An engine whose log-probs the trainer does not reproduce stops the run, naming the bound. The
+prompts are real Alpaca instructions (tests/distributed/test_grpo_parity.py's)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def _prompts(tmp_path: Path) -> Path:
     return path
 
 
-def _grpo(model: Path, tmp_path: Path, rl: dict, **sections) -> dict:
+def _grpo(model_dir: Path, tmp_path: Path, rl: dict, **sections) -> dict:
     return make_config(
-        model,
+        model_dir,
         tmp_path / "run",
         data={"train": {"path": str(_prompts(tmp_path)), "format": "prompt"}},
         training={"objective": "grpo", "global_batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "rl": rl},
@@ -92,3 +93,30 @@ def test_config_new_on_a_prompt_file_writes_a_grpo_run_that_passes_check(tiny_mo
     assert cfg["training"]["rl"]["rewards"] == [{"function": "scaletune.rewards:exact_answer"}]
     check = run_cli(["train", "p.yaml", "--check"], cwd=tmp_path)
     assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-3000:]
+
+
+def test_log_probs_the_engine_did_not_sample_at_stop_the_run_after_its_line(tiny_model_dir, tmp_path):
+    """The log-prob agreement check: with bfloat16 weight copies (`mixed_precision: bf16_params`,
+    FSDP2's unit on a one-rank mesh whose hooks run around `generate` too) the hf engine samples
+    through its KV cache and the trainer recomputes the whole rows; bf16's rounding makes them
+    differ, which metrics.jsonl logs as `logp_mismatch` (the fp32 runs of test_grpo_parity agree
+    within 1e-5). Bounded at 1e-6 (`max_logp_mismatch`), the run stops after step 1's line, naming
+    the bound, with no checkpoint."""
+    rl = {
+        "rewards": [{"function": "scaletune.rewards:exact_answer"}],
+        "num_generations": 2,
+        "max_new_tokens": 4,
+        "max_logp_mismatch": 1e-6,
+    }
+    cfg = _grpo(tiny_model_dir, tmp_path, rl, model={"dtype": "bfloat16", "mixed_precision": "bf16_params"})
+    cfg["training"]["max_steps"] = 2
+    proc = train(cfg, tmp_path, expect_ok=False)
+    err = proc.stderr
+    assert proc.returncode != 0, err[-2000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in lines if "loss" in m]
+    assert [m["step"] for m in logged] == [1]
+    mismatch = logged[0]["logp_mismatch"]
+    assert 1e-6 < mismatch < 1.0 and logged[0]["entropy"] > 0
+    assert f"by {mismatch:.3g} nats a token on average, beyond training.rl.max_logp_mismatch (1e-06)" in err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())

@@ -83,7 +83,8 @@ OBJECTIVES: dict[str, ObjectiveFacts] = {
         ObjectiveFacts(
             "grpo", ("prompt",), "prompts (num_generations completions each)",
             ("completion tokens (dapo), completions (grpo), completions x max_new_tokens (dr_grpo)",), True, False,
-            ("reward", "reward_std", "completion_length", "clip_fraction", "kl", "zero_variance_groups"),
+            ("reward", "reward_std", "completion_length", "clip_fraction", "kl", "zero_variance_groups", "entropy",
+             "logp_mismatch"),
             "Shao et al. 2024, DeepSeekMath (GRPO); Yu et al. 2025, DAPO; Liu et al. 2025, Dr. GRPO",
             ("reward", "reward_std"),
         ),

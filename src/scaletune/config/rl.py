@@ -39,9 +39,11 @@ class RLConfig(StrictModel):
     """Longest completion, in tokens; one that reaches it without the end-of-sequence token is cut
     there (and trained as it is)."""
     temperature: float = Field(1.0, gt=0)
-    """Sampling temperature; the trained log-probabilities are the model's at temperature 1."""
+    """Sampling temperature; the trained log-probabilities are those of the distribution sampled
+    from, softmax(logits / temperature), as TRL's GRPOTrainer computes them."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; 1.0 samples from the whole vocabulary."""
+    """Nucleus sampling; 1.0 samples from the whole vocabulary. Below 1 the trained log-probabilities
+    are still over the whole vocabulary (not renormalised on the kept tokens), as TRL's."""
     loss: RLLoss = "dapo"
     """How per-token losses are averaged over the global batch. dapo: over all completion tokens (Yu et
     al. 2025, DAPO); grpo: over each completion's tokens, then over completions (Shao et al. 2024,
@@ -64,6 +66,12 @@ class RLConfig(StrictModel):
     exact reproductions). (vLLM, DESIGN.md's third engine, is not built yet.)"""
     replay: str | None = None
     """engine replay: the rollouts.jsonl to read (a run directory's, or a file of the same shape)."""
+    max_logp_mismatch: float = Field(0.1, gt=0)
+    """The log-prob agreement bound, in nats a token: on every logged step (and so the first), the
+    mean |trainer - engine| log-probability of the step's completion tokens (`logp_mismatch` in
+    metrics.jsonl) above it stops the run: an engine that samples from the trained weights (hf) is
+    then not sampling from them. fp32 on the CPU measures about 1e-6; bf16 more. A replay's
+    mismatch (an earlier policy's log-probs, where its file has them) is logged, not bounded."""
 
     @field_validator("clip")
     @classmethod

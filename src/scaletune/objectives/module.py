@@ -35,12 +35,13 @@ def preference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """`objectives.module.PreferenceLoss.forward`'s inputs: the rows, precomputed reference
     log-probs (KTO: of its completion rows only), KTO's labels and its step's reference point ``kl``
     (a float the KL pass put in the micro-batch, `trainer.batches.kto_kl_pass`); an online
-    objective's ``advantages`` [R] (one per completion row, `rollout`)."""
+    objective's ``advantages`` [R] (one per completion row, `rollout`) and ``engine_logps`` [R, T]
+    (the log-prob each completion token was sampled at, in its label's column)."""
     out = {k: batch[k] for k in _ROWS}
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
         out["ref_logps"] = ref[: batch["input_ids"].size(0)]
-    for key in ("desirable", "kl", "advantages"):
+    for key in ("desirable", "kl", "advantages", "engine_logps"):
         if key in batch:
             out[key] = batch[key]
     return out
@@ -114,9 +115,12 @@ class PreferenceLoss(CausalLMLoss):
             temperature=self.objective.settings.temperature,
         )
 
-    def _per_token_loss(self, inputs: dict[str, torch.Tensor], advantages: torch.Tensor | None) -> torch.Tensor:
+    def _per_token_loss(
+        self, inputs: dict[str, torch.Tensor], advantages: torch.Tensor | None, engine_logps: torch.Tensor | None
+    ) -> torch.Tensor:
         """An online objective's loss (GRPO): per-token log-probs of the completion rows, the
-        reference's first (no grad) when its KL is weighted."""
+        reference's first (no grad) when its KL is weighted. `engine_logps` [R, T] (or None): the
+        engine's log-prob of each label, given to the objective in the trainer's token order."""
         assert self.objective is not None and advantages is not None, (
             "a rollout gives every completion row its advantage"
         )
@@ -126,6 +130,10 @@ class PreferenceLoss(CausalLMLoss):
                 ref = self._reference_call(inputs, lambda lm, x: self._target_logps(lm, x)[0])
         logp, rows, _ = self._target_logps(self.causal_lm, inputs)
         batch = {"input_ids": inputs["input_ids"], "labels": inputs["labels"], "advantages": advantages}
+        if engine_logps is not None:
+            labels = inputs["labels"][:, 1:]
+            at = (labels.reshape(-1) != -100).nonzero().squeeze(1)  # target_logps' order: row-major
+            batch["engine_logps"] = engine_logps[:, 1:].reshape(-1).index_select(0, at.to(engine_logps.device))
         components, stats = self.objective.loss(logp, rows, ref, batch)
         self.last_stats = stats
         return components.to(inputs["input_ids"].device)
@@ -199,6 +207,7 @@ class PreferenceLoss(CausalLMLoss):
         desirable: torch.Tensor | None = None,
         kl: float | None = None,
         advantages: torch.Tensor | None = None,
+        engine_logps: torch.Tensor | None = None,
         output: str = "loss",
     ) -> torch.Tensor:
         if self.objective is None:
@@ -213,7 +222,7 @@ class PreferenceLoss(CausalLMLoss):
         }
         if self.objective.per_token:
             assert output == "loss", f"output {output} of a per-token objective"
-            return self._per_token_loss(inputs, advantages)
+            return self._per_token_loss(inputs, advantages, engine_logps)
         if self.objective.distills:
             assert output == "loss" and target_index is not None, f"output {output} of distillation"
             return self._distill_loss(inputs, target_index)

@@ -87,8 +87,9 @@ class GRPO(Objective):
     (`rollout.rows`): `loss` gets per-token log-probs, not per-row sums (`per_token`).
 
     Units (the step's denominator): dapo: completion tokens; grpo: completions (each contributes its
-    per-token mean); dr_grpo: completions * max_new_tokens. Stats [4], float64 sums: completions,
-    completion tokens, clipped tokens, KL sum over tokens.
+    per-token mean); dr_grpo: completions * max_new_tokens. Stats [6], float64 sums: completions,
+    completion tokens, clipped tokens, KL sum over tokens, |trainer - engine| log-prob sum over the
+    tokens the engine gave log-probs for, and those tokens.
     """
 
     name = "grpo"
@@ -109,7 +110,7 @@ class GRPO(Objective):
 
     def loss(self, logp, tokens, ref, batch):
         """`logp` [n] per-token log-probs, `tokens` [n] their rows, `ref` [n] or None; `batch`:
-        ``input_ids`` [R, T], ``advantages`` [R]."""
+        ``input_ids`` [R, T], ``advantages`` [R], and ``engine_logps`` [n] where the engine gave them."""
         rows = tokens
         adv = batch["advantages"].to(logp.device, torch.float32)[rows]
         s = self.settings
@@ -127,6 +128,7 @@ class GRPO(Objective):
                 torch.tensor(float(per_token.numel()), device=logp.device),
                 clipped.sum().float(),
                 kl.sum(),
+                *_mismatch(logp.detach(), batch.get("engine_logps")),
             ]
         ).double()
         return torch.stack([component]), stats
@@ -136,4 +138,17 @@ class GRPO(Objective):
         out = {"clip_fraction": stats[2] / tokens}
         if self.settings.beta > 0:
             out["kl"] = stats[3] / tokens
+        if stats[5]:
+            out["logp_mismatch"] = stats[4] / stats[5]
         return out
+
+
+def _mismatch(logp: torch.Tensor, engine: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of |logp - engine| over the tokens, their count) as float32 scalars; zeros without
+    engine log-probs. The mean is the step's ``logp_mismatch``: the nats a token by which the
+    trainer's log-probs differ from those the engine sampled at."""
+    if engine is None:
+        zero = torch.zeros((), device=logp.device)
+        return zero, zero
+    diff = (logp.float() - engine.to(logp.device, torch.float32)).abs()
+    return diff.sum(), torch.tensor(float(diff.numel()), device=logp.device)

@@ -1,10 +1,12 @@
 """One rollout per optimizer step (and per evaluation): every prompt of this rank's micro-batches
 gets `num_generations` completions from the engine, each completion its rewards, each group its
-advantages, and each micro-batch the completion rows the step trains on. A prompt's group is
-generated and scored on the rank that holds the prompt, so group statistics are exact at any world
-size. The completions go to rollouts.jsonl (rank 0 writes every rank's), the step's reward metrics
-to metrics.jsonl. On-policy distillation's rollout has no reward functions: its completions are
-the rows, scored by nothing (its metric is their length).
+advantages, and each micro-batch the completion rows the step trains on, with the log-prob the
+engine sampled each token at (``engine_logps``, which the loss compares with the trainer's). A
+prompt's group is generated and scored on the rank that holds the prompt, so group statistics are
+exact at any world size. The completions go to rollouts.jsonl (rank 0 writes every rank's, with
+their log-probs), the step's reward metrics to metrics.jsonl. On-policy distillation's rollout has
+no reward functions: its completions are the rows, scored by nothing (its metrics are their length
+and entropy).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Rollout:
         runs under no_grad). Every rank runs it; the metrics are summed over ranks."""
         split = "train" if torch.is_grad_enabled() else "eval"
         step = self.steps_done() + (1 if split == "train" else 0)
-        sums = torch.zeros(6 + len(self.rewards), dtype=torch.float64)
+        sums = torch.zeros(8 + len(self.rewards), dtype=torch.float64)
         lines: list[dict] = []
         for mb, counted in batches:
             part, records = self._micro_batch(mb, split, step)
@@ -114,9 +116,8 @@ class Rollout:
 
         s, n = self.settings, self.settings.num_generations
         index = mb["index"]
-        completions, lengths = self.engine.generate(
-            mb["prompt_ids"], mb["prompt_mask"], n, split=split, step=step, prompt_index=index
-        )
+        got = self.engine.generate(mb["prompt_ids"], mb["prompt_mask"], n, split=split, step=step, prompt_index=index)
+        completions, lengths = got.completions, got.lengths
         pad = self.tokenizer.pad_token_id
         rows = completion_rows(mb["prompt_ids"], mb["prompt_mask"], completions, lengths, n, pad)
         prompts = self.tokenizer.batch_decode(
@@ -126,6 +127,11 @@ class Rollout:
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompt_index = index.repeat_interleave(n).tolist()
         mb.update(rows)
+        inside = torch.arange(completions.size(1)).unsqueeze(0) < lengths.unsqueeze(1)  # [R, C]
+        if got.logprobs is not None:
+            # Aligned with the rows' labels (a completion token's label column), 0 on the prompt.
+            prompt_zeros = torch.zeros(completions.size(0), mb["prompt_ids"].size(1))
+            mb["engine_logps"] = torch.cat([prompt_zeros, got.logprobs.float() * inside], 1)
         if self.rewards:
             fields = [f for f in mb["fields"] for _ in range(n)]
             per_fn, total = score(self.rewards, [p for p in prompts for _ in range(n)], texts, fields, prompt_index)
@@ -135,6 +141,7 @@ class Rollout:
         else:  # distillation: nothing scored
             per_fn, total, std, scored = torch.zeros(len(ids), 0), torch.zeros(len(ids)), torch.zeros(0), {}
         groups = std.numel()
+        entropy = float((got.entropy.double() * inside).sum()) if got.entropy is not None else 0.0
         part = torch.tensor(
             [
                 float(total.numel()),
@@ -143,6 +150,8 @@ class Rollout:
                 float(lengths.sum()),
                 float((std == 0).sum()) if groups else 0.0,
                 float(groups),
+                entropy,
+                float(got.entropy is not None),
                 *per_fn.double().sum(0).tolist(),
             ],
             dtype=torch.float64,
@@ -154,6 +163,7 @@ class Rollout:
                 "prompt_index": prompt_index[j],
                 "completion": texts[j],
                 "completion_ids": ids[j],
+                **({"completion_logps": got.logprobs[j, : len(ids[j])].tolist()} if got.logprobs is not None else {}),
                 **{name: float(per_fn[j, f]) for f, name in enumerate(self.names)},
                 **{key: float(values[j]) for key, values in scored.items()},
                 "policy_version": step - 1 if split == "train" else step,
@@ -163,17 +173,21 @@ class Rollout:
         return part, records
 
     def _metrics(self, total: list[float]) -> dict[str, float]:
-        completions = max(total[0], 1.0)
+        """The step's rollout metrics from the sums over ranks (`_micro_batch`'s `part`): per
+        completion (reward, each function's, length), per group (reward_std), per completion token
+        (entropy, from engines that give it: on every rank, so the flag sums to the world size)."""
+        completions, tokens = max(total[0], 1.0), max(total[3], 1.0)
+        entropy = {"entropy": total[6] / tokens} if total[7] else {}
         if not self.rewards:
-            return {"completion_length": total[3] / completions}
-        out = {
+            return {"completion_length": total[3] / completions, **entropy}
+        return {
             "reward": total[1] / completions,
             "reward_std": total[2] / max(total[5], 1.0),
-            **{name: total[6 + f] / completions for f, name in enumerate(self.names)},
+            **{name: total[8 + f] / completions for f, name in enumerate(self.names)},
             "completion_length": total[3] / completions,
+            **entropy,
             "zero_variance_groups": int(total[4]),
         }
-        return out
 
     def _write(self, lines: list[dict]) -> None:
         """rollouts.jsonl: rank 0 appends every rank's lines, rank by rank."""

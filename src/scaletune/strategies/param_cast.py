@@ -85,6 +85,7 @@ def replicate_cast(module: nn.Module, device: torch.device, world_size: int, dty
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from scaletune.models import decoder_layer_classes
+    from scaletune.strategies.parallel.parallelize import register_generate
 
     if not dist.is_initialized():
         raise RuntimeError("model.mixed_precision bf16_params needs a process group (the strategy starts one)")
@@ -101,6 +102,7 @@ def replicate_cast(module: nn.Module, device: torch.device, world_size: int, dty
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
+    register_generate(module)
     return layers
 
 

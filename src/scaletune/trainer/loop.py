@@ -338,7 +338,8 @@ class Trainer:
         )
 
     def log_step(self, plan: StagePlan, lr: float, result: StepResult, window: ThroughputWindow) -> None:
-        """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of it).
+        """One metrics.jsonl line; a non-finite loss or gradient norm stops the run (no checkpoint of
+        it), as does an online engine's log-probs disagreeing with the trainer's (`check_engine`).
 
         Everything read from the device or NVML is read here, on logged steps only (`after_step`):
         between them a step leaves its values on the device and reads nothing.
@@ -349,6 +350,7 @@ class Trainer:
             result.loss, result.grad_norm, result.skipped, result.tokens, window.tokens
         )
         now, position = time.perf_counter(), self.position
+        objective_metrics = self.preference.metrics(result.stats)
         self.logger.log(
             {
                 "step": position.step,
@@ -358,7 +360,7 @@ class Trainer:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                **self.preference.metrics(result.stats),
+                **objective_metrics,
                 "tokens": int(tokens),
                 "tokens_per_s": window.close(now, window_tokens),
                 "elapsed_s": round(now - self.start_time, 3),
@@ -381,6 +383,7 @@ class Trainer:
                 f"no checkpoint was written for it. Last good checkpoint: {good or 'none'} "
                 "(lower training.learning_rate or raise warmup_steps, then resume from it)"
             )
+        self.preference.check_engine(objective_metrics, position.step)
 
     def save(self, plan: StagePlan, last: bool) -> None:
         """`checkpoints/step-N`: engine state, the schedule, and the position of the next step."""

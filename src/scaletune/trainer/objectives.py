@@ -127,6 +127,30 @@ class StageObjectives:
 
         self.kl = kto_kl_pass(strategy, batches)
 
+    def check_engine(self, metrics: dict[str, float], step: int) -> None:
+        """The log-prob agreement check of an online stage whose engine samples from the trained
+        weights: `metrics` (the step's, from :meth:`metrics`) with a `logp_mismatch` above
+        `training.rl.max_logp_mismatch` stops the run. Every rank holds the same all-reduced value,
+        so every rank raises.
+
+        Raises:
+            LogProbMismatchError: beyond the bound.
+        """
+        from scaletune.rollout.engines import LogProbMismatchError
+
+        bound = getattr(getattr(self.current, "settings", None), "max_logp_mismatch", None)
+        got = metrics.get("logp_mismatch")
+        if self.rollout is None or not self.rollout.engine.samples_policy or bound is None or got is None:
+            return
+        if got > bound:
+            engine = self.rollout.engine.name
+            raise LogProbMismatchError(
+                f"step {step}: the {engine} engine's log-probabilities of the sampled tokens differ from the "
+                f"trainer's by {got:.3g} nats a token on average, beyond {self._key('rl')}.max_logp_mismatch "
+                f"({bound}): the engine is not sampling from the weights being trained (stale or differently "
+                "loaded weights, or another precision). Raise the bound only if the difference is precision."
+            )
+
     def metrics(self, stats: Any) -> dict[str, float]:
         """The current objective's metrics from global stats sums (empty for SFT)."""
         if stats is None or self.current is None:

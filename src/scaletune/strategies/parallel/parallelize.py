@@ -51,7 +51,7 @@ def shard_model(
     Raises:
         RuntimeError: no layer class to shard.
     """
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard
 
     if not layer_classes:
         raise RuntimeError("fsdp: found no decoder layer class to shard (model._no_split_modules is empty)")
@@ -60,9 +60,19 @@ def shard_model(
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **fully_shard_kwargs)
     root = True if no_backward else (None if reshard_after_forward else False)
     fully_shard(model, reshard_after_forward=root, **fully_shard_kwargs)
-    if hasattr(model, "generate"):  # the rollout engine's generate (models/loss.py): the root's hooks around it
-        register_fsdp_forward_method(model, "generate")
+    register_generate(model)
     return layers
+
+
+def register_generate(root: nn.Module) -> None:
+    """Run the FSDP2 root unit's hooks around `root.generate` (the rollout engine's,
+    `models.loss.CausalLMLoss.generate`), as around its forward: the root holds the embeddings and
+    the head, which generation reads outside any forward of the root (nothing for a module without
+    `generate`)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if hasattr(root, "generate"):
+        register_fsdp_forward_method(root, "generate")
 
 
 def retie(model: nn.Module) -> None:

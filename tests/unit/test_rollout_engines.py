@@ -1,0 +1,57 @@
+"""The hf engine's record of what it sampled (`rollout.engines.SampledLogProbs`): the log-prob of
+each sampled token and the entropy at each position are those of the model's own logits at the
+sampling temperature, which transformers returns beside the sequences (`output_logits`), not of the
+scores after top_p's cut. A tiny random Llama samples 3 completions of 2 prompts."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from scaletune.rollout.engines import SampledLogProbs
+
+TEMPERATURE, NEW = 0.7, 6
+
+
+def test_recorded_log_probs_and_entropy_are_the_logits_at_the_sampling_temperature():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    prompts = torch.randint(3, 97, (2, 5))
+    recorder = SampledLogProbs(TEMPERATURE)
+    sampling = GenerationConfig(
+        do_sample=True, temperature=TEMPERATURE, top_p=0.9, top_k=0, max_new_tokens=NEW, num_return_sequences=3,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=prompts,
+            attention_mask=torch.ones_like(prompts),
+            generation_config=sampling,
+            logits_processor=[recorder],
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    width = out.sequences.size(1) - prompts.size(1)
+    logprobs, entropy = recorder.finish(out.sequences, width)
+    assert logprobs.shape == entropy.shape == (6, width) and width >= 1
+    raw = torch.stack(out.logits, 1).float() / TEMPERATURE  # [6, width, 97]: before any processor
+    sampled = out.sequences[:, prompts.size(1) :]
+    expected = torch.log_softmax(raw, -1).gather(2, sampled.unsqueeze(2)).squeeze(2)
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=raw).entropy(), rtol=0, atol=1e-5)
+    # top_p 0.9 cut some tokens from what was sampled: the record is of the whole distribution
+    assert (entropy > 0).all()
+
+
+def test_positions_no_step_reached_are_zero():
+    """A rank of a synced generation that stopped first has fewer recorded steps than the width."""
+    recorder = SampledLogProbs(1.0)
+    scores = torch.log_softmax(torch.randn(2, 5), -1)
+    recorder(torch.tensor([[1], [2]]), scores)
+    logprobs, entropy = recorder.finish(torch.tensor([[1, 3], [2, 4]]), 3)
+    assert logprobs.shape == (2, 3) and (logprobs[:, 1:] == 0).all() and (entropy[:, 1:] == 0).all()
+    torch.testing.assert_close(logprobs[:, 0], scores[[0, 1], [3, 4]])
