@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ALPACA_5000, assert_close, make_config, metrics, steps, train, train_batch
+from tests.helpers import ALPACA_5000, assert_close, make_config, metrics, run_cli, steps, train, train_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -53,15 +53,33 @@ def _prompts(records: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
-    records = [r for r in json.loads(ALPACA_5000.read_text()) if not r["input"] and len(r["instruction"]) < 90]
+def prompt_files(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, int]:
+    """(train file, eval file, their prompts' length in tokens): Alpaca instructions whose prompts,
+    rendered as the run renders them (ChatML, the tiny model has no template), are all the same
+    length, the commonest; `data.max_seq_length` is set to it, so every generation's KV cache is the
+    size the planner gives for the longest prompt (test_the_plans_kv_cache_is_the_engines)."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from scaletune.data.templates import CHATML_TEMPLATE, render_chat
+
+    records = [r for r in json.loads(ALPACA_5000.read_text()) if not r["input"] and len(r["instruction"]) < 90][:400]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    texts = render_chat(
+        tokenizer, CHATML_TEMPLATE, [[{"role": "user", "content": r["instruction"]}] for r in records], True
+    )
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    length = Counter(lengths).most_common(1)[0][0]
+    same = [r for r, n in zip(records, lengths) if n == length]
+    assert len(same) >= 17, Counter(lengths).most_common(3)
     folder = tmp_path_factory.mktemp("prompts")
     out = []
-    for name, part in (("train", records[:12]), ("eval", records[50:55])):
+    for name, part in (("train", same[:12]), ("eval", same[12:17])):
         path = folder / f"{name}.jsonl"
         path.write_text("\n".join(json.dumps(p) for p in _prompts(part)) + "\n")
         out.append(path)
-    return out[0], out[1]
+    return out[0], out[1], length
 
 
 # The layouts that sample with the hf engine through sharded parameters (each replayed on one process).
@@ -91,14 +109,15 @@ def eos_prone_model(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
-def _config(model: Path, out: Path, files: tuple[Path, Path], **distributed) -> dict:
-    train_file, eval_file = files
+def _config(model: Path, out: Path, files: tuple[Path, Path, int], **distributed) -> dict:
+    train_file, eval_file, prompt_tokens = files
     return make_config(
         model,
         out,
         data={
             "train": {"path": str(train_file), "format": "prompt"},
             "eval": {"path": str(eval_file), "format": "prompt"},
+            "max_seq_length": prompt_tokens,
         },
         training={
             "objective": "grpo",
@@ -137,13 +156,17 @@ def _staged(cfg: dict, **training) -> dict:
     """`cfg` as a curriculum: 2 SFT steps on Alpaca records, then its GRPO stage (3 steps), a
     checkpoint after the GRPO stage's first step (step 3)."""
     grpo_data = cfg["data"]
-    data = {"train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 24}, "eval": None}
+    data = {
+        "train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 24},
+        "eval": None,
+        "max_seq_length": 64,
+    }
     stages = [
         {"name": "sft", "training": {"objective": "sft", "max_steps": 2}},
         {
             "name": "grpo",
             "training": {"objective": "grpo", "max_steps": 3, "rl": cfg["training"]["rl"]},
-            "data": {"train": grpo_data["train"], "eval": grpo_data["eval"]},
+            "data": {k: grpo_data[k] for k in ("train", "eval", "max_seq_length")},
         },
     ]
     top = {k: v for k, v in cfg["training"].items() if k not in ("objective", "rl", "max_steps")}
@@ -324,3 +347,31 @@ def test_sharded_hf_sampling_ends_unevenly_and_equals_one_process_on_its_complet
     assert min(len(r["completion_ids"]) for r in lines) < 8
     replay = layout.replace("-2", "-replay")
     _assert_reproduces(runs[replay], runs[layout], REL, f"{layout} world size 2 (hf engine) vs 1")
+
+
+def test_the_plans_kv_cache_is_the_engines(runs, tiny_model_dir, prompt_files):
+    """The planner's generation term (plan.json, and its arithmetic in `scaletune plan`) equals the
+    largest KV cache the hf engine held (memory.json, from the cache's tensors): micro_batch_size 1
+    x G completions x (prompt + 8 new - 1) tokens x layers x 2 (K, V) x kv heads x head_dim x 4
+    bytes, each factor read here from the model's config.json; the engine's own weights are 0 (the
+    trained module generates). A replay holds no cache."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    prompt = prompt_files[2]
+    expected = 1 * G * (prompt + 8 - 1) * layers * 2 * kv_heads * head_dim * 4
+    planned = json.loads((runs["hf"] / "plan.json").read_text())
+    measured = json.loads((runs["hf"] / "memory.json").read_text())["ranks"]
+    assert planned["per_rank_bytes"]["kv_cache"] == expected == measured[0]["kv_cache"], (planned, measured)
+    assert planned["rollout"]["engine"] == "hf" and planned["rollout"]["engine_weights"] == 0
+    for run in ("zero2-2", "fsdp-3"):
+        ranks = json.loads((runs[run] / "memory.json").read_text())["ranks"]
+        assert [r["kv_cache"] for r in ranks] == [0] * len(ranks)
+        assert json.loads((runs[run] / "plan.json").read_text())["per_rank_bytes"]["kv_cache"] == 0
+    said = run_cli(["plan", str(runs["hf"].parent / "hf.yaml")])
+    assert said.returncode == 0, said.stderr[-2000:]
+    assert (
+        f"KV cache = {G} rows (micro_batch_size x num_generations) x ({prompt} prompt + 8 new - 1) tokens x "
+        f"{layers} layers x 2 (K, V) x {kv_heads} kv heads x {head_dim} head_dim x 4 bytes"
+    ) in said.stdout, said.stdout

@@ -35,9 +35,14 @@ def _expected(context: int, world: int = 8) -> dict[str, int]:
     act = L * tokens * H * 2 + per_layer + 1024 * V * (2 + 12) + 2 * tokens * H * 2  # checkpointing
     layer_params = sum(t[0] * (t[1] if len(t) > 1 else 1) for t in layer)
     margin = layer_params * (2 * 2 + 4) + (params + grads + optimizer + act) // 10
-    return {"params": params, "grads": grads, "optimizer": optimizer, "activations": act, "reference": 0} | {
-        "total": params + grads + optimizer + act + margin
-    }
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "activations": act,
+        "reference": 0,
+        "kv_cache": 0,
+    } | {"total": params + grads + optimizer + act + margin}
 
 
 def test_llama3_8b_at_128k_names_a_context_degree(tmp_path):

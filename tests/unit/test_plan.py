@@ -77,7 +77,7 @@ def test_json_shape(llama8b):
     for s in data["strategies"]:
         assert set(s) == {"name", "per_rank_bytes", "fits"}
         b = s["per_rank_bytes"]
-        assert set(b) == {"params", "grads", "optimizer", "activations", "reference", "total"}
+        assert set(b) == {"params", "grads", "optimizer", "activations", "reference", "kv_cache", "total"}
         assert b["total"] >= b["params"] + b["grads"] + b["optimizer"] + b["activations"] + b["reference"]
     json.dumps(data)
 

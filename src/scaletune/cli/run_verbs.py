@@ -291,7 +291,7 @@ def plan(
             f"distributed.strategy auto would choose {result.chosen} - {result.reason}"
         )
     for line in mesh_notes(spec, result):
-        console.print(line, markup=False)
+        console.print(line, markup=False, soft_wrap=True)  # one line each: the arithmetic stays greppable
     if choice is not None:
         console.print(render_mesh(choice))
         for line in mesh_arithmetic(spec, result.shape, choice):

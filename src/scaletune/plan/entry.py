@@ -14,7 +14,9 @@ class StrategyPlan:
 
     `per_rank_bytes` = device memory: params, grads, optimizer (with DeepSpeed's fp32 master
     partition), activations (as configured: with or without checkpointing), reference (the frozen
-    reference model of preference training, `plan/reference_model.py`), total (the five plus `margin`).
+    reference model of preference training, `plan/reference_model.py`), kv_cache (online RL's
+    generation, `plan/rollout.py`: alive before the step's forward, so the larger of it and the
+    activations counts), total (the states, the reference, that larger one and `margin`).
     Offloaded state is in `host_bytes` instead.
     """
 
@@ -30,6 +32,7 @@ class StrategyPlan:
     host_bytes: int = 0
     scaletune: dict = field(default_factory=dict)  # {"strategy": ..., zero_stage / offload overrides}
     reference: int = 0
+    kv_cache: int = 0
 
     @property
     def model_states(self) -> int:
@@ -37,7 +40,8 @@ class StrategyPlan:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.reference + self.margin
+        working = max(self.activations, self.kv_cache)
+        return self.params + self.grads + self.optimizer + working + self.reference + self.margin
 
     @property
     def per_rank_bytes(self) -> dict[str, int]:
@@ -47,6 +51,7 @@ class StrategyPlan:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "reference": self.reference,
+            "kv_cache": self.kv_cache,
             "total": self.total,
         }
 

@@ -53,6 +53,7 @@ from scaletune.plan.activations import activation_bytes, residual_bytes
 from scaletune.plan.entry import GiB, StrategyPlan, assemble
 from scaletune.plan.mesh import mesh_entry
 from scaletune.plan.reference_model import ReferencePlan, reference_bytes, reference_plan
+from scaletune.plan.rollout import RolloutPlan, rollout_plan
 from scaletune.plan.shapes import ModelShape, ParamInfo, model_shape
 from scaletune.resolve import FLOAT_DTYPES
 from scaletune.resolve.mesh import mesh_for
@@ -79,10 +80,12 @@ class Plan:
     shape: ModelShape | None = None
     reference: ReferencePlan | None = None
     mesh: StrategyPlan | None = None  # the configured device mesh's entry (`mesh.py`), with degrees > 1
+    rollout: RolloutPlan | None = None  # online RL's generation (`rollout.py`), where a stage samples
 
     def to_json(self) -> dict:
         out = {"strategies": [s.to_json() for s in self.strategies], "chosen": self.chosen, "reason": self.reason}
         out |= {"mesh": self.mesh.to_json()} if self.mesh is not None else {}
+        out |= {"rollout": self.rollout.to_json()} if self.rollout is not None else {}
         return out | ({"reference": self.reference.to_json()} if self.reference is not None else {})
 
     def get(self, name: str) -> StrategyPlan:
@@ -270,16 +273,18 @@ def plan(
     shape = shape or model_shape(spec)
     out = [_strategy_plan(n, shape, spec, w) for n in ORDER]
     ref = reference_plan(spec)
+    rollout = rollout_plan(spec, shape)
     for s in out:
         device, host = reference_bytes(s.name, shape, spec, w, ref)
         s.reference, s.host_bytes, s.margin = device, s.host_bytes + host, s.margin + device // 10
+        s.kv_cache = rollout.kv_cache if rollout is not None else 0
         s.fits = None if gpu_memory_bytes is None else s.total <= gpu_memory_bytes
     # A quantized base cannot be sharded by FSDP (resolve/rules.py), so it is never chosen for one.
     quantized = spec.config.model.quantization is not None
     chosen, reason = _choose([s for s in out if not (quantized and s.name.startswith("fsdp"))], w, gpu_memory_bytes)
     mesh = mesh_for(spec.config.distributed, w)
     on_mesh = mesh_entry(spec, shape, mesh, gpu_memory_bytes=gpu_memory_bytes) if mesh.model_parallel else None
-    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref, on_mesh)
+    return Plan(out, chosen, reason, w, gpu_memory_bytes, nodes, shape, ref, on_mesh, rollout)
 
 
 def _choose(out: list[StrategyPlan], w: int, mem: int | None) -> tuple[str, str]:

@@ -41,6 +41,7 @@ def render_table(p: Plan, marked: str | None = None) -> Any:
         "optimizer",
         "activations",
         "reference",
+        *(("kv cache",) if p.rollout is not None else ()),
         "act. no ckpt",
         "act. ckpt",
         "margin",
@@ -59,6 +60,7 @@ def render_table(p: Plan, marked: str | None = None) -> Any:
             _gib(s.optimizer),
             _gib(s.activations),
             _gib(s.reference),
+            *((_gib(s.kv_cache),) if p.rollout is not None else ()),
             _gib(s.activations_no_ckpt),
             _gib(s.activations_ckpt),
             _gib(s.margin),
@@ -202,9 +204,9 @@ def mesh_arithmetic(spec: RunSpec, shape: ModelShape, choice: MeshChoice) -> lis
 
 
 def mesh_notes(spec: RunSpec, p: Plan) -> list[str]:
-    """Lines on the configured mesh (its entry, the model's rules on it) and on a sequence longer
-    than the model's positions."""
-    out: list[str] = []
+    """Lines on online RL's generation memory (its KV-cache arithmetic), the configured mesh (its
+    entry, the model's rules on it) and a sequence longer than the model's positions."""
+    out: list[str] = [p.rollout.arithmetic()] if p.rollout is not None else []
     hf_config = None
     if not spec.custom_model:
         from scaletune.models import load_config

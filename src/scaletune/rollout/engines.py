@@ -132,6 +132,8 @@ class Engine:
 
     name = "engine"
     samples_policy = True
+    #: The largest KV cache one `generate` call held, in bytes (memory.json; 0: an engine that holds none).
+    kv_cache_bytes = 0
 
     def generate(self, prompt_ids, prompt_mask, n, *, split: str, step: int, prompt_index) -> Generated:
         raise NotImplementedError
@@ -169,6 +171,7 @@ class HFEngine(Engine):
         self.eos = eos_ids(tokenizer)
         self.synced = strategy.spec.shards_params and strategy.env.world_size > 1
         self.last_call: tuple[str, int, int] = ("", -1, -1)  # (split, step, call) of the last `generate`
+        self.kv_cache_bytes = 0  # the largest KV cache a call held (memory.json's kv_cache)
 
     def sampling_seed(self, split: str, step: int) -> int:
         """The seed of this rank's next `generate` call at (split, step): 63 bits of
@@ -196,6 +199,7 @@ class HFEngine(Engine):
             num_return_sequences=n,
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=sorted(self.eos),
+            return_dict_in_generate=True,  # for its KV cache's size
         )
         was_training = model.training
         strategy.train_mode(False)
@@ -214,6 +218,8 @@ class HFEngine(Engine):
                 )
         finally:
             strategy.train_mode(was_training)
+        self.kv_cache_bytes = max(self.kv_cache_bytes, cache_bytes(out.cache))
+        out = out.sequences
         completions = out[:, prompt_ids.size(1) :].cpu()
         if completions.size(1) == 0:
             completions = torch.full((completions.size(0), 1), self.tokenizer.pad_token_id, dtype=torch.long)
@@ -276,6 +282,17 @@ class ReplayEngine(Engine):
             if logprobs is not None and lp:
                 logprobs[j, : len(lp)] = torch.as_tensor(lp)
         return Generated(out, torch.tensor([len(ids) for ids, _ in rows], dtype=torch.long), logprobs)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of a transformers cache's key and value tensors (0 for none): one [rows, kv_heads,
+    tokens, head_dim] key and value per layer (`DynamicCache.layers`)."""
+    total = 0
+    for layer in getattr(cache, "layers", None) or []:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
 
 
 def eos_ids(tokenizer: Any) -> set[int]:

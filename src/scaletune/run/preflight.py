@@ -178,6 +178,8 @@ def predicted_memory(spec: RunSpec) -> dict | None:
         entry = p.for_run(spec).to_json()
         if p.shape is not None and p.shape.stage is not None:
             entry["stage"] = p.shape.stage  # the stage planned for: the one training the most
+        if p.rollout is not None:  # online RL's generation: the engine colocated with training fits or not
+            entry["rollout"] = {**p.rollout.to_json(), "colocate_fits": entry["fits"]}
         return entry
     except (KeyError, UserError, ValueError) as exc:
         print0(f"[scaletune] no memory plan for this run: {exc}")

@@ -407,7 +407,7 @@ class Trainer:
     def report_memory(self) -> None:
         """After the first optimizer step: `memory.json` and `plan.json` (see `metrics.report_memory`)."""
         self.memory_reported = True
-        report_memory(self.strategy, self.spec, self.predicted_memory)
+        report_memory(self.strategy, self.spec, self.predicted_memory, self.preference.rollout_memory())
 
     # -- around training -------------------------------------------------------------------
     def sample_base(self) -> list[str] | None:

@@ -377,14 +377,15 @@ def truncate_metrics(path: Path, step: int) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
 
-def report_memory(strategy: Any, spec: RunSpec, predicted: dict | None) -> None:
-    """Every rank measures what it holds (`Strategy.memory_breakdown`); rank 0 writes `memory.json`
-    (all ranks) and `plan.json` (the planner's prediction for this run's strategy) and prints them
-    side by side. A collective."""
+def report_memory(strategy: Any, spec: RunSpec, predicted: dict | None, rollout: dict | None = None) -> None:
+    """Every rank measures what it holds (`Strategy.memory_breakdown`, and `rollout`: an online
+    stage's generation, `StageObjectives.rollout_memory`); rank 0 writes `memory.json` (all ranks)
+    and `plan.json` (the planner's prediction for this run's strategy) and prints them side by side.
+    A collective."""
     import torch.distributed as dist
 
     env = spec.env
-    mine = strategy.memory_breakdown()
+    mine = {**strategy.memory_breakdown(), **(rollout or {})}
     ranks = [mine]
     if dist.is_initialized() and env.world_size > 1:
         ranks = [None] * env.world_size
@@ -401,7 +402,7 @@ def report_memory(strategy: Any, spec: RunSpec, predicted: dict | None) -> None:
     stage = f", stage {predicted['stage']}" if predicted.get("stage") else ""
     entry = predicted["name"] + (" (a whole replica, as one rank holds)" if spec.strategy == "single" else "")
     lines = [f"[scaletune] memory (MiB) of strategy {spec.strategy}{stage}: the plan's {entry} vs measured on rank 0:"]
-    for key in ("params", "grads", "optimizer"):
+    for key in ("params", "grads", "optimizer", *(["kv_cache"] if "kv_cache" in mine else [])):
         lines.append(f"[scaletune]   {key:<10} {per_rank[key] / 2**20:>10.1f} {mine[key] / 2**20:>10.1f}")
     peak = "n/a (no allocator on CPU)" if mine["peak_device"] is None else f"{mine['peak_device'] / 2**20:.1f}"
     lines.append(f"[scaletune]   {'total':<10} {per_rank['total'] / 2**20:>10.1f}  peak device: {peak}")

@@ -151,6 +151,11 @@ class StageObjectives:
                 "loaded weights, or another precision). Raise the bound only if the difference is precision."
             )
 
+    def rollout_memory(self) -> dict[str, int]:
+        """What the current stage's engine held on this rank (memory.json's `kv_cache`), or nothing
+        where no stage samples."""
+        return {} if self.rollout is None else {"kv_cache": int(self.rollout.engine.kv_cache_bytes)}
+
     def metrics(self, stats: Any) -> dict[str, float]:
         """The current objective's metrics from global stats sums (empty for SFT)."""
         if stats is None or self.current is None:
