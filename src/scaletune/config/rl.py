@@ -67,9 +67,9 @@ class RLConfig(StrictModel):
     replay: str | None = None
     """engine replay: the rollouts.jsonl to read (a run directory's, or a file of the same shape)."""
     max_logp_mismatch: float = Field(0.1, gt=0)
-    """The log-prob agreement bound, in nats a token: on every logged step (and so the first), the
-    mean |trainer - engine| log-probability of the step's completion tokens (`logp_mismatch` in
-    metrics.jsonl) above it stops the run: an engine that samples from the trained weights (hf) is
+    """The log-prob agreement bound, in nats a token: on every step metrics.jsonl logs (`log_every`),
+    the mean |trainer - engine| log-probability of the step's completion tokens (`logp_mismatch`
+    there) above it stops the run: an engine that samples from the trained weights (hf) is
     then not sampling from them. fp32 on the CPU measures about 1e-6; bf16 more. A replay's
     mismatch (an earlier policy's log-probs, where its file has them) is logged, not bounded."""
 

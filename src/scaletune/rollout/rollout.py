@@ -175,7 +175,7 @@ class Rollout:
     def _metrics(self, total: list[float]) -> dict[str, float]:
         """The step's rollout metrics from the sums over ranks (`_micro_batch`'s `part`): per
         completion (reward, each function's, length), per group (reward_std), per completion token
-        (entropy, from engines that give it: on every rank, so the flag sums to the world size)."""
+        (entropy, from engines that give it: `total[7]` counts the micro-batches whose engine did)."""
         completions, tokens = max(total[0], 1.0), max(total[3], 1.0)
         entropy = {"entropy": total[6] / tokens} if total[7] else {}
         if not self.rewards:
