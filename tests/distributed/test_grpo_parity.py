@@ -6,9 +6,10 @@ prompt, the first word of the record's output as `answer`), rendered with the ti
 template. Rewards: `exact_answer` and `length_penalty` (max_chars 40, weight 0.5), whose values
 vary with the sampled text, so groups have variance and the steps have gradients.
 
-The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, `reference: model`):
+The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, `reference: model`),
+sampling at temperature 1.0 from the top_p 0.95 nucleus:
 
-- `hf`: one process, the `hf` engine samples (temperature 1.0) every training and evaluation rollout;
+- `hf`: one process, the `hf` engine samples every training and evaluation rollout;
 - `replay`: one process, `engine: replay` of `hf`'s rollouts.jsonl: the same completions, so the
   same losses, gradient norms, rewards and advantages (1e-6);
 - `ddp-hf`: `scaletune train` with num_processes 2 (re-executed under torchrun), DDP, 2 SFT steps
@@ -24,9 +25,10 @@ The runs, full fine-tuning in fp32 with a KL to the reference model (beta 0.04, 
   rank's generation ends before the other's; `zero3-replay` and `fsdp-replay`, one process
   replaying each, reproduce them (1e-4).
 
-Every run's trainer recomputes the log-probs its completions were sampled at (the hf engine's, or
-the replayed file's, recorded as the control's engine sampled them) within 1e-5 nats a token
-(`logp_mismatch`), and the hf run's `entropy` is that of the distribution it sampled from.
+Every run's trainer recomputes the log-probs its completions were sampled at, renormalised on the
+nucleus (the hf engine's, or the replayed file's, recorded as the control's engine sampled them),
+within 1e-5 nats a token (`logp_mismatch`), and the hf run's `entropy` is that of the distribution
+it sampled from.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ REL = 1e-4
 G = 4
 # Trainer vs engine log-probs of the same tokens (`logp_mismatch`, nats a token): fp32 on the CPU.
 AGREE = 1e-5
+# Nucleus sampling: the engine samples from it and the trainer renormalises on it (a real cut of
+# the random model's near-uniform distribution: the 5 % least likely tokens).
+TOP_P = 0.95
 
 
 def _prompts(records: list[dict]) -> list[dict]:
@@ -129,6 +134,7 @@ def _config(model: Path, out: Path, files: tuple[Path, Path, int], **distributed
             "rl": {
                 "num_generations": G,
                 "max_new_tokens": 8,
+                "top_p": TOP_P,
                 "beta": 0.04,
                 "loss": "dapo",
                 "rewards": [

@@ -1,7 +1,8 @@
 """The hf engine's record of what it sampled (`rollout.engines.SampledLogProbs`): the log-prob of
-each sampled token and the entropy at each position are those of the model's own logits at the
-sampling temperature, which transformers returns beside the sequences (`output_logits`), not of the
-scores after top_p's cut. A tiny random Llama samples 3 completions of 2 prompts."""
+each sampled token and the entropy at each position are those of the distribution it sampled from,
+the model's own logits (which transformers returns beside the sequences, `output_logits`) at the
+sampling temperature, renormalised on the top_p nucleus, computed here by hand. A tiny random Llama
+samples 3 completions of 2 prompts."""
 
 from __future__ import annotations
 
@@ -10,10 +11,21 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from scaletune.rollout.engines import SampledLogProbs
 
-TEMPERATURE, NEW = 0.7, 6
+TEMPERATURE, TOP_P, NEW = 0.7, 0.9, 6
 
 
-def test_recorded_log_probs_and_entropy_are_the_logits_at_the_sampling_temperature():
+def nucleus_log_probs(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """log softmax(logits) renormalised on the nucleus: a token is kept while the tokens more
+    likely than it hold less than top_p of the mass (Holtzman et al. 2019); -inf elsewhere."""
+    probs = logits.softmax(-1)
+    order = probs.argsort(-1, descending=True)
+    ranked = probs.gather(-1, order)
+    keep = torch.zeros_like(ranked, dtype=torch.bool).scatter(-1, order, (ranked.cumsum(-1) - ranked) < top_p)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return (kept / kept.sum(-1, keepdim=True)).log()
+
+
+def test_recorded_log_probs_and_entropy_are_of_the_nucleus_sampled_from():
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -21,9 +33,9 @@ def test_recorded_log_probs_and_entropy_are_the_logits_at_the_sampling_temperatu
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     prompts = torch.randint(3, 97, (2, 5))
-    recorder = SampledLogProbs(TEMPERATURE)
+    recorder = SampledLogProbs(TEMPERATURE, TOP_P)
     sampling = GenerationConfig(
-        do_sample=True, temperature=TEMPERATURE, top_p=0.9, top_k=0, max_new_tokens=NEW, num_return_sequences=3,
+        do_sample=True, temperature=TEMPERATURE, top_p=TOP_P, top_k=0, max_new_tokens=NEW, num_return_sequences=3,
         pad_token_id=0, eos_token_id=1,
     )  # fmt: skip
     with torch.no_grad():
@@ -39,12 +51,15 @@ def test_recorded_log_probs_and_entropy_are_the_logits_at_the_sampling_temperatu
     logprobs, entropy = recorder.finish(out.sequences, width)
     assert logprobs.shape == entropy.shape == (6, width) and width >= 1
     raw = torch.stack(out.logits, 1).float() / TEMPERATURE  # [6, width, 97]: before any processor
+    nucleus = nucleus_log_probs(raw, TOP_P)
     sampled = out.sequences[:, prompts.size(1) :]
-    expected = torch.log_softmax(raw, -1).gather(2, sampled.unsqueeze(2)).squeeze(2)
-    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=raw).entropy(), rtol=0, atol=1e-5)
-    # top_p 0.9 cut some tokens from what was sampled: the record is of the whole distribution
-    assert (entropy > 0).all()
+    expected = nucleus.gather(2, sampled.unsqueeze(2)).squeeze(2)
+    assert torch.isfinite(expected).all()  # every sampled token is in its nucleus
+    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=nucleus).entropy(), rtol=0, atol=1e-5)
+    # the nucleus is a real cut: below the whole distribution's entropy, above 0
+    whole = torch.distributions.Categorical(logits=raw).entropy()
+    assert (entropy > 0).all() and (entropy < whole - 1e-3).all()
 
 
 def test_positions_no_step_reached_are_zero():

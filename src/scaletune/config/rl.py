@@ -42,8 +42,9 @@ class RLConfig(StrictModel):
     """Sampling temperature; the trained log-probabilities are those of the distribution sampled
     from, softmax(logits / temperature), as TRL's GRPOTrainer computes them."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling; 1.0 samples from the whole vocabulary. Below 1 the trained log-probabilities
-    are still over the whole vocabulary (not renormalised on the kept tokens), as TRL's."""
+    """Nucleus sampling; 1.0 samples from the whole vocabulary. Below 1 the trained (and the
+    reference's) log-probabilities are renormalised on the kept tokens, the distribution the
+    completions were sampled from (TRL's are over the whole vocabulary)."""
     loss: RLLoss = "dapo"
     """How per-token losses are averaged over the global batch. dapo: over all completion tokens (Yu et
     al. 2025, DAPO); grpo: over each completion's tokens, then over completions (Shao et al. 2024,

@@ -17,14 +17,44 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
 
-__all__ = ["over_chunks", "sequence_logps", "target_logps", "target_states", "token_logps"]
+__all__ = ["over_chunks", "sampling_logits", "sequence_logps", "target_logps", "target_states", "token_logps"]
 
 
-def _head_logps(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float = 1.0) -> torch.Tensor:
-    logits = head(hidden).float()
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """THE distribution an online objective samples from and trains on, as logits: `logits` (float32,
+    [..., vocab]) divided by `temperature`, then, for `top_p` < 1, the tokens outside the nucleus
+    set to -inf by transformers' own `TopPLogitsWarper` (the one `generate` samples through: the
+    smallest set of most likely tokens whose probability reaches top_p, the most likely always
+    kept), so that a log-softmax renormalises on the kept tokens. The mask carries no gradient;
+    the kept logits do.
+    """
     if temperature != 1.0:
         logits = logits / temperature
-    return -F.cross_entropy(logits, targets.to(logits.device), reduction="none")
+    if top_p < 1.0:
+        from transformers import TopPLogitsWarper
+
+        flat = logits.reshape(-1, logits.size(-1))
+        logits = TopPLogitsWarper(top_p=top_p)(None, flat).reshape(logits.shape)
+    return logits
+
+
+def _sampled_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log p(targets) [n] under :func:`sampling_logits` of `logits` [n, vocab]. Each target keeps its
+    logit even where the nucleus recomputed here leaves it out: it was sampled, so it was in the
+    engine's, and a boundary moved by rounding shows as `logp_mismatch`, not as an infinite loss."""
+    targets = targets.to(logits.device)
+    scaled = sampling_logits(logits, temperature)
+    kept = sampling_logits(scaled, 1.0, top_p)
+    if top_p < 1.0:
+        column = targets.unsqueeze(1)
+        kept = kept.scatter(1, column, scaled.gather(1, column))
+    return -F.cross_entropy(kept, targets, reduction="none")
+
+
+def _head_logps(
+    hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, temperature: float = 1.0, top_p: float = 1.0
+) -> torch.Tensor:
+    return _sampled_logps(head(hidden).float(), targets, temperature, top_p)
 
 
 def over_chunks(
@@ -70,6 +100,7 @@ def token_logps(
     *,
     partitioned: bool = False,
     temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
     """log p(targets[i] | hidden[i]) under `head`, chunk by chunk (:func:`over_chunks`).
 
@@ -83,12 +114,14 @@ def token_logps(
         temperature: the logits are divided by it first (an online objective's sampling
             temperature: the log-probs of the distribution the completions were drawn from, as TRL's
             GRPOTrainer computes them).
+        top_p: below 1, renormalised on the nucleus the completions were sampled from
+            (:func:`sampling_logits`).
 
     Returns:
         [n] float32 log-probabilities (connected to the graph when grad is enabled).
     """
     return over_chunks(
-        _head_logps, (hidden, targets), (head, temperature), head=head, chunk=chunk, partitioned=partitioned
+        _head_logps, (hidden, targets), (head, temperature, top_p), head=head, chunk=chunk, partitioned=partitioned
     )
 
 
@@ -102,6 +135,7 @@ def target_logps(
     partitioned_head: bool = False,
     chunk: int | None = None,
     temperature: float = 1.0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The log-probability of every trained token, with the row it belongs to.
 
@@ -114,6 +148,7 @@ def target_logps(
         partitioned_head: DeepSpeed ZeRO-3 partitions the head (see :func:`token_logps`).
         chunk: head rows per chunk.
         temperature: logits divided by it (see :func:`token_logps`).
+        top_p: the nucleus renormalised on (see :func:`token_logps`).
 
     Returns:
         (per_token [n] float32 on labels' device, in row-major order of the trained positions;
@@ -129,11 +164,11 @@ def target_logps(
     states, head = target_states(causal_lm, input_ids, index, attention_mask, position_ids)
     targets = flat.to(states.device).index_select(0, index.to(states.device))
     if head is None:  # the model's own logits
-        picked = states.float()
-        picked = picked / temperature if temperature != 1.0 else picked
-        per_token = -F.cross_entropy(picked, targets, reduction="none")
+        per_token = _sampled_logps(states.float(), targets, temperature, top_p)
     else:
-        per_token = token_logps(states, head, targets, chunk, partitioned=partitioned_head, temperature=temperature)
+        per_token = token_logps(
+            states, head, targets, chunk, partitioned=partitioned_head, temperature=temperature, top_p=top_p
+        )
     return per_token.to(labels.device), rows, tokens
 
 

@@ -102,7 +102,8 @@ class PreferenceLoss(CausalLMLoss):
         )
 
     def _target_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Per-token log-probs at the sampling temperature (`target_logps`)."""
+        """Per-token log-probs of the distribution sampled from: at the sampling temperature, on its
+        top_p nucleus (`target_logps`)."""
         assert self.objective is not None
         return target_logps(
             model,
@@ -113,6 +114,7 @@ class PreferenceLoss(CausalLMLoss):
             partitioned_head=self.partitioned_head,
             chunk=self.chunk,
             temperature=self.objective.settings.temperature,
+            top_p=self.objective.settings.top_p,
         )
 
     def _per_token_loss(

@@ -50,8 +50,9 @@ class Generated:
         completions: [R, C] int64 token ids, padded after each completion's end.
         lengths: [R] int64 tokens of each completion, its end-of-sequence token included.
         logprobs: [R, C] float32 log-probability of each token under the distribution it was
-            sampled from, softmax(logits / temperature) (before top_p's cut); None where the engine
-            has none (a replayed file without them). Only the first lengths[r] of row r are read.
+            sampled from, softmax(logits / temperature) renormalised on the top_p nucleus; None
+            where the engine has none (a replayed file without them). Only the first lengths[r] of
+            row r are read.
         entropy: [R, C] float32 entropy of that distribution at each position, in nats; or None.
     """
 
@@ -63,7 +64,9 @@ class Generated:
 
 class SampledLogProbs(LogitsProcessor):
     """A logits processor that changes nothing and records, at each generated position, the
-    log-probability of the token sampled there and the entropy of softmax(logits / temperature).
+    log-probability of the token sampled there and the entropy of the distribution it was sampled
+    from: softmax(logits / temperature) on the top_p nucleus (`objectives.logprobs.sampling_logits`,
+    which the trainer's log-probs go through too).
 
     transformers applies a custom processor after its own processors and before the sampling
     warpers (temperature, top_p: `GenerationMixin._get_logits_processor`), so the scores it sees
@@ -72,15 +75,17 @@ class SampledLogProbs(LogitsProcessor):
     only the previous step's [rows, vocab] log-softmax is kept.
     """
 
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
+    def __init__(self, temperature: float, top_p: float = 1.0) -> None:
+        self.temperature, self.top_p = temperature, top_p
         self.previous: torch.Tensor | None = None
         self.logprobs: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._take(input_ids[:, -1])
-        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        from scaletune.objectives.logprobs import sampling_logits
+
+        logp = torch.log_softmax(sampling_logits(scores.float(), self.temperature, self.top_p), dim=-1)
         # p log p is 0 where p is (logp -inf), not nan.
         self.entropy.append(-(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
         self.previous = logp
@@ -204,7 +209,7 @@ class HFEngine(Engine):
         was_training = model.training
         strategy.train_mode(False)
         seed = self.sampling_seed(split, step)
-        recorder = SampledLogProbs(s.temperature)
+        recorder = SampledLogProbs(s.temperature, s.top_p)
         try:
             rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
             with torch.no_grad(), rng, strategy.forward_context():
