@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scaletune.models.loss import IGNORE_INDEX, decoder_and_head, default_chunk, packed_mask
+from scaletune.models.loss import decoder_and_head, default_chunk, packed_mask, target_index
 
 __all__ = ["over_chunks", "sampling_logits", "sequence_logps", "target_logps", "target_states", "token_logps"]
 
@@ -156,7 +156,7 @@ def target_logps(
     """
     shifted = labels[:, 1:]
     flat = shifted.reshape(-1)
-    index = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    index = target_index(labels)
     rows = torch.div(index, shifted.size(1), rounding_mode="floor")
     tokens = torch.zeros(labels.size(0), dtype=torch.long, device=labels.device).index_add_(
         0, rows, torch.ones_like(rows)

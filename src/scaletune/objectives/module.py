@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from scaletune.models.loss import CausalLMLoss
+from scaletune.models.loss import CausalLMLoss, target_index
 from scaletune.objectives.distill import chunked_divergence, teacher_logprobs
 from scaletune.objectives.logprobs import sequence_logps, target_logps, target_states
 from scaletune.objectives.objective import Objective
@@ -132,10 +132,9 @@ class PreferenceLoss(CausalLMLoss):
                 ref = self._reference_call(inputs, lambda lm, x: self._target_logps(lm, x)[0])
         logp, rows, _ = self._target_logps(self.causal_lm, inputs)
         batch = {"input_ids": inputs["input_ids"], "labels": inputs["labels"], "advantages": advantages}
-        if engine_logps is not None:
-            labels = inputs["labels"][:, 1:]
-            at = (labels.reshape(-1) != -100).nonzero().squeeze(1)  # target_logps' order: row-major
-            batch["engine_logps"] = engine_logps[:, 1:].reshape(-1).index_select(0, at.to(engine_logps.device))
+        if engine_logps is not None:  # in target_logps' order: the trained positions, row-major
+            at = target_index(inputs["labels"]).to(engine_logps.device)
+            batch["engine_logps"] = engine_logps[:, 1:].reshape(-1).index_select(0, at)
         components, stats = self.objective.loss(logp, rows, ref, batch)
         self.last_stats = stats
         return components.to(inputs["input_ids"].device)

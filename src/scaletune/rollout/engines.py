@@ -23,6 +23,8 @@ from transformers import LogitsProcessor
 from scaletune.config.distill import DistillConfig
 from scaletune.config.rl import RLConfig
 from scaletune.errors import UserError
+from scaletune.objectives.logprobs import sampling_logits
+from scaletune.strategies.memory import count_bytes
 
 __all__ = [
     "Engine",
@@ -83,8 +85,6 @@ class SampledLogProbs(LogitsProcessor):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         self._take(input_ids[:, -1])
-        from scaletune.objectives.logprobs import sampling_logits
-
         logp = torch.log_softmax(sampling_logits(scores.float(), self.temperature, self.top_p), dim=-1)
         # p log p is 0 where p is (logp -inf), not nan.
         self.entropy.append(-(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1))
@@ -223,7 +223,8 @@ class HFEngine(Engine):
                 )
         finally:
             strategy.train_mode(was_training)
-        self.kv_cache_bytes = max(self.kv_cache_bytes, cache_bytes(out.cache))
+        cache = [t for layer in getattr(out.cache, "layers", None) or [] for t in (layer.keys, layer.values)]
+        self.kv_cache_bytes = max(self.kv_cache_bytes, count_bytes(cache, {}))  # one key, one value a layer
         out = out.sequences
         completions = out[:, prompt_ids.size(1) :].cpu()
         if completions.size(1) == 0:
@@ -287,17 +288,6 @@ class ReplayEngine(Engine):
             if logprobs is not None and lp:
                 logprobs[j, : len(lp)] = torch.as_tensor(lp)
         return Generated(out, torch.tensor([len(ids) for ids, _ in rows], dtype=torch.long), logprobs)
-
-
-def cache_bytes(cache: Any) -> int:
-    """Bytes of a transformers cache's key and value tensors (0 for none): one [rows, kv_heads,
-    tokens, head_dim] key and value per layer (`DynamicCache.layers`)."""
-    total = 0
-    for layer in getattr(cache, "layers", None) or []:
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
 
 
 def eos_ids(tokenizer: Any) -> set[int]:
