@@ -2,7 +2,8 @@
 each sampled token and the entropy at each position are those of the distribution it sampled from,
 the model's own logits (which transformers returns beside the sequences, `output_logits`) at the
 sampling temperature, renormalised on the top_p nucleus, computed here by hand. A tiny random Llama
-samples 3 completions of 2 prompts."""
+samples 3 completions of 2 prompts. And the replay engine's reading of a rollouts.jsonl it is given
+(`rollout.engines.ReplayEngine`): log-probs no engine gives are refused, by line."""
 
 from __future__ import annotations
 
@@ -70,3 +71,29 @@ def test_positions_no_step_reached_are_zero():
     logprobs, entropy = recorder.finish(torch.tensor([[1, 3], [2, 4]]), 3)
     assert logprobs.shape == (2, 3) and (logprobs[:, 1:] == 0).all() and (entropy[:, 1:] == 0).all()
     torch.testing.assert_close(logprobs[:, 0], scores[[0, 1], [3, 4]])
+
+
+def test_a_replay_file_with_log_probs_no_engine_gives_is_refused_by_line(tmp_path):
+    """`training.rl.replay` is input from anywhere: a line whose `completion_logps` hold NaN,
+    infinity or a positive number (no log-probability is) is named by its line, as a wrong count
+    is; a file of real ones loads and replays them."""
+    import json
+    import math
+
+    import pytest
+
+    from scaletune.errors import UserError
+    from scaletune.rollout.engines import ReplayEngine
+
+    good = {"step": 1, "prompt_index": 0, "completion_ids": [5, 6], "completion_logps": [-0.5, -2.0]}
+    for bad in ([math.nan, -1.0], [-1.0, math.inf], [0.25, -1.0], [-1.0]):
+        path = tmp_path / "rollouts.jsonl"
+        line = json.dumps({**good, "completion_logps": bad})  # NaN and Infinity as Python's json writes them
+        path.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(UserError, match="line 2: not a rollout"):
+            ReplayEngine(path, pad_token_id=0)
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
+    got = ReplayEngine(path, pad_token_id=0).generate(
+        None, None, 2, split="train", step=1, prompt_index=torch.tensor([0])
+    )
+    assert got.completions.tolist() == [[5, 6], [5, 6]] and got.logprobs.tolist() == [[-0.5, -2.0]] * 2

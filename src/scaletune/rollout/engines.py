@@ -13,6 +13,7 @@ completions' token ids with the log-probabilities the engine sampled them at (`G
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,12 +260,14 @@ class ReplayEngine(Engine):
                 ids = [int(t) for t in r["completion_ids"]]
                 logps = r.get("completion_logps")
                 logps = [float(v) for v in logps] if logps is not None else None
-                if logps is not None and len(logps) != len(ids):
+                # A log-probability a token: finite and at most 0 (a NaN would reach the agreement check).
+                if logps is not None and (len(logps) != len(ids) or not all(-math.inf < v <= 0 for v in logps)):
                     raise ValueError
             except (ValueError, KeyError, TypeError):
                 raise UserError(
                     f"{self.key} {self.path}, line {number}: not a rollout (a JSON object with step, "
-                    "prompt_index and completion_ids, and completion_logps, if any, one number a token)",
+                    "prompt_index and completion_ids, and completion_logps, if any, one finite log-probability, "
+                    "at most 0, a token)",
                     title="invalid data",
                 ) from None
             self.table.setdefault(key, []).append((ids, logps))
