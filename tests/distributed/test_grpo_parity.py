@@ -13,10 +13,11 @@ sampling at temperature 1.0 from the top_p 0.95 nucleus:
 - `replay`: one process, `engine: replay` of `hf`'s rollouts.jsonl: the same completions, so the
   same losses, gradient norms, rewards and advantages (1e-6);
 - `ddp-hf`: `scaletune train` with num_processes 2 (re-executed under torchrun), DDP, 2 SFT steps
-  then 3 GRPO steps in one run, sampling with the `hf` engine on each rank (its own completions),
-  and `ddp-replay`, one process replaying them: world size 2 reproduces world size 1 on the same
-  completions (1e-4); `resumed-1` (one process, replaying) and `resumed-2` (two, hf) resume from its
-  checkpoint inside the GRPO stage and continue as it did;
+  then 4 GRPO steps in one run, two on each generation (`steps_per_generation` 2), sampling with
+  the `hf` engine on each rank (its own completions), and `ddp-replay`, one process replaying them:
+  world size 2 reproduces world size 1 on the same completions (1e-4); `resumed-1` (one process,
+  replaying) and `resumed-2` (two, hf) resume from its checkpoint inside the GRPO stage and
+  continue as it did;
 - `zero2-2` (one torchrun) and `fsdp-3` (torchrun, 3 ranks: 6 prompts a step and 5 held-out
   prompts are uneven shares) replay `hf`'s rollouts and reproduce it (1e-4);
 - `zero3-2` (`torchrun -m scaletune train`) and `fsdp-2` (in zero2-2's torchrun) sample with the
@@ -159,8 +160,10 @@ def _replaying(cfg: dict, source: Path) -> dict:
 
 
 def _staged(cfg: dict, **training) -> dict:
-    """`cfg` as a curriculum: 2 SFT steps on Alpaca records, then its GRPO stage (3 steps), a
-    checkpoint after the GRPO stage's first step (step 3)."""
+    """`cfg` as a curriculum: 2 SFT steps on Alpaca records, then its GRPO stage, 4 steps trained
+    2 on each generation (`steps_per_generation` 2: steps 3 and 4 sampled before step 3, 5 and 6
+    before step 5); `save_every` 3 falls inside the first generation, so its checkpoint is written
+    after the generation's last step (step 4)."""
     grpo_data = cfg["data"]
     data = {
         "train": {"path": str(ALPACA_5000), "format": "alpaca", "max_samples": 24},
@@ -171,7 +174,11 @@ def _staged(cfg: dict, **training) -> dict:
         {"name": "sft", "training": {"objective": "sft", "max_steps": 2}},
         {
             "name": "grpo",
-            "training": {"objective": "grpo", "max_steps": 3, "rl": cfg["training"]["rl"]},
+            "training": {
+                "objective": "grpo",
+                "max_steps": 4,
+                "rl": {**cfg["training"]["rl"], "steps_per_generation": 2},
+            },
             "data": {k: grpo_data[k] for k in ("train", "eval", "max_seq_length")},
         },
     ]
@@ -204,8 +211,8 @@ def runs(tiny_model_dir, eos_prone_model, prompt_files, module_tmp_path) -> dict
     train(ddp, base, name="ddp-hf.yaml")  # the plain command: re-executes under torchrun
     replay_ddp = _replaying(_staged(_config(tiny_model_dir, out["ddp-replay"], prompt_files)), out["ddp-hf"])
     train(replay_ddp, base, name="ddp-replay.yaml")
-    # Resumed inside the GRPO stage (step 3's checkpoint) on one process, replaying the rest.
-    inside = str(out["ddp-hf"] / "checkpoints" / "step-3")
+    # Resumed inside the GRPO stage (step 4's checkpoint) on one process, replaying the rest.
+    inside = str(out["ddp-hf"] / "checkpoints" / "step-4")
     resumed = _replaying(_staged(_config(tiny_model_dir, out["resumed-1"], prompt_files), resume=inside), out["ddp-hf"])
     train(resumed, base, name="resumed-1.yaml")
     zero2 = _config(tiny_model_dir, out["zero2-2"], prompt_files, strategy="deepspeed", zero_stage=2, num_processes=2)
@@ -300,32 +307,42 @@ def test_a_replay_of_the_rollouts_trains_the_same_steps(runs):
 
 
 def test_sft_then_grpo_on_ddp_with_the_hf_engine_equals_one_process_on_its_completions(runs):
-    """2 SFT steps then 3 GRPO steps in one run, at world size 2 (each rank sampled its prompts'
-    groups; rank 0 wrote both ranks' lines) and replayed at world size 1: every step agrees."""
-    lines = _rollouts(runs["ddp-hf"])
-    assert sorted({r["step"] for r in lines if r["split"] == "train"}) == [3, 4, 5]
-    assert len([r for r in lines if r["split"] == "train"]) == 3 * 6 * G
+    """2 SFT steps then 4 GRPO steps in one run, 2 a generation, at world size 2 (each rank sampled
+    its prompts' groups; rank 0 wrote both ranks' lines) and replayed at world size 1: every step
+    agrees. A generation's second step trains on completions the policy before its first sampled,
+    its ratio taken to the log-probs the trainer computed for them at sampling: those equal the
+    ones the engine recorded as it sampled (`logp_mismatch`, AGREE), where the moved policy's
+    would not."""
+    lines = [r for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train"]
+    assert sorted({r["step"] for r in lines}) == [3, 4, 5, 6]
+    assert len(lines) == 4 * 6 * G
+    assert {(r["step"], r["policy_version"]) for r in lines} == {(3, 2), (4, 2), (5, 4), (6, 4)}
     mine, ref = steps(runs["ddp-replay"]), steps(runs["ddp-hf"])
-    assert [m["stage"] for m in ref] == ["sft", "sft", "grpo", "grpo", "grpo"]
+    assert [m["stage"] for m in ref] == ["sft", "sft", "grpo", "grpo", "grpo", "grpo"]
     for key in ("loss", "grad_norm"):
         assert_close([m[key] for m in mine], [m[key] for m in ref], REL, f"sft then grpo, world size 2 vs 1: {key}")
     for key in ("reward", "reward_std", "kl"):
         assert_close([m[key] for m in mine[2:]], [m[key] for m in ref[2:]], REL, key)
+    grpo_steps = mine[2:] + ref[2:]
+    assert all(m["logp_mismatch"] < AGREE for m in grpo_steps), [m["logp_mismatch"] for m in grpo_steps]
+    # save_every 3 inside the first generation: written after its last step instead, and at the end.
+    assert sorted(p.name for p in (runs["ddp-hf"] / "checkpoints").glob("step-*")) == ["step-4", "step-6"]
 
 
 @pytest.mark.parametrize("name", ["resumed-1", "resumed-2"])
 def test_a_run_resumed_inside_the_grpo_stage_continues_as_the_uninterrupted_one(runs, name):
-    """From the checkpoint after the GRPO stage's first step: on one process replaying the
-    uninterrupted run's completions (another world size samples differently), and on two with the hf
-    engine (each call's sampling seed drawn again and the prompt position restored: the same completions again)."""
+    """From the checkpoint after the GRPO stage's first generation (step 4): on one process
+    replaying the uninterrupted run's completions (another world size samples differently), and on
+    two with the hf engine (each call's sampling seed drawn again and the prompt position restored:
+    the same completions again)."""
     mine, ref = steps(runs[name]), steps(runs["ddp-hf"])
-    assert [m["step"] for m in mine] == [4, 5]
+    assert [m["step"] for m in mine] == [5, 6]
     for key in ("loss", "grad_norm", "reward", "reward_std", "kl"):
-        assert_close([m[key] for m in mine], [m[key] for m in ref[3:]], REL, f"{name} {key}")
+        assert_close([m[key] for m in mine], [m[key] for m in ref[4:]], REL, f"{name} {key}")
     if name == "resumed-2":
         resumed = [r["completion_ids"] for r in _rollouts(runs[name]) if r["split"] == "train"]
         uninterrupted = [
-            r["completion_ids"] for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train" and r["step"] > 3
+            r["completion_ids"] for r in _rollouts(runs["ddp-hf"]) if r["split"] == "train" and r["step"] > 4
         ]
         assert resumed == uninterrupted
 

@@ -1,8 +1,8 @@
 """Issue 36's first done-when: the GRPO loss of `objectives.rl.GRPO` (through the loss module every
 run wraps, `objectives.module.PreferenceLoss`) equals TRL 1.16's `GRPOTrainer._compute_loss` on the
 same model and tokens, for dapo, grpo and dr_grpo, with a KL to a reference model, within 1e-6; and
-the gradients equal those of the same formula over the model's whole logits (see the test for why
-not TRL's own gradients).
+the gradients equal TRL's, and those of the same formula over the model's whole logits, within 1e-6
+of the largest.
 
 The control is TRL's real trainer built on a tiny random OLMo-2 (float32, the tests' tokenizer):
 its `_compute_loss` with the inputs its generation step would have produced (prompt and completion
@@ -15,6 +15,12 @@ ids (positions count from the left pad), where scaletune's rows count positions 
 token, as generation does; with unpadded prompts the two agree.
 
 Sampling temperature 0.7: both divide the logits by it before the log-softmax.
+
+A step after its generation's first (`training.rl.steps_per_generation` > 1) takes its ratio to the
+sampling policy's log-probs: the `old` case gives TRL the old per-token log-probs of a third model
+(the policy, perturbed less than the reference) from its own `_get_per_token_logps_and_entropies`,
+and scaletune those of the same model from the loss module's ``token_logps`` output (what a
+rollout computes for such steps).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def models(tiny_model_dir):
     return policy, reference, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def _trl(loss_type: str, policy, reference, tok, tmp_path, batch: dict) -> tuple[float, torch.Tensor]:
+def _trl(loss_type: str, policy, reference, tok, tmp_path, batch: dict, old=None) -> tuple[float, torch.Tensor]:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -90,20 +96,25 @@ def _trl(loss_type: str, policy, reference, tok, tmp_path, batch: dict) -> tuple
     trainer.current_gradient_accumulation_steps = 1
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-    # TRL's own reference (a copy of the policy it patched with its fused head) given our reference's weights.
-    trainer.ref_model.load_state_dict(reference.state_dict())
-    with torch.no_grad():
-        ref_logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.ref_model, input_ids, attention, batch["completion_ids"].size(1)
-        )
-    inputs = {**batch, "ref_per_token_logps": ref_logps, "num_items_in_batch": batch["completion_mask"].sum()}
+    width = batch["completion_ids"].size(1)
+    inputs = {**batch, "num_items_in_batch": batch["completion_mask"].sum()}
+    # TRL's own reference (a copy of the policy it patched with its fused head) given our old
+    # policy's weights, then our reference's.
+    for key, weights in (("old_per_token_logps", old), ("ref_per_token_logps", reference)):
+        if weights is None:
+            continue
+        trainer.ref_model.load_state_dict(weights.state_dict())
+        with torch.no_grad():
+            inputs[key], _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, input_ids, attention, width
+            )
     model.train()
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
     return float(loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _scaletune(loss_type: str, policy, reference, tok, prompt_ids, completions, lengths, advantages):
+def _scaletune(loss_type: str, policy, reference, tok, prompt_ids, completions, lengths, advantages, old=None):
     from scaletune.config.rl import RLConfig
     from scaletune.objectives.module import PreferenceLoss
     from scaletune.objectives.table import objective_for
@@ -111,7 +122,6 @@ def _scaletune(loss_type: str, policy, reference, tok, prompt_ids, completions, 
     from scaletune.strategies.frozen_reference import freeze
 
     model = copy.deepcopy(policy)
-    module = PreferenceLoss(model)
     settings = RLConfig(
         num_generations=G,
         max_new_tokens=completions.size(1),
@@ -123,18 +133,24 @@ def _scaletune(loss_type: str, policy, reference, tok, prompt_ids, completions, 
         rewards=[{"function": "scaletune.rewards:exact_answer"}],
     )
     objective = objective_for("grpo", settings)
+    rows = completion_rows(prompt_ids, torch.ones_like(prompt_ids), completions, lengths, G, tok.pad_token_id)
+    extra = {}
+    if old is not None:  # as `rollout.Rollout.generate` asks the trainer for them
+        sampler = PreferenceLoss(copy.deepcopy(old))
+        sampler.start_stage(objective)
+        extra["old_logps"] = sampler(**rows, output="token_logps")
+    module = PreferenceLoss(model)
     module.start_stage(objective)
     module.set_reference(freeze(copy.deepcopy(reference)))
-    rows = completion_rows(prompt_ids, torch.ones_like(prompt_ids), completions, lengths, G, tok.pad_token_id)
     model.train()
-    components = module(**rows, advantages=advantages)
+    components = module(**rows, advantages=advantages, **extra)
     (units,) = objective.units(rows)
     loss = components[0] / units  # the step divides by the global count of the unit (one micro-batch here)
     loss.backward()
     return float(loss), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _full_logits(loss_type: str, policy, reference, batch: dict) -> torch.Tensor:
+def _full_logits(loss_type: str, policy, reference, batch: dict, old=None) -> torch.Tensor:
     """The gradient control: TRL's `_compute_loss` formula written out over the model's whole
     `[rows, T, vocab]` logits (`model(...).logits`, log_softmax, autograd), no chunking or fused head."""
     model = copy.deepcopy(policy)
@@ -150,9 +166,10 @@ def _full_logits(loss_type: str, policy, reference, batch: dict) -> torch.Tensor
     logp = logps(model)
     with torch.no_grad():
         ref = logps(reference)
-    ratio, adv = torch.exp(logp - logp.detach()), batch["advantages"].unsqueeze(1)
+        sampled = logps(old) if old is not None else logp.detach()
+    ratio, adv = torch.exp(logp - sampled), batch["advantages"].unsqueeze(1)
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - CLIP[0], 1 + CLIP[1]) * adv)
-    per_token = per_token + BETA * (torch.exp(ref - logp) - (ref - logp) - 1)
+    per_token = per_token + BETA * (torch.exp(ref - logp) - (ref - logp) - 1) * ratio  # TRL's bias-corrected KL
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
     elif loss_type == "dr_grpo":
@@ -163,16 +180,25 @@ def _full_logits(loss_type: str, policy, reference, batch: dict) -> torch.Tensor
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_grpo_loss_and_gradients_equal_trl(loss_type, models, tmp_path):
-    """Loss: TRL's within 1e-6. Gradients: the whole-logits control's within 1e-6 of its largest
-    element. TRL's own gradients (its chunked fused head, `trl.kernels.ChunkedLogProbFunction`, on the
-    CPU) are 0.6 % (temperature 1) to 1.4 % (0.7) of the largest gradient off that control, measured
-    while writing this test, so they are checked only for direction (cosine > 0.999)."""
+@pytest.mark.parametrize(
+    ("loss_type", "sampled"), [("dapo", "policy"), ("grpo", "policy"), ("dr_grpo", "policy"), ("dapo", "old")]
+)
+def test_grpo_loss_and_gradients_equal_trl(loss_type, sampled, models, tmp_path):
+    """Loss: TRL's within 1e-6, sampled by the policy itself (ratio 1) or by an older one (`old`).
+    Gradients: TRL's and those of the same formula over the model's whole logits within 1e-6 of the
+    largest element. (Before scaletune weighted the KL by the ratio, as TRL 1.16 does by default,
+    its gradients were 0.6 % to 1.4 % of the largest off TRL's: the KL's kl * grad logp term.)"""
     from scaletune.objectives.rl import group_advantages
     from scaletune.rollout.engines import completion_mask
 
     policy, reference, tok = models
+    old = None
+    if sampled == "old":  # the policy before an update: the ratio departs from 1, some clipped
+        old = copy.deepcopy(policy)
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in old.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
     prompt_ids = torch.tensor([[11, 42, 97, 1040, 7], [55, 8, 2024, 311, 19]])
     completions, lengths = _completions(len(tok), tok.eos_token_id, tok.pad_token_id)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 0.0, 1.0, 0.75])
@@ -186,15 +212,18 @@ def test_grpo_loss_and_gradients_equal_trl(loss_type, models, tmp_path):
         "completion_mask": mask,
         "advantages": advantages,
     }
-    trl_loss, trl_grad = _trl(loss_type, policy, reference, tok, tmp_path, batch)
-    ours, grad = _scaletune(loss_type, policy, reference, tok, prompt_ids, completions, lengths, advantages)
+    trl_loss, trl_grad = _trl(loss_type, policy, reference, tok, tmp_path, batch, old)
+    ours, grad = _scaletune(loss_type, policy, reference, tok, prompt_ids, completions, lengths, advantages, old)
     assert abs(ours - trl_loss) <= 1e-6, (loss_type, ours, trl_loss)
     assert abs(trl_loss) > 1e-3  # the KL and unequal lengths make it non-trivial
-    control = _full_logits(loss_type, policy, reference, batch)
+    control = _full_logits(loss_type, policy, reference, batch, old)
+    if old is not None:  # the old log-probs changed the step: not the ratio-1 loss
+        on_policy, _ = _scaletune(loss_type, policy, reference, tok, prompt_ids, completions, lengths, advantages)
+        assert abs(ours - on_policy) > 1e-3, (ours, on_policy)
     scale = float(control.abs().max())
     assert scale > 1e-3
     assert float((grad - control).abs().max()) <= 1e-6 * scale, float((grad - control).abs().max())
-    assert float(torch.nn.functional.cosine_similarity(trl_grad, control, dim=0)) > 0.999
+    assert float((trl_grad - control).abs().max()) <= 1e-6 * scale, float((trl_grad - control).abs().max())
 
 
 def test_group_advantages_by_hand():

@@ -53,14 +53,22 @@ class RLConfig(StrictModel):
     clip: tuple[float, float] = (0.2, 0.28)
     """(low, high): the policy ratio is clipped to [1 - low, 1 + high] (DAPO's clip-higher)."""
     beta: float = Field(0.0, ge=0)
-    """Weight of the per-token KL to the reference model (the k3 estimator, Schulman 2020); 0: no
-    reference is computed."""
+    """Weight of the per-token KL to the reference model (the k3 estimator, Schulman 2020, weighted
+    by the policy ratio as TRL 1.16 does by default); 0: no reference is computed."""
     reference: RLReference = "auto"
     """The reference model when beta > 0. base: the model with its LoRA adapters disabled (no copy);
     model: a frozen copy of `model.name_or_path`, sharded like the policy; auto: base under LoRA,
     else model."""
     rewards: list[RewardSpec] = Field(default_factory=list)
     """The reward functions; at least one."""
+    steps_per_generation: int = Field(1, ge=1)
+    """Optimizer steps trained on one generation: the prompts of this many consecutive steps are
+    sampled at once, by the policy before the first of them, and the later steps train off-policy on
+    them, their ratio taken to the log-probs the trainer computed (no grad) right after sampling
+    (TRL's `steps_per_generation` with `old_per_token_logps`, counted in optimizer steps). Checkpoints
+    and a stop requested by `scaletune serve` come only after a generation's last step, so a resume
+    never needs completions an earlier policy sampled; a `save_every` falling inside a generation
+    saves at its end."""
     engine: RLEngine = "hf"
     """What generates the completions. hf: the trained model's own `generate` (nothing to copy);
     replay: completions read from `replay`, a rollouts.jsonl of an earlier run (offline RL, and

@@ -26,7 +26,7 @@ from scaletune.objectives.distill import chunked_divergence, teacher_logprobs
 from scaletune.objectives.logprobs import sequence_logps, target_logps, target_states
 from scaletune.objectives.objective import Objective
 
-__all__ = ["PreferenceLoss", "kl_inputs", "preference_inputs"]
+__all__ = ["PreferenceLoss", "kl_inputs", "label_columns", "preference_inputs"]
 
 _ROWS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -35,13 +35,14 @@ def preference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     """`objectives.module.PreferenceLoss.forward`'s inputs: the rows, precomputed reference
     log-probs (KTO: of its completion rows only), KTO's labels and its step's reference point ``kl``
     (a float the KL pass put in the micro-batch, `trainer.batches.kto_kl_pass`); an online
-    objective's ``advantages`` [R] (one per completion row, `rollout`) and ``engine_logps`` [R, T]
-    (the log-prob each completion token was sampled at, in its label's column)."""
+    objective's ``advantages`` [R] (one per completion row, `rollout`), ``engine_logps`` [R, T]
+    (the log-prob each completion token was sampled at, in its label's column) and, for a step
+    after a generation's first, ``old_logps`` [R, T] (the trainer's at sampling, same layout)."""
     out = {k: batch[k] for k in _ROWS}
     if "ref_logps" in batch:
         ref = batch["ref_logps"]
         out["ref_logps"] = ref[: batch["input_ids"].size(0)]
-    for key in ("desirable", "kl", "advantages", "engine_logps"):
+    for key in ("desirable", "kl", "advantages", "engine_logps", "old_logps"):
         if key in batch:
             out[key] = batch[key]
     return out
@@ -63,7 +64,10 @@ class PreferenceLoss(CausalLMLoss):
       objective set, `CausalLMLoss.forward` (the summed token loss);
     - ``"logps"``: the policy's per-row summed log-probs [R] without grad (`reference.precompute`);
     - ``"kl"``: KTO's KL sums [2] without grad: sum over the rows of (policy - reference) log-probs,
-      and the row count (`trainer.batches.kto_kl_pass`).
+      and the row count (`trainer.batches.kto_kl_pass`);
+    - ``"token_logps"``: an online objective's per-token log-probs of the completion rows [R, T]
+      without grad, each in its label's column (0 elsewhere): the old log-probs of a generation
+      trained over several steps (`rollout.Rollout.generate`).
 
     `output` is an argument, not a method, because every engine gathers sharded parameters inside
     the wrapped module's forward (FSDP2's root unit, ZeRO-3's fetch trace): each pass enters there.
@@ -118,11 +122,16 @@ class PreferenceLoss(CausalLMLoss):
         )
 
     def _per_token_loss(
-        self, inputs: dict[str, torch.Tensor], advantages: torch.Tensor | None, engine_logps: torch.Tensor | None
+        self,
+        inputs: dict[str, torch.Tensor],
+        advantages: torch.Tensor | None,
+        engine_logps: torch.Tensor | None,
+        old_logps: torch.Tensor | None,
     ) -> torch.Tensor:
         """An online objective's loss (GRPO): per-token log-probs of the completion rows, the
-        reference's first (no grad) when its KL is weighted. `engine_logps` [R, T] (or None): the
-        engine's log-prob of each label, given to the objective in the trainer's token order."""
+        reference's first (no grad) when its KL is weighted. `engine_logps` and `old_logps` [R, T]
+        (or None): the engine's, and the sampling policy's as the trainer computed them, log-prob of
+        each label, given to the objective in the trainer's token order."""
         assert self.objective is not None and advantages is not None, (
             "a rollout gives every completion row its advantage"
         )
@@ -132,9 +141,10 @@ class PreferenceLoss(CausalLMLoss):
                 ref = self._reference_call(inputs, lambda lm, x: self._target_logps(lm, x)[0])
         logp, rows, _ = self._target_logps(self.causal_lm, inputs)
         batch = {"input_ids": inputs["input_ids"], "labels": inputs["labels"], "advantages": advantages}
-        if engine_logps is not None:  # in target_logps' order: the trained positions, row-major
-            at = target_index(inputs["labels"]).to(engine_logps.device)
-            batch["engine_logps"] = engine_logps[:, 1:].reshape(-1).index_select(0, at)
+        at = target_index(inputs["labels"])  # target_logps' order: the trained positions, row-major
+        for key, columns in (("engine_logps", engine_logps), ("old_logps", old_logps)):
+            if columns is not None:
+                batch[key] = columns[:, 1:].reshape(-1).index_select(0, at.to(columns.device))
         components, stats = self.objective.loss(logp, rows, ref, batch)
         self.last_stats = stats
         return components.to(inputs["input_ids"].device)
@@ -209,6 +219,7 @@ class PreferenceLoss(CausalLMLoss):
         kl: float | None = None,
         advantages: torch.Tensor | None = None,
         engine_logps: torch.Tensor | None = None,
+        old_logps: torch.Tensor | None = None,
         output: str = "loss",
     ) -> torch.Tensor:
         if self.objective is None:
@@ -222,8 +233,12 @@ class PreferenceLoss(CausalLMLoss):
             "position_ids": position_ids,
         }
         if self.objective.per_token:
+            if output == "token_logps":
+                with torch.no_grad():
+                    logp, _, _ = self._target_logps(self.causal_lm, inputs)
+                return label_columns(logp, labels)
             assert output == "loss", f"output {output} of a per-token objective"
-            return self._per_token_loss(inputs, advantages, engine_logps)
+            return self._per_token_loss(inputs, advantages, engine_logps, old_logps)
         if self.objective.distills:
             assert output == "loss" and target_index is not None, f"output {output} of distillation"
             return self._distill_loss(inputs, target_index)
@@ -241,3 +256,13 @@ class PreferenceLoss(CausalLMLoss):
         components, stats = self.objective.loss(logp, tokens, ref, batch)
         self.last_stats = stats
         return components.to(input_ids.device)
+
+
+def label_columns(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token values in `target_logps`' order ([n], the trained positions row-major) as [R, T],
+    each in its label's column (the token it scores), 0 elsewhere: the layout ``engine_logps`` and
+    ``old_logps`` travel in."""
+    rows, width = labels.shape
+    flat = torch.zeros(rows * (width - 1), dtype=values.dtype, device=values.device)
+    flat.index_copy_(0, target_index(labels).to(values.device), values)
+    return torch.cat([torch.zeros(rows, 1, dtype=values.dtype, device=values.device), flat.view(rows, width - 1)], 1)

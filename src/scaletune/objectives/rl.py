@@ -4,8 +4,9 @@ policy loss over the completions' tokens, with an optional KL to the reference m
 The formulas are TRL 1.16's `GRPOTrainer` (`_compute_loss`, `_generate_and_score_completions`), so a
 step equals TRL's on the same tokens: advantages ``(r - mean_G) / (std_G + 1e-4)`` with the group's
 Bessel-corrected std (mean only for dr_grpo); ratio ``exp(logp - logp_old)`` clipped to
-``[1 - low, 1 + high]``; per-token loss ``-min(ratio * A, clip(ratio) * A) + beta * kl`` with the k3
-estimator ``kl = exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020). How per-token losses average
+``[1 - low, 1 + high]``; per-token loss ``-min(ratio * A, clip(ratio) * A) + beta * ratio * kl`` with the k3
+estimator ``kl = exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020) weighted by the ratio, its
+gradient kept (DeepSeek-V3.2, arXiv 2512.02556; TRL's `use_bias_correction_kl`). How per-token losses average
 is the variant (`config.rl.RLConfig.loss`); the step divides by the global count of its unit, so a
 step is the same on 1 or 64 ranks (TRL normalises dapo globally, grpo and dr_grpo per micro-batch).
 """
@@ -53,7 +54,9 @@ def policy_token_loss(
     beta: float = 0.0,
     ref_logp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The clipped surrogate per token (PPO, Schulman et al. 2017; two-sided as DAPO's clip-higher).
+    """The clipped surrogate per token (PPO, Schulman et al. 2017; two-sided as DAPO's clip-higher),
+    plus the KL to the reference weighted by the ratio (DeepSeek-V3.2's unbiased KL estimate, TRL
+    1.16's `use_bias_correction_kl`, its default).
 
     Args:
         logp: [n] the policy's log-probs of the completion tokens (with grad).
@@ -74,7 +77,9 @@ def policy_token_loss(
         assert ref_logp is not None, "beta > 0 needs the reference's log-probs"
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
-        loss = loss + beta * kl
+        # Weighted by the ratio, gradient included: E_old[ratio * kl] is the KL of the policy, and its
+        # gradient the reverse KL's whole gradient (k3's own and kl * grad logp), also at ratio 1.
+        loss = loss + beta * kl * ratio
     else:
         kl = torch.zeros_like(logp)
     with torch.no_grad():
@@ -89,7 +94,8 @@ class GRPO(Objective):
     Units (the step's denominator): dapo: completion tokens; grpo: completions (each contributes its
     per-token mean); dr_grpo: completions * max_new_tokens. Stats [6], float64 sums: completions,
     completion tokens, clipped tokens, KL sum over tokens, |trainer - engine| log-prob sum over the
-    tokens the engine gave log-probs for, and those tokens.
+    tokens the engine gave log-probs for (the trainer's at sampling: the old log-probs where a
+    generation trains several steps), and those tokens.
     """
 
     name = "grpo"
@@ -110,11 +116,15 @@ class GRPO(Objective):
 
     def loss(self, logp, tokens, ref, batch):
         """`logp` [n] per-token log-probs, `tokens` [n] their rows, `ref` [n] or None; `batch`:
-        ``input_ids`` [R, T], ``advantages`` [R], and ``engine_logps`` [n] where the engine gave them."""
+        ``input_ids`` [R, T], ``advantages`` [R], ``engine_logps`` [n] where the engine gave them,
+        and ``old_logps`` [n] (the sampling policy's) on a step after its generation's first (else
+        the policy is the sampling policy: ``logp`` detached, ratio 1)."""
         rows = tokens
         adv = batch["advantages"].to(logp.device, torch.float32)[rows]
         s = self.settings
-        per_token, clipped, kl = policy_token_loss(logp, logp.detach(), adv, s.clip, s.beta, ref)
+        old = batch.get("old_logps")
+        old = logp.detach() if old is None else old.to(logp.device, torch.float32)
+        per_token, clipped, kl = policy_token_loss(logp, old, adv, s.clip, s.beta, ref)
         n_rows = batch["input_ids"].size(0)
         if s.loss == "grpo":
             counts = torch.zeros(n_rows, device=logp.device).index_add_(0, rows, torch.ones_like(per_token))
@@ -128,7 +138,7 @@ class GRPO(Objective):
                 torch.tensor(float(per_token.numel()), device=logp.device),
                 clipped.sum().float(),
                 kl.sum(),
-                *_mismatch(logp.detach(), batch.get("engine_logps")),
+                *_mismatch(old, batch.get("engine_logps")),
             ]
         ).double()
         return torch.stack([component]), stats

@@ -1,12 +1,12 @@
-"""One rollout per optimizer step (and per evaluation): every prompt of this rank's micro-batches
-gets `num_generations` completions from the engine, each completion its rewards, each group its
-advantages, and each micro-batch the completion rows the step trains on, with the log-prob the
-engine sampled each token at (``engine_logps``, which the loss compares with the trainer's). A
-prompt's group is generated and scored on the rank that holds the prompt, so group statistics are
-exact at any world size. The completions go to rollouts.jsonl (rank 0 writes every rank's, with
-their log-probs), the step's reward metrics to metrics.jsonl. On-policy distillation's rollout has
-no reward functions: its completions are the rows, scored by nothing (its metrics are their length
-and entropy).
+"""One rollout per generation (each optimizer step's, or `steps_per_generation` steps' at once; and
+each evaluation's): every prompt of this rank's micro-batches gets `num_generations` completions
+from the engine, each completion its rewards, each group its advantages, and each micro-batch the
+completion rows the step trains on, with the log-prob the engine sampled each token at
+(``engine_logps``, which the loss compares with the trainer's). A prompt's group is generated and
+scored on the rank that holds the prompt, so group statistics are exact at any world size. The
+completions go to rollouts.jsonl (rank 0 writes every rank's, with their log-probs), the step's
+reward metrics to metrics.jsonl. On-policy distillation's rollout has no reward functions: its
+completions are the rows, scored by nothing (its metrics are their length and entropy).
 """
 
 from __future__ import annotations
@@ -93,25 +93,78 @@ class Rollout:
         self.steps_done, self.log = steps_done, log
         self.names = metric_names(rewards)
         self.last: dict[str, float] = {}
+        #: Optimizer steps trained on one generation (`training.rl.steps_per_generation`; 1 for distillation).
+        self.per_generation: int = getattr(settings, "steps_per_generation", 1)
+        #: The metrics of the steps a generation sampled and the loop has not trained yet, next first.
+        self.queued: list[dict[str, float]] = []
+        #: The optimizer steps taken when the current generation was sampled (its policy version).
+        self.generated_at = 0
 
     def before_step(self, strategy: Any, batches: list) -> None:
         """Generate, score and build rows for every ``(micro_batch, counted)`` of `batches`; a
         training rollout when grad is enabled (the step), else an evaluation's (`step.evaluate`
-        runs under no_grad). Every rank runs it; the metrics are summed over ranks."""
-        split = "train" if torch.is_grad_enabled() else "eval"
-        step = self.steps_done() + (1 if split == "train" else 0)
+        runs under no_grad). A training step whose rows :meth:`generate` built ahead takes its
+        metrics only. Every rank runs it; the metrics are summed over ranks."""
+        if not torch.is_grad_enabled():
+            self._evaluation(strategy, batches)
+            return
+        if not self.queued:  # one step a generation: sampled now
+            self.generate(strategy, [[mb for mb, _ in batches]])
+        self.last = self.queued.pop(0)
+
+    def generate(self, strategy: Any, steps: list[list[dict]]) -> None:
+        """Sample the completions of the next ``len(steps)`` optimizer steps' micro-batches (each
+        step's list) with the current policy, numbering each step's rollouts by the step it trains
+        at; the steps after the first get the trainer's log-probs of their completion tokens now
+        (``old_logps``, no grad), which their ratio is taken to once the policy has moved.
+
+        Every rank calls it with the same number of steps and micro-batches (each forward may be a
+        collective). Until the steps are trained, `queued` holds their metrics, next first."""
+        assert not self.queued, "a generation's steps are trained before the next is sampled"
+        done = self.steps_done()
+        self.generated_at = done
+        sums, lines = [], []
+        for offset, micro_batches in enumerate(steps):
+            part = torch.zeros(8 + len(self.rewards), dtype=torch.float64)
+            for mb in micro_batches:
+                got, records = self._micro_batch(mb, "train", done + 1 + offset, version=done)
+                part += got
+                lines += records
+            sums.append(part)
+        total = strategy.all_reduce_data(torch.stack(sums).to(strategy.device)).cpu()
+        self.queued = [self._metrics(row.tolist()) for row in total]
+        if len(steps) > 1:
+            self._old_logps(strategy, [mb for micro_batches in steps[1:] for mb in micro_batches])
+        self._write(lines)
+
+    def _evaluation(self, strategy: Any, batches: list) -> None:
+        """An evaluation's rollout, by the current policy: its metrics are the fillers' left out."""
+        step = self.steps_done()
         sums = torch.zeros(8 + len(self.rewards), dtype=torch.float64)
         lines: list[dict] = []
         for mb, counted in batches:
-            part, records = self._micro_batch(mb, split, step)
+            part, records = self._micro_batch(mb, "eval", step, version=step)
             if counted:
                 sums += part
                 lines += records
-        total = strategy.all_reduce_data(sums.to(strategy.device)).cpu().tolist()
-        self.last = self._metrics(total)
+        self.last = self._metrics(strategy.all_reduce_data(sums.to(strategy.device)).cpu().tolist())
         self._write(lines)
 
-    def _micro_batch(self, mb: dict, split: str, step: int) -> tuple[torch.Tensor, list[dict]]:
+    @staticmethod
+    def _old_logps(strategy: Any, micro_batches: list[dict]) -> None:
+        """``old_logps`` [R, T] of each micro-batch: the sampling policy's log-probs of its
+        completion tokens, by the trainer (the training forward, its precision and engine)."""
+        from scaletune.objectives.module import preference_inputs
+
+        with torch.no_grad():
+            for mb in micro_batches:
+                with strategy.forward_context():
+                    out = strategy.model(**strategy.move_batch(preference_inputs(mb)), output="token_logps")
+                mb["old_logps"] = out.detach().float().cpu()
+
+    def _micro_batch(self, mb: dict, split: str, step: int, version: int) -> tuple[torch.Tensor, list[dict]]:
+        """One micro-batch's completions, rewards and rows for `step`, sampled by the policy after
+        `version` optimizer steps. Returns (its metric sums, its rollouts.jsonl lines)."""
         from scaletune.rewards.scoring import score
 
         s, n = self.settings, self.settings.num_generations
@@ -166,7 +219,7 @@ class Rollout:
                 **({"completion_logps": got.logprobs[j, : len(ids[j])].tolist()} if got.logprobs is not None else {}),
                 **{name: float(per_fn[j, f]) for f, name in enumerate(self.names)},
                 **{key: float(values[j]) for key, values in scored.items()},
-                "policy_version": step - 1 if split == "train" else step,
+                "policy_version": version,
             }
             for j in range(len(ids))
         ]

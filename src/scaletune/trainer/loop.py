@@ -221,7 +221,7 @@ class Trainer:
             return
         batches, eval_loader = self.enter_stage(plan)
         window = ThroughputWindow()
-        for epoch, i, micro in batches:
+        for epoch, i, micro in self.preference.generations(batches, lambda: plan.total - self.position.stage_step):
             if self.position.stage_step >= plan.total:
                 break
             lr = self.strategy.lr()
@@ -313,10 +313,14 @@ class Trainer:
         last = position.stage_step == plan.total
         t = stage.training
         # `scaletune serve` asked to stop. At every step, not only logged ones, so a stop comes at
-        # the next step whatever log_every is; a run serve does not watch reads nothing here, a
-        # watched one with several ranks pays one small all-reduce and its read per step.
-        stop = not last and stop_agreed(self.strategy.all_reduce_sum)
-        will_save = last or stop or bool(t.save_every and position.step % t.save_every == 0)
+        # the next step whatever log_every is (the next generation's end, when one trains several
+        # steps); a run serve does not watch reads nothing here, a watched one with several ranks
+        # pays one small all-reduce and its read per step.
+        sampled = self.preference.generation_start(position.step)  # None: inside a generation
+        stop = not last and sampled is not None and stop_agreed(self.strategy.all_reduce_sum)
+        # A save_every multiple passed since the generation was sampled (this step, for a step a generation).
+        due = bool(t.save_every) and sampled is not None and position.step // t.save_every != sampled // t.save_every
+        will_save = last or stop or due
         if position.stage_step % t.log_every == 0 or last or will_save:
             self.log_step(plan, lr, result, window)
         if eval_loader is not None and ((t.eval_every and position.stage_step % t.eval_every == 0) or last):

@@ -5,7 +5,8 @@ starts, its reference (precomputed tables attached to the stage's data, or the f
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from scaletune.objectives.objective import Objective
@@ -126,6 +127,33 @@ class StageObjectives:
         from scaletune.trainer.batches import kto_kl_pass
 
         self.kl = kto_kl_pass(strategy, batches)
+
+    def generations(self, batches: Iterator, remaining: Callable[[], int]) -> Iterator:
+        """The stage's global batches ``(epoch, i, micro_batches)``. An online stage that trains
+        `steps_per_generation` > 1 steps on one generation has the next such steps' prompts (at most
+        `remaining()`, the stage's steps left) taken from `batches` and sampled at once before the
+        first of them is trained (`rollout.Rollout.generate`); any other stage's pass through."""
+        rollout = self.rollout
+        if rollout is None or rollout.per_generation == 1:
+            yield from batches
+            return
+        batches = iter(batches)
+        while remaining() > 0:
+            group = list(itertools.islice(batches, min(rollout.per_generation, remaining())))
+            if not group:
+                return
+            rollout.generate(self.strategy, [micro for _, _, micro in group])
+            yield from group
+
+    def generation_start(self, step: int) -> int | None:
+        """Where the generation the last step (`step`) trained on was sampled, in optimizer steps,
+        once that step was its last; None inside a generation, where no checkpoint is written (its
+        later steps need the completions and old log-probs of a policy a resumed run no longer
+        has). A stage that does not generate ahead: ``step - 1``, each step its own."""
+        rollout = self.rollout
+        if rollout is None or rollout.per_generation == 1:
+            return step - 1
+        return None if rollout.queued else rollout.generated_at
 
     def check_engine(self, metrics: dict[str, float], step: int) -> None:
         """The log-prob agreement check of an online stage whose engine samples from the trained
