@@ -109,7 +109,16 @@ def get_job(job_id: str, svc: Svc):
 
 
 @router.get("/api/jobs/{job_id}/metrics", dependencies=[read], responses=E422)
-def get_metrics(job_id: str, svc: Svc, since_step: Annotated[int, Query(ge=0, le=MAX_INT)] = 0):
+def get_metrics(
+    job_id: str,
+    svc: Svc,
+    since_step: Annotated[
+        int | None,
+        Query(ge=0, le=MAX_INT, description="Only the lines of later steps. Default: every line, step 0's included."),
+    ] = None,
+):
+    """The job's metrics.jsonl lines by step: every line by default, the evaluation before training
+    (step 0, `training.eval_on_start`) included; with `since_step`, those of later steps."""
     job_or_404(svc, job_id)
     return svc.metrics(job_id, since_step)
 

@@ -134,12 +134,13 @@ def build(app: Any) -> MCPServer:
         return await api.call(ctx, "POST", "/api/jobs", json=body)
 
     @server.tool(structured_output=True)
-    async def job_metrics(job_id: str, ctx: Context, since_step: int = 0, last: int = 50) -> dict[str, Any]:
-        """A job's metrics.jsonl lines after `since_step` (the last `last` of them, at most 1,000:
+    async def job_metrics(job_id: str, ctx: Context, since_step: int | None = None, last: int = 50) -> dict[str, Any]:
+        """A job's metrics.jsonl lines (after `since_step` when given; the last `last` of them, at most 1,000:
         loss, lr, grad_norm, eval_loss, reward... per step) and its summary (the metrics it logged,
         each one's last value, the best eval loss, steps, tokens, training time)."""
         last = max(1, min(int(last), 1000))
-        lines = await api.call(ctx, "GET", f"/api/jobs/{_id(job_id)}/metrics", params={"since_step": since_step})
+        params = {} if since_step is None else {"since_step": since_step}
+        lines = await api.call(ctx, "GET", f"/api/jobs/{_id(job_id)}/metrics", params=params)
         summary = await api.call(ctx, "GET", f"/api/jobs/{_id(job_id)}/metrics/summary")
         return {"lines": lines[-last:], "lines_after_since_step": len(lines), "summary": summary}
 

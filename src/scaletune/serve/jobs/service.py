@@ -450,13 +450,14 @@ class JobService:
             self.posted[job_id] = self.posted.get(job_id, 0) + len(events)
             return n
 
-    def metrics(self, job_id: str, since_step: int = 0) -> list[dict]:
-        """The job's metrics lines after `since_step` (a bounded integer: the API checks it)."""
+    def metrics(self, job_id: str, since_step: int | None = None) -> list[dict]:
+        """The job's metrics lines, all of them (step 0's evaluation before training included) or
+        those after `since_step` (a bounded integer: the API checks it)."""
+        query = select(Metric).where(Metric.job_id == job_id)
+        if since_step is not None:
+            query = query.where(Metric.step > since_step)
         with self.Session() as s:
-            rows = s.scalars(
-                select(Metric).where(Metric.job_id == job_id, Metric.step > since_step).order_by(Metric.step, Metric.id)
-            )
-            return [r.data for r in rows]
+            return [r.data for r in s.scalars(query.order_by(Metric.step, Metric.id))]
 
     def events_after(self, job_id: str, last_id: int) -> list[tuple[int, str, dict]]:
         with self.Session() as s:
