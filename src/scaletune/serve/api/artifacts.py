@@ -16,7 +16,7 @@ from scaletune.serve.jobs.dispatch.base import ArtifactMissing, ArtifactUnreacha
 
 ARTIFACTS = (
     *("final", "loss.png", "metrics.jsonl", "config.yaml", "plan.json", "memory.json", "checkpoints", "eval"),
-    *("samples.md", "samples.jsonl", "exports"),
+    *("samples.md", "samples.jsonl", "exports", "rollouts.jsonl"),
 )
 router = APIRouter()
 
