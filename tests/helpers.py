@@ -5,11 +5,13 @@ wrote. Constants live here, not in conftest.py (which pytest imports on its own 
 from __future__ import annotations
 
 import atexit
+import base64
 import functools
 import hashlib
 import http.server
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -521,12 +523,22 @@ def assert_located(err: str, config: Path, line_text: str, message: str) -> None
 
 
 class LoopbackHub:
-    """The hub's file routes (`HEAD`/`GET /{repo}/resolve/{revision}/{file}`) as huggingface_hub
-    2.4 reads them, for `repos` ({repo id: (files, commit)}); `hostile` repos answer each file's
-    ETag as a path up the cache. Records (method, path, Authorization) of every request."""
+    """The hub on loopback, as huggingface_hub 2.4 calls it. Reading: the file routes (`HEAD`/`GET
+    /{repo}/resolve/{revision}/{file}`) for `repos` ({repo id: (files, commit)}); `hostile` repos
+    answer each file's ETag as a path up the cache. Uploading (`HfApi.create_repo`,
+    `upload_folder`): `POST /api/repos/create`, `/api/models/{repo}/preupload/{rev}` (every file
+    answered "regular", so its bytes come inline, base64, in the commit: no LFS or Xet storage),
+    `/api/validate-yaml` (a README's metadata: no errors) and `/api/models/{repo}/commit/{rev}`; a
+    commit's files join `repos` (readable back). Records
+    (method, path, Authorization) of every request; `private` the repos created and whether
+    private. What a real Hub does beyond this (LFS and Xet storage, permissions) stays unverified."""
 
-    def __init__(self, repos: dict[str, tuple[dict[str, bytes], str]], hostile: set[str] = frozenset()) -> None:
+    def __init__(
+        self, repos: dict[str, tuple[dict[str, bytes], str]] | None = None, hostile: set[str] = frozenset()
+    ) -> None:
         self.seen: list[tuple[str, str, str | None]] = []
+        self.repos = repos = {} if repos is None else repos
+        self.private: dict[str, bool] = {}
         hub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -559,9 +571,52 @@ class LoopbackHub:
             def do_GET(self) -> None:
                 self.answer(True)
 
+            def do_POST(self) -> None:
+                hub.seen.append((self.command, self.path, self.headers.get("Authorization")))
+                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                path = self.path.split("?")[0]
+                if path == "/api/repos/create":
+                    req = json.loads(data)
+                    repo = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+                    hub.private[repo] = bool(req.get("private")) or req.get("visibility") == "private"
+                    repos.setdefault(repo, ({}, ""))
+                    return self.json({"url": f"{hub.url}/{repo}", "name": repo})
+                if path == "/api/validate-yaml":  # a README.md's metadata, checked before its commit
+                    return self.json({"errors": [], "warnings": []})
+                m = re.fullmatch(r"/api/models/(?P<repo>[^/]+/[^/]+)/(?P<route>preupload|commit)/[^/]+", path)
+                if m is None:
+                    return self.send_error(404)
+                if m["route"] == "preupload":
+                    names = [f["path"] for f in json.loads(data)["files"]]
+                    return self.json(
+                        {"files": [{"path": n, "uploadMode": "regular", "shouldIgnore": False} for n in names]}
+                    )
+                lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+                added = {
+                    x["value"]["path"]: base64.b64decode(x["value"]["content"]) for x in lines if x["key"] == "file"
+                }
+                oid = hashlib.sha1(data).hexdigest()
+                files, _ = repos.get(m["repo"], ({}, ""))
+                repos[m["repo"]] = ({**files, **added}, oid)
+                self.json(
+                    {"commitUrl": f"{hub.url}/{m['repo']}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+                )
+
+            def json(self, value: dict) -> None:
+                out = json.dumps(value).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def asked_for(self, repo: str) -> list[str]:
         return [path for _, path, _ in self.seen if path.startswith(f"/{repo}/")]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -6,26 +6,44 @@ error message (the library's own errors are not repeated: they can quote request
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from scaletune.errors import Problem, UserError
 
 
-def push_problems(repo_id: str) -> list[Problem]:
-    """What stops an upload before anything is exported or sent: a repo id the Hub refuses, no
-    token, offline mode."""
-    from huggingface_hub import constants, get_token
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why the Hub would refuse `repo_id` as a model repo OWNER/NAME (huggingface_hub's own check),
+    or None."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    problems = []
     try:
         validate_repo_id(repo_id)
         if "/" not in repo_id:
             raise HFValidationError("it names no owner")
     except HFValidationError as exc:
-        problems.append(Problem("export options", None, f"--push-to-hub {repo_id!r}: not a repo id OWNER/NAME ({exc})"))
-    if constants.HF_HUB_OFFLINE:
+        return f"{repo_id!r}: not a repo id OWNER/NAME ({exc})"
+    return None
+
+
+def hub_offline(environ: Mapping[str, str]) -> bool:
+    """Whether a process started with `environ` runs huggingface_hub offline (HF_HUB_OFFLINE true,
+    as `huggingface_hub.constants` reads it)."""
+    return environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def push_problems(repo_id: str) -> list[Problem]:
+    """What stops an upload before anything is exported or sent: a repo id the Hub refuses, no
+    token, offline mode."""
+    from huggingface_hub import get_token
+
+    problems = []
+    bad = repo_id_problem(repo_id)
+    if bad:
+        problems.append(Problem("export options", None, f"--push-to-hub {bad}"))
+    if hub_offline(os.environ):
         problems.append(
             Problem("export options", None, "--push-to-hub: HF_HUB_OFFLINE is set, so the Hub is not asked", "unset it")
         )

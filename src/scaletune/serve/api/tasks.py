@@ -4,13 +4,14 @@ an admin, as stop and resume do, and so does deleting an export; listing them ne
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from scaletune.errors import UserError
+from scaletune.errors import Problem, UserError, texts
 from scaletune.serve.api.jobs import job_or_404
 from scaletune.serve.api.results import Refused, model_target
 from scaletune.serve.api.schemas import E409_422, E422, Deleted
@@ -52,6 +53,15 @@ class ExportRequest(BaseModel):
         "adapter) and compare its logits with the checkpoint's (`scaletune export --verify`); a folder that "
         "fails is not kept. Default: on for format hf. A GGUF file's check in llama.cpp is not built: true "
         "with format gguf is refused.",
+    )
+    push_to_hub: str | None = Field(
+        None,
+        max_length=200,
+        description="Then upload the export to this Hugging Face Hub model repo, OWNER/NAME (created private if "
+        "it does not exist; `scaletune export --push-to-hub`). The Hub token is never sent here: it is the "
+        "HF_TOKEN the operator maps to the job's owner (`scaletune serve --job-secret OWNER:HF_TOKEN=VAR`, "
+        "OWNER * for every owner): a variable of the service's environment, never stored, shown or recorded. "
+        "Without one the request is refused (a job's own submitted secrets end with it).",
     )
 
 
@@ -146,6 +156,8 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
     if req.format == "gguf" and req.verify:
         problems.append("verify applies to format hf: checking a GGUF file in llama.cpp is not built")
     verify = req.format == "hf" if req.verify is None else req.verify
+    if req.push_to_hub is not None:
+        problems += texts(hub_problems(req.push_to_hub, svc.files(job).env))
     if problems:
         raise Refused("invalid request", problems, 422)
     source = latest_checkpoint(run_dir) if req.checkpoint == "final" else run_dir / req.checkpoint
@@ -161,11 +173,19 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
     args += ["--dtype", req.dtype] if req.dtype else []
     args += ["--gguf-type", req.gguf_type] if req.gguf_type else []
     args += ["--verify"] if verify else []
+    args += ["--push-to-hub", req.push_to_hub] if req.push_to_hub else []
     rel = f"exports/{out.name}"
 
     def finish(task: Task, stdout: str) -> dict:
         # A folder that fails the check is not kept and the task fails: a result means it passed.
-        return {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}", "verified": verify}
+        result = {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}", "verified": verify}
+        if (
+            req.push_to_hub
+        ):  # the export printed its folder, then the Hub's commit URL (a link on the page: http(s) only)
+            lines = stdout.strip().splitlines()
+            url = lines[-1] if len(lines) > 1 and lines[-1].startswith(("https://", "http://")) else None
+            result |= {"pushed_to": req.push_to_hub, "commit_url": url}
+        return result
 
     return start(svc, tasks, c, job, "export", f"{source.name} -> {rel}", args, finish)
 
@@ -187,3 +207,35 @@ def delete_export(job_id: str, name: str, c: Submitter, svc: Svc, tasks: Runner)
         raise Refused(exc.title, exc.problems) from None
     record(svc.Session, c.name, "export.delete", job_id, f"exports/{name}: {out.summary()}")
     return out.public()
+
+
+def hub_problems(repo_id: str, job_env: dict[str, str]) -> list[Problem]:
+    """What stops an export's upload before its task starts (as `checkpoint.hub.push_problems` for
+    the command the task runs): a repo id the Hub refuses, the service offline (its tasks inherit
+    that), no Hub token for the job's processes (`job_env`: `JobService.files(job).env`, where the
+    operator's `--job-secret` mapping for its owner puts it). Names no value."""
+    from scaletune.checkpoint.hub import hub_offline, repo_id_problem
+
+    problems = []
+    bad = repo_id_problem(repo_id)
+    if bad:
+        problems.append(Problem("push to the Hub", None, f"push_to_hub {bad}"))
+    if hub_offline(os.environ):
+        problems.append(
+            Problem(
+                "push to the Hub",
+                None,
+                "push_to_hub: this service runs with HF_HUB_OFFLINE set, so the Hub is not asked",
+            )
+        )
+    if not job_env.get("HF_TOKEN"):
+        problems.append(
+            Problem(
+                "push to the Hub",
+                None,
+                "push_to_hub: no Hugging Face token for this job's owner",
+                "the operator maps one: scaletune serve --job-secret OWNER:HF_TOKEN=VAR, the token in the service's "
+                "environment as VAR",
+            )
+        )
+    return problems
