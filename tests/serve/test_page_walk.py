@@ -1,18 +1,27 @@
 """The whole path a person takes through the page, in one real headless Chromium against one real
-service running real jobs (issue 23's "done when"): upload a file, preview it, fill the form, watch
-the plan preview change, submit, watch the chart, stop, resume, chat with the result, evaluate it,
-export it and download the export — at desktop width, then the job page at a phone's.
+service running real jobs (issue 23's "done when", and issue 39's: from an uploaded `messages` file
+and the form alone, no YAML typed): upload a chat file, preview it, fill the form (model, "use this
+file", steps, method, learning rate), watch the plan preview change, submit, watch the chart, stop,
+resume, chat with the result, evaluate it, export it, push the export to a Hub, download it, clone
+the job with other settings, compare the two, delete the clone — at desktop width, then the job
+page at a phone's.
 
 Each step is checked against something the page did not compute: the upload against the file's
 records, the plan against the dry run the API gives for the same YAML, the chart against
 /api/jobs/ID/metrics, the chat's answer against `scaletune generate` on the same run, the
-evaluation against `scaletune eval`, the archive against the exported folder.
+evaluation against `scaletune eval`, the archive against the exported folder, the Hub's commit (a
+loopback Hub, `tests.helpers.LoopbackHub`) against the exported folder and the token it was sent
+against the one the operator mapped to the owner, which no file of the service holds; the compare
+page's summary against /api/jobs/ID/metrics/summary, the deletion against the API (404) and the disk.
+
+Data: the first 48 Alpaca records as two-turn conversations (`{"messages": [user, assistant]}`).
 
 With SCALETUNE_SCREENSHOT_DIR=docs/img the screenshots refresh the ones docs/serve.md shows
 (`page-walk-*.png`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -26,11 +35,12 @@ import pytest
 import yaml
 
 from scaletune.serve.edge.auth import create_token
-from tests.helpers import ALPACA_5000, make_config, wait_for
+from tests.helpers import ALPACA_5000, LoopbackHub, wait_for
 from tests.serve.serve_helpers import (
     CHROMIUM,
     DRIVER,
     NO_BROWSER,
+    TEST_POLICY,
     Server,
     client,
     dom,
@@ -40,12 +50,22 @@ from tests.serve.serve_helpers import (
 )
 
 PROMPT = "Give three tips for staying healthy."
+HUB_TOKEN = "hf_scaletuneWALK0123456789abcdefghijkl"
+# The job's steps (bfloat16, the form's default dtype, about 1 s a step on the CPU: a stop after the
+# chart's third point lands well before the end) and its clone's.
+STEPS, CLONE_STEPS = 40, 8
 
 
-def _records(n: int) -> list[dict]:
+def _conversations(n: int) -> list[dict]:
+    """The first `n` Alpaca records as chat conversations: the instruction (and its input) from the
+    user, the output from the assistant."""
     with open(ALPACA_5000) as f:
         data = json.load(f) if str(ALPACA_5000).endswith(".json") else [json.loads(line) for line in f]
-    return data[:n]
+    out = []
+    for r in data[:n]:
+        user = r["instruction"] + (f"\n\n{r['input']}" if r["input"] else "")
+        out.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": r["output"]}]})
+    return out
 
 
 def _value(driver, css: str) -> str:
@@ -88,18 +108,22 @@ def _cli(*args: str, cwd: Path) -> str:
     return out.stdout
 
 
-def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_model_dir, tmp_path):
+def test_from_an_uploaded_chat_file_and_the_form_to_a_pushed_compared_and_deleted_job(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
     need(CHROMIUM and DRIVER, NO_BROWSER)
-    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs")
+    # The operator maps its Hub token to every owner's jobs by reference (`--job-secret`).
+    policy = dataclasses.replace(TEST_POLICY, job_secrets=("*:HF_TOKEN=TEAM_HF_TOKEN",))
+    srv = Server(f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "jobs", policy=policy)
     token = create_token(srv.svc.Session, "submit")
     api = client(srv, token)
     shots = Path(os.environ.get("SCALETUNE_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    data_file = tmp_path / "alpaca-walk.jsonl"
-    data_file.write_text("".join(json.dumps(r) + "\n" for r in _records(48)))
+    data_file = tmp_path / "chat-walk.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in _conversations(48)))
     driver = headless_chromium(tmp_path / "chromium-profile")
     driver.set_window_size(1280, 1100)
     try:
@@ -122,32 +146,40 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         # 1. Bring data: the upload lands in the data area with every record.
         driver.find_element(By.ID, "data-file").send_keys(str(data_file))
         driver.find_element(By.ID, "data-upload").click()
-        wait_for(lambda: any("alpaca-walk.jsonl" in t for t in dom(driver, "#data-files li")), 60, "the upload")
+        wait_for(lambda: any("chat-walk.jsonl" in t for t in dom(driver, "#data-files li")), 60, "the upload")
         listed = {f["name"]: f for f in api.get("/api/data").json()}
-        assert listed["alpaca-walk.jsonl"]["records"] == 48
+        assert listed["chat-walk.jsonl"]["records"] == 48 and listed["chat-walk.jsonl"]["format"] == "messages"
 
-        # 2. The config: a careless one first, whose every problem the page shows at once; then a
-        # tiny model's YAML pasted in, the form reading its fields from it.
-        bad = make_config(tiny_model_dir, "runs/bad")
-        bad["model"]["dtype"] = "float99"
-        bad["training"]["micro_batch_size"] = 0
-        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(bad))
-        driver.find_element(By.ID, "preview").click()
-        shown = wait_for(lambda: dom(driver, "#problems li"), 60, "the problems")
-        for key in ("model.dtype", "training.micro_batch_size"):
-            assert any(key in t for t in shown), f"{key} missing from the problems shown: {shown}"
-        cfg = make_config(tiny_model_dir, "runs/walk")
-        cfg["training"].update(max_steps=120, save_every=0, eval_every=0, log_every=1)
-        cfg["training"]["sample_prompts"] = [PROMPT]
-        driver.execute_script(
-            "const t=document.getElementById('config');t.value=arguments[0];t.dispatchEvent(new Event('input'))",
-            yaml.safe_dump(cfg),
-        )
-        wait_for(lambda: _value(driver, "#f-model") == str(tiny_model_dir), 30, "the form filled from the YAML")
+        # 2. The form alone, no YAML typed: a model folder, the uploaded file ("use this file" puts its
+        # path and the format its keys say in the YAML), the batch, sequence length, steps, a sample prompt.
+        def config() -> dict:
+            return yaml.safe_load(_value(driver, "#config") or "{}") or {}
+
+        _type(driver, "f-model", str(tiny_model_dir))
+        wait_for(lambda: config().get("model", {}).get("name_or_path") == str(tiny_model_dir), 30, "the model")
         driver.find_element(By.ID, "data-use").click()
-        wait_for(lambda: "alpaca-walk.jsonl" in _value(driver, "#config"), 30, "the file in the YAML")
-        area_path = listed["alpaca-walk.jsonl"]["path"]
-        assert yaml.safe_load(_value(driver, "#config"))["data"]["train"]["path"] == area_path
+        area_path = listed["chat-walk.jsonl"]["path"]
+        wait_for(lambda: config().get("data", {}).get("train", {}).get("path") == area_path, 30, "the file in the YAML")
+        assert config()["data"]["train"]["format"] == "messages" and _value(driver, "#f-format") == "messages"
+        # Typed one after the other without a pause: each field's value reaches the YAML (a shared
+        # typing timer once dropped all but the last).
+        for field, value in (
+            ("f-micro-batch", "2"),
+            ("f-global-batch", "8"),
+            ("f-seq-len", "64"),
+            ("f-steps", str(STEPS)),
+        ):
+            _type(driver, field, value)
+        driver.find_element(By.ID, "f-prompts").send_keys(PROMPT)
+        want_fields = {"global_batch_size": 8, "micro_batch_size": 2, "max_steps": STEPS, "sample_prompts": [PROMPT]}
+        wait_for(
+            lambda: (
+                {k: config().get("training", {}).get(k) for k in want_fields} == want_fields
+                and config()["data"].get("max_seq_length") == 64
+            ),
+            30,
+            "the fields in the YAML",
+        )
 
         # 3. Preview as training renders it: records with trained spans, a histogram.
         driver.find_element(By.ID, "data-preview").click()
@@ -156,12 +188,8 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         driver.save_screenshot(str(shots / "page-walk-data.png"))
 
         # 4. The form: the plan preview follows the fields (LoRA holds far less optimizer state).
-        # (the careless config's problems stay listed until the first preview of this one answers)
-        wait_for(
-            lambda: _plan(driver)["strategy"] or dom(driver, "#problems li") not in ([], shown),
-            90,
-            "the first plan preview",
-        )
+        driver.find_element(By.ID, "preview").click()
+        wait_for(lambda: _plan(driver)["strategy"] or dom(driver, "#problems li"), 90, "the first plan preview")
         assert not dom(driver, "#problems li"), dom(driver, "#problems li")
         full = _plan(driver)
         dry = api.post("/api/jobs", json={"config": _value(driver, "#config"), "dry_run": True}).json()["plan"]
@@ -170,7 +198,7 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         wait_for(lambda: "lora:" in _value(driver, "#config"), 30, "LoRA in the YAML")
         wait_for(lambda: _plan(driver)["memory"] not in ("", full["memory"]), 90, "the plan preview changed")
         _type(driver, "f-lr", "0.002")
-        wait_for(lambda: yaml.safe_load(_value(driver, "#config"))["training"]["learning_rate"] == 0.002, 30, "lr")
+        wait_for(lambda: config()["training"].get("learning_rate") == 0.002, 30, "lr")
         driver.save_screenshot(str(shots / "page-walk-form.png"))
 
         # 5. Submit, watch the chart gain points, stop, resume, see it succeed.
@@ -188,14 +216,14 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         driver.find_element(By.ID, "stop").click()
         wait_for(lambda: dom(driver, "#state") == ["stopped"], 120, "stopped")
         stopped_at = api.get(f"/api/jobs/{job_id}").json()["step"]
-        assert 0 < stopped_at < 120
+        assert 0 < stopped_at < STEPS
         driver.find_element(By.ID, "resume").click()
         wait_for(lambda: api.get(f"/api/jobs/{job_id}").json()["state"] != "stopped", 60, "the resume taken")
         ended = wait_state(api, job_id, {"succeeded", "failed", "cancelled", "stopped"}, timeout=400)
         assert ended["state"] == "succeeded", (ended, api.get(f"/api/jobs/{job_id}/logs").text[-3000:])
         wait_for(lambda: dom(driver, "#state") == ["succeeded"], 30, "succeeded on the page")
         metrics = [m for m in api.get(f"/api/jobs/{job_id}/metrics").json() if m.get("loss") is not None]
-        assert [m["step"] for m in metrics][-1] == 120
+        assert [m["step"] for m in metrics][-1] == STEPS
         driver.refresh()
         wait_for(lambda: points() == len({m["step"] for m in metrics}), 60, "every step on the chart")
         assert "".join(dom(driver, "#flag", visible=True)) == ""  # a finite, falling loss is not flagged
@@ -218,22 +246,56 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         driver.save_screenshot(str(shots / "page-walk-chat.png"))
 
         # 7. Evaluate on the uploaded file, picked from the data area (a small task); compare with the CLI's loss.
-        wait_for(lambda: "alpaca-walk.jsonl" in dom(driver, "#eval-data option", prop="value"), 30, "the data list")
-        Select(driver.find_element(By.ID, "eval-data")).select_by_value("alpaca-walk.jsonl")
+        wait_for(lambda: "chat-walk.jsonl" in dom(driver, "#eval-data option", prop="value"), 30, "the data list")
+        Select(driver.find_element(By.ID, "eval-data")).select_by_value("chat-walk.jsonl")
         driver.find_element(By.ID, "eval-run").click()
         wait_for(lambda: dom(driver, "#tasks [data-state=succeeded]"), 300, "the evaluation task")
         want_loss = json.loads(_cli("eval", str(run_dir), "--data", area_path, "--json", cwd=srv.home))["loss"]
         cells = wait_for(lambda: dom(driver, "#evaluation tbody tr td"), 60, "the evaluation row")
         assert f"{want_loss:.4f}" in cells, (want_loss, cells)
 
-        # 8. Ship it: export (LoRA merged) as a task, then download the archive.
+        # 8. Ship it: export (LoRA merged) as a task, pushed to the Hub, then download the archive.
         Select(driver.find_element(By.ID, "export-dtype")).select_by_visible_text("float32")
         if not driver.find_element(By.ID, "export-merge").is_selected():
             driver.find_element(By.ID, "export-merge").click()
+        _type(driver, "export-push", "team/walk-model")
+        # The service has no token under the mapped name yet: refused before any task, saying how.
         driver.find_element(By.ID, "export-run").click()
-        wait_for(lambda: len(dom(driver, "#tasks [data-state=succeeded]")) >= 2, 300, "the export task")
+        said = wait_for(lambda: dom(driver, "#task-problems li"), 30, "the push refused")
+        assert any("no Hugging Face token for this job's owner" in t and "--job-secret" in t for t in said), said
+        assert len(api.get(f"/api/jobs/{job_id}/tasks").json()) == 1  # the evaluation only
+        hub = LoopbackHub()
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        monkeypatch.setenv("TEAM_HF_TOKEN", HUB_TOKEN)
+        driver.find_element(By.ID, "export-run").click()
+
+        def export_ended() -> dict | None:
+            tasks = [t for t in api.get(f"/api/jobs/{job_id}/tasks").json() if t["kind"] == "export"]
+            return tasks[0] if tasks and tasks[0]["state"] != "running" else None
+
+        export = wait_for(export_ended, 300, "the export task")
+        assert export["state"] == "succeeded", export
+        wait_for(lambda: len(dom(driver, "#tasks [data-state=succeeded]")) >= 2, 30, "the export on the page")
         # The page's export is checked in a fresh process (export --verify) and says so.
         assert any("verified: reloaded in a fresh process" in t for t in dom(driver, "#tasks [data-state=succeeded]"))
+        # Pushed: the Hub got the exported folder, file for file, with the mapped token; the page links the commit.
+        folder = run_dir / export["result"]["path"]
+        sent = {name: hashlib.sha256(data).hexdigest() for name, data in hub.repos["team/walk-model"][0].items()}
+        assert sent == {
+            str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in folder.rglob("*")
+            if f.is_file()
+        }
+        # Every upload request carried the mapped token (huggingface_hub also reads an agent registry, unauthenticated).
+        sent_auth = {auth for method, _, auth in hub.seen if method == "POST"}
+        assert hub.private == {"team/walk-model": True} and sent_auth == {f"Bearer {HUB_TOKEN}"}, hub.seen
+        assert dom(driver, "#tasks a.pushed", prop="href") == [export["result"]["commit_url"]]
+        assert export["result"]["commit_url"].startswith(f"{hub.url}/team/walk-model/commit/")
+        hub.close()
+        # The token was never written: no file of the service (database, job folders, logs, task output) holds it.
+        holding = [f for f in tmp_path.rglob("*") if f.is_file() and HUB_TOKEN.encode() in f.read_bytes()]
+        assert not holding, holding
         links = wait_for(
             lambda: dom(driver, "#downloads a.archive[data-path^=exports]", prop="href"), 60, "the export's archive"
         )
@@ -252,7 +314,45 @@ def test_upload_preview_form_submit_watch_stop_resume_chat_eval_export(tiny_mode
         assert {"config.json", "model.safetensors"} <= names, names
         driver.save_screenshot(str(shots / "page-walk-ship.png"))
 
-        # 9. A phone's width: the job page reflows (no sideways scroll of the page).
+        # 9. Another setting, compared: the job cloned with a higher learning rate and fewer steps
+        # (the clone's overrides field), run, then both ticked in the job list and compared.
+        _type(driver, "clone-overrides", f"training.learning_rate=0.02 training.max_steps={CLONE_STEPS}")
+        driver.find_element(By.ID, "clone").click()
+        wait_for(lambda: f"/jobs/{job_id}" not in driver.current_url, 60, "the clone's page")
+        clone_id = driver.current_url.rstrip("/").split("/")[-1]
+        cloned = wait_state(api, clone_id, {"succeeded", "failed", "cancelled"}, timeout=300)
+        assert cloned["state"] == "succeeded", api.get(f"/api/jobs/{clone_id}/logs").text[-3000:]
+        driver.get(srv.url + "/")
+        wait_for(lambda: {job_id, clone_id} <= set(dom(driver, "#jobs input.compare", "value")), 30, "both jobs listed")
+        for jid in (job_id, clone_id):
+            driver.find_element(By.CSS_SELECTOR, f'#jobs input.compare[value="{jid}"]').click()
+        driver.find_element(By.ID, "compare-selected").click()
+        wait_for(lambda: len(dom(driver, "#summary tbody tr")) == 2, 60, "the summary table")
+        for jid in (job_id, clone_id):
+            summary = api.get(f"/api/jobs/{jid}/metrics/summary").json()
+            row = f'#summary tbody tr[data-job="{jid}"]'
+            assert dom(driver, f"{row} td[data-key=steps]") == [str(summary["steps"])], (jid, summary)
+        assert [
+            dom(driver, f'#summary tbody tr[data-job="{j}"] td[data-key=steps]')[0] for j in (job_id, clone_id)
+        ] == [
+            str(STEPS),
+            str(CLONE_STEPS),
+        ]
+        driver.save_screenshot(str(shots / "page-walk-compare.png"))
+
+        # 10. Delete the clone from its page (asked first): gone from the list, the API and the disk.
+        driver.get(f"{srv.url}/jobs/{clone_id}")
+        wait_for(lambda: dom(driver, "#delete", visible=True), 30, "the Delete button")
+        driver.find_element(By.ID, "delete").click()
+        wait_for(lambda: dom(driver, "#delete-confirm", visible=True), 10, "the question")
+        driver.find_element(By.ID, "delete-yes").click()
+        wait_for(lambda: driver.current_url == srv.url + "/", 30, "the job list")
+        wait_for(lambda: clone_id not in dom(driver, "#jobs tbody tr", "data-job"), 30, "the clone gone from the list")
+        assert api.get(f"/api/jobs/{clone_id}").status_code == 404 and not Path(cloned["run_dir"]).exists()
+        assert api.get(f"/api/jobs/{job_id}").json()["state"] == "succeeded"
+        driver.get(f"{srv.url}/jobs/{job_id}")
+
+        # 11. A phone's width: the job page reflows (no sideways scroll of the page).
         driver.set_window_size(390, 844)
         driver.refresh()
         wait_for(lambda: points() > 0, 60, "the chart at phone width")
