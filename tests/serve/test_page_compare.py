@@ -5,7 +5,7 @@ select (train loss by default, eval and reward keys too), the chart redrawn with
 loss, steps, tokens, elapsed, the chosen metric's final value; "—" for what a run never logged);
 the chart's x axis for runs of one to four steps (whole steps only, no tick past the data); the
 samples of a running job read again when its phase changes; tables of values at a phone's width
-(the job page's evaluation, the summary); the link to /docs.
+(the job page's evaluation, the summary); the link to /docs; Log out on the "signed in as" line.
 
 No training: finished jobs are planted in the service's database with a metrics.jsonl written by
 the test (the numbers every assertion is checked against), its lines stored through the same
@@ -273,6 +273,19 @@ def test_docs_link(server, page):  # noqa: F811
     page.get(href[0])
     wait_for(lambda: dom(page, ".swagger-ui .title"), 30, "Swagger UI")
     assert "scaletune" in page.title
+
+
+def test_log_out_sits_beside_who_is_signed_in(server, page):  # noqa: F811
+    """The Log out button is in the top-right "signed in as" line, on its line: it was in a `<p>`,
+    which a `<form>` closes, so it fell out of that line to the left, above the title."""
+    page.get(server.url + "/")
+    wait_for(lambda: dom(page, "#logout", visible=True), 15, "the Log out button")
+    placed = page.execute_script(
+        """const b = document.getElementById('logout'), who = document.getElementById('whoami');
+        const r = b.getBoundingClientRect(), w = who.getBoundingClientRect();
+        return [b.closest('#who') !== null, r.top < w.bottom && w.top < r.bottom, r.left > w.right];"""
+    )
+    assert placed == [True, True, True], placed
 
 
 def test_samples_follow_the_phase(server, page, module_tmp_path):  # noqa: F811
