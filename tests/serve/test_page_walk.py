@@ -53,7 +53,7 @@ PROMPT = "Give three tips for staying healthy."
 HUB_TOKEN = "hf_scaletuneWALK0123456789abcdefghijkl"
 # The job's steps (bfloat16, the form's default dtype, about 1 s a step on the CPU: a stop after the
 # chart's third point lands well before the end) and its clone's.
-STEPS, CLONE_STEPS = 40, 8
+STEPS, CLONE_STEPS = 20, 4
 
 
 def _conversations(n: int) -> list[dict]:

@@ -138,7 +138,8 @@ class Rollout:
         self._write(lines)
 
     def _evaluation(self, strategy: Any, batches: list) -> None:
-        """An evaluation's rollout, by the current policy: its metrics are the fillers' left out."""
+        """An evaluation's rollout, by the current policy. Filler micro-batches (counted False) generate
+        too, every rank running the same forwards, but are left out of its metrics and lines."""
         step = self.steps_done()
         sums = torch.zeros(8 + len(self.rewards), dtype=torch.float64)
         lines: list[dict] = []
