@@ -26,8 +26,6 @@ import hashlib
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import pytest
 import yaml
 
 from scaletune.serve.edge.auth import create_token
-from tests.helpers import ALPACA_5000, LoopbackHub, wait_for
+from tests.helpers import ALPACA_5000, LoopbackHub, run_cli, wait_for
 from tests.serve.serve_helpers import (
     CHROMIUM,
     DRIVER,
@@ -100,10 +98,9 @@ def _wide(driver) -> list:
 
 
 def _cli(*args: str, cwd: Path) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "scaletune", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
-    )
+    """`scaletune ARGS` as a user types it, offline (forked from the worker's CLI zygote: the
+    control's answer, not the service's)."""
+    out = run_cli(list(args), cwd=cwd)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
