@@ -179,9 +179,8 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
     def finish(task: Task, stdout: str) -> dict:
         # A folder that fails the check is not kept and the task fails: a result means it passed.
         result = {"path": rel, "archive": f"api/jobs/{job_id}/archive/{rel}", "verified": verify}
-        if (
-            req.push_to_hub
-        ):  # the export printed its folder, then the Hub's commit URL (a link on the page: http(s) only)
+        if req.push_to_hub:
+            # The export printed its folder, then the Hub's commit URL (a link on the page: http(s) only).
             lines = stdout.strip().splitlines()
             url = lines[-1] if len(lines) > 1 and lines[-1].startswith(("https://", "http://")) else None
             result |= {"pushed_to": req.push_to_hub, "commit_url": url}
