@@ -13,7 +13,7 @@ from pathlib import Path
 from scaletune.errors import Problem, UserError
 
 
-def repo_id_problem(repo_id: str) -> str | None:
+def _repo_id_problem(repo_id: str) -> str | None:
     """Why the Hub would refuse `repo_id` as a model repo OWNER/NAME (huggingface_hub's own check),
     or None."""
     from huggingface_hub.errors import HFValidationError
@@ -28,34 +28,45 @@ def repo_id_problem(repo_id: str) -> str | None:
     return None
 
 
-def hub_offline(environ: Mapping[str, str]) -> bool:
+def _hub_offline(environ: Mapping[str, str]) -> bool:
     """Whether a process started with `environ` runs huggingface_hub offline (HF_HUB_OFFLINE true,
     as `huggingface_hub.constants` reads it)."""
     return environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def push_problems(repo_id: str) -> list[Problem]:
-    """What stops an upload before anything is exported or sent: a repo id the Hub refuses, no
-    token, offline mode."""
-    from huggingface_hub import get_token
+#: The command line's "no token" problem: (message, fix).
+NO_TOKEN_HERE = (
+    "no Hugging Face token found (HF_TOKEN, or the login cache)",
+    "set HF_TOKEN in the environment or run `hf auth login`; scaletune takes no token argument",
+)
 
+
+def push_problems(
+    repo_id: str,
+    *,
+    option: str = "--push-to-hub",
+    check: str = "export options",
+    has_token: bool | None = None,
+    no_token: tuple[str, str] = NO_TOKEN_HERE,
+) -> list[Problem]:
+    """What stops an upload before anything is exported or sent: a repo id the Hub refuses, offline
+    mode (this process's environment, which the uploading process inherits), no token. `option`
+    and `check` name the request in the messages (`scaletune export --push-to-hub`; the service's
+    export request, `push_to_hub`); `has_token`: whether the uploading process will hold a token
+    (None: `huggingface_hub.get_token` finds one here), `no_token` the (message, fix) when not.
+    Names no token value."""
     problems = []
-    bad = repo_id_problem(repo_id)
+    bad = _repo_id_problem(repo_id)
     if bad:
-        problems.append(Problem("export options", None, f"--push-to-hub {bad}"))
-    if hub_offline(os.environ):
-        problems.append(
-            Problem("export options", None, "--push-to-hub: HF_HUB_OFFLINE is set, so the Hub is not asked", "unset it")
-        )
-    if get_token() is None:
-        problems.append(
-            Problem(
-                "export options",
-                None,
-                "--push-to-hub: no Hugging Face token found (HF_TOKEN, or the login cache)",
-                "set HF_TOKEN in the environment or run `hf auth login`; scaletune takes no token argument",
-            )
-        )
+        problems.append(Problem(check, None, f"{option} {bad}"))
+    if _hub_offline(os.environ):
+        problems.append(Problem(check, None, f"{option}: HF_HUB_OFFLINE is set, so the Hub is not asked", "unset it"))
+    if has_token is None:
+        from huggingface_hub import get_token
+
+        has_token = get_token() is not None
+    if not has_token:
+        problems.append(Problem(check, None, f"{option}: {no_token[0]}", no_token[1]))
     return problems
 
 

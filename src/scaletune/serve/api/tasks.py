@@ -4,14 +4,13 @@ an admin, as stop and resume do, and so does deleting an export; listing them ne
 
 # No `from __future__ import annotations`: FastAPI reads Annotated[..., Depends(...)] at definition.
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, Field
 
-from scaletune.errors import Problem, UserError, texts
+from scaletune.errors import UserError, texts
 from scaletune.serve.api.jobs import job_or_404
 from scaletune.serve.api.results import Refused, model_target
 from scaletune.serve.api.schemas import E409_422, E422, Deleted
@@ -25,6 +24,13 @@ from scaletune.serve.jobs.service import JobService
 from scaletune.serve.jobs.tasks import Busy, Task, Tasks, fresh, last_json, stamp
 
 router = APIRouter()
+
+#: An export's upload without a token for the job's owner: (message, fix), naming no value.
+NO_TOKEN = (
+    "no Hugging Face token for this job's owner",
+    "the operator maps one: scaletune serve --job-secret OWNER:HF_TOKEN=VAR, the token in the service's environment "
+    "as VAR",
+)
 
 
 class EvalRequest(BaseModel):
@@ -157,7 +163,15 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
         problems.append("verify applies to format hf: checking a GGUF file in llama.cpp is not built")
     verify = req.format == "hf" if req.verify is None else req.verify
     if req.push_to_hub is not None:
-        problems += texts(hub_problems(req.push_to_hub, svc.files(job).env))
+        from scaletune.checkpoint.hub import push_problems
+
+        # The token the task will hold: the operator's `--job-secret` mapping for the job's owner.
+        has_token = bool(svc.files(job).env.get("HF_TOKEN"))
+        problems += texts(
+            push_problems(
+                req.push_to_hub, option="push_to_hub", check="push to the Hub", has_token=has_token, no_token=NO_TOKEN
+            )
+        )
     if problems:
         raise Refused("invalid request", problems, 422)
     source = latest_checkpoint(run_dir) if req.checkpoint == "final" else run_dir / req.checkpoint
@@ -206,35 +220,3 @@ def delete_export(job_id: str, name: str, c: Submitter, svc: Svc, tasks: Runner)
         raise Refused(exc.title, exc.problems) from None
     record(svc.Session, c.name, "export.delete", job_id, f"exports/{name}: {out.summary()}")
     return out.public()
-
-
-def hub_problems(repo_id: str, job_env: dict[str, str]) -> list[Problem]:
-    """What stops an export's upload before its task starts (as `checkpoint.hub.push_problems` for
-    the command the task runs): a repo id the Hub refuses, the service offline (its tasks inherit
-    that), no Hub token for the job's processes (`job_env`: `JobService.files(job).env`, where the
-    operator's `--job-secret` mapping for its owner puts it). Names no value."""
-    from scaletune.checkpoint.hub import hub_offline, repo_id_problem
-
-    problems = []
-    bad = repo_id_problem(repo_id)
-    if bad:
-        problems.append(Problem("push to the Hub", None, f"push_to_hub {bad}"))
-    if hub_offline(os.environ):
-        problems.append(
-            Problem(
-                "push to the Hub",
-                None,
-                "push_to_hub: this service runs with HF_HUB_OFFLINE set, so the Hub is not asked",
-            )
-        )
-    if not job_env.get("HF_TOKEN"):
-        problems.append(
-            Problem(
-                "push to the Hub",
-                None,
-                "push_to_hub: no Hugging Face token for this job's owner",
-                "the operator maps one: scaletune serve --job-secret OWNER:HF_TOKEN=VAR, the token in the service's "
-                "environment as VAR",
-            )
-        )
-    return problems
