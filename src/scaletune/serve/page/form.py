@@ -38,6 +38,7 @@ METHODS = ("full", "lora", "qlora")
 FIELDS = (
     "model.name_or_path",
     "method",
+    "model.dtype",
     "training.learning_rate",
     "training.epochs",
     "training.max_steps",

@@ -9,7 +9,7 @@ Every URL the pages hold or go to starts with `base`: the mount prefix (`--root-
 # No `from __future__ import annotations`: FastAPI reads the routes' Annotated[..., Depends(...)].
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import quote
 
 import jinja2
@@ -18,6 +18,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials
 
+from scaletune.config import Dtype, ModelConfig
 from scaletune.config.preference import METRIC_KEYS
 from scaletune.serve.api.docs import root_of
 from scaletune.serve.edge import auth
@@ -107,7 +108,17 @@ def index(request: Request, svc: Svc):
         return go(request, "login")
     targets = [t for t in TARGETS if t not in svc.policy.disabled_targets]  # the form offers these only
     jobs = [j.summary() for j in svc.list()]
-    return page("index.html", request, jobs=jobs, scope=c.scope, who=c, targets=targets, formats=FORMATS)
+    return page(
+        "index.html",
+        request,
+        jobs=jobs,
+        scope=c.scope,
+        who=c,
+        targets=targets,
+        formats=FORMATS,
+        dtypes=get_args(Dtype),
+        dtype_default=ModelConfig.model_fields["dtype"].default,
+    )
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse, include_in_schema=False)
