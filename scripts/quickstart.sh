@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh
-python -m pip install -q -e .
+install -e .
 scaletune init-model smollm2-135m-instruct
 scaletune train examples/quickstart.yaml overwrite=true "$@"
 echo "run directory: runs/quickstart (samples.md, metrics.jsonl, loss.png, final/); talk to it: scaletune chat runs/quickstart"

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS=0
 . scripts/venv.sh
-python -m pip install -q -e '.[dev]'
+install -e '.[dev]'
 # MLflow's client (the mlflow extra) goes beside the venv's site-packages, its dependencies into it:
 # DeepSpeed's autotuner imports mlflow whenever it can (deepspeed/autotuning/autotuner.py) and
 # transformers imports DeepSpeed wherever a model loads, so an importable mlflow costs every fresh
@@ -16,10 +16,10 @@ python -m pip install -q -e '.[dev]'
 # its own path and its runs'.
 export SCALETUNE_TEST_MLFLOW="$PWD/.venv/mlflow-client"
 if [ ! -d "$SCALETUNE_TEST_MLFLOW/mlflow" ]; then
-  python -m pip install -q 'mlflow-skinny>=3'
+  install 'mlflow-skinny>=3'
   mlflow_version="$(python -m pip show mlflow-skinny | awk '/^Version:/ {print $2}')"
   python -m pip uninstall -q -y mlflow-skinny
-  python -m pip install -q --no-deps --target "$SCALETUNE_TEST_MLFLOW" "mlflow-skinny==$mlflow_version"
+  install --no-deps --target "$SCALETUNE_TEST_MLFLOW" "mlflow-skinny==$mlflow_version"
 fi
 echo "[test.sh] set-up (venv, packages): ${SECONDS} s"
 python -m ruff check src tests benchmarks
