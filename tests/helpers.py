@@ -453,6 +453,18 @@ def run_bench(tmp_path: Path, preset: str, *args: str, timeout: int) -> tuple[di
     return json.loads(out.read_text()), proc.stdout
 
 
+def digit_chats(out: Path, n_train: int, n_eval: int) -> dict[str, Path]:
+    """scikit-learn's digits as image files and chat records under `out`, as the example renders them
+    (examples/vlm-digits/render_digits.py): {"train": JSONL, "eval": JSONL}."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_digits", REPO_ROOT / "examples/vlm-digits/render_digits.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.render(out, n_train, n_eval)
+
+
 def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **config: Any) -> Path:
     """A `LlamaConfig(**config)` model with random float32 weights (drawn after
     `torch.manual_seed(seed)`) saved to `out` with a tokenizer over `tokenizer_file`, whose

@@ -501,7 +501,7 @@ def test_missing_fields_in_json_name_record_and_field(tmp_path):
         D.load_records(DataSource(path=chat, format="messages"))
     assert err.value.problems == [
         f"{chat}:1: record 1: messages[0] must be an object with 'role' (one of system, user, assistant) "
-        "and 'content' (a string)",
+        "and 'content' (a string, or a list of text and image parts)",
         f"{chat}:2: record 2: missing field 'messages' (format messages)",
     ]
 

@@ -195,6 +195,9 @@ class DataConfig(StrictModel):
     """Hold out this fraction of the training records for evaluation (0 < f < 1)."""
     max_seq_length: int = Field(1024, ge=8)
     """Tokens per sequence; longer examples are truncated (examples left without a trained token are dropped)."""
+    max_image_pixels: int = Field(89_478_485, ge=1)
+    """Largest image (width x height) a vision-language model's records may hold; a larger one is refused from its
+    header, before it is decoded (a decompression bomb). The default is Pillow's own `Image.MAX_IMAGE_PIXELS`."""
     packing: bool = False
     """Concatenate several examples per sequence, attention kept apart per example (no FLOPs spent on padding)."""
     dummy: DummyData | None = None

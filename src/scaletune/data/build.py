@@ -243,6 +243,92 @@ def _row_stats(ds: datasets.Dataset, name: str) -> dict:
     }
 
 
+def _dummy_datasets(data_cfg: DataConfig, vocab_size: int, seed: int, stats: dict) -> dict[str, datasets.Dataset]:
+    """`data.dummy`'s rows (train, and eval with `eval_fraction`), packed when asked; their counts added to `stats`."""
+    import datasets
+
+    rows = _dummy_rows(data_cfg, vocab_size, seed)
+    parts = {"train": rows}
+    if data_cfg.eval_fraction is not None:
+        parts["train"], parts["eval"] = split_records(rows, data_cfg.eval_fraction, seed)
+    built = {}
+    for name, part in parts.items():
+        ds = datasets.Dataset.from_list(part)
+        if data_cfg.packing:
+            with progress_bars(len(part)):
+                ds = ds.map(
+                    pack_rows, batched=True, batch_size=PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
+                )
+        built[name] = ds
+        stats.update(_prefixed(name, records=len(part), examples=len(part), dropped_empty=0, truncated=0))
+    return built
+
+
+def _vision_bundle(data_cfg: DataConfig, processor: Any, seed: int) -> DataBundle:
+    """The train (and eval) rows of a vision-language model (`data.vision`), with their collator.
+
+    Raises:
+        DataError: a source that is not `messages`; every record's problem (`data.vision.VisionRows`).
+    """
+    from scaletune.data.vision import VisionCollator, build_vision_rows
+
+    sources = {"train": data_cfg.train, "eval": data_cfg.eval}
+    wrong = [
+        f"data.{name}: format {s.format!r}; a vision-language model trains on format messages"
+        for name, s in sources.items()
+        if s is not None and s.format != "messages"
+    ]
+    if wrong:
+        raise DataError(wrong, title="invalid data")
+    assert data_cfg.train is not None
+    records = load_records(data_cfg.train, max_pixels=data_cfg.max_image_pixels)
+    parts = {"train": records}
+    if data_cfg.eval_fraction is not None:
+        parts["train"], parts["eval"] = split_records(records, data_cfg.eval_fraction, seed)
+    if data_cfg.eval is not None:
+        parts["eval"] = load_records(data_cfg.eval, max_pixels=data_cfg.max_image_pixels)
+    ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in _image_tokens(processor)}
+    template = data_cfg.chat_template or getattr(processor, "chat_template", None)
+    if not template:
+        raise DataError("the model's processor has no chat template: set data.chat_template", title="invalid data")
+    built: dict[str, Any] = {}
+    stats: dict = {}
+    for name, part in parts.items():
+        built[name], counts = build_vision_rows(
+            part,
+            processor,
+            max_len=data_cfg.max_seq_length,
+            max_pixels=data_cfg.max_image_pixels,
+            image_token_ids=ids,
+            label=f"data.{name}",
+            template=template,
+        )
+        stats.update(_prefixed(name, **counts))
+    pad = processor.tokenizer.pad_token_id
+    return DataBundle(train=built["train"], eval=built.get("eval"), stats=stats, collator=VisionCollator(pad))
+
+
+def _text_only(records: list[dict]) -> list[dict]:
+    """`records`, when none holds an image (a text model's data).
+
+    Raises:
+        DataError: records with image parts, the first five named.
+    """
+    from scaletune.data.vision import has_images, image_records_problem
+
+    if has_images(records):
+        raise DataError(image_records_problem(records), title="invalid data")
+    return records
+
+
+def _image_tokens(processor: Any) -> list[str]:
+    """The processor's image tokens (`image_token`, and Idefics3's wrapping `fake_image_token` and
+    `global_image_tag`): placeholders for image features and their frame, never trained."""
+    names = ("image_token", "fake_image_token", "global_image_tag", "boi_token", "eoi_token")
+    found = [getattr(processor, n, None) for n in names]
+    return [t if isinstance(t, str) else getattr(t, "content", None) for t in found if t is not None]
+
+
 def _dummy_rows(data_cfg: DataConfig, vocab_size: int, seed: int) -> list[dict]:
     n = data_cfg.dummy.num_samples
     length = data_cfg.dummy.seq_length or data_cfg.max_seq_length
@@ -263,6 +349,7 @@ def build_datasets(
     seed: int,
     max_positions: int | None = None,
     cache_dir: str | Path | None = None,
+    processor: Any = None,
 ) -> DataBundle:
     """Read, split, tokenize, mask, truncate and (optionally) pack the train and eval data.
 
@@ -275,6 +362,9 @@ def build_datasets(
         cache_dir: where tokenized data are cached (Arrow files, reused by a later call with the
             same records, format, tokenizer, max_seq_length and chat template); default
             ``$SCALETUNE_CACHE/datasets``, else ``~/.cache/scaletune/datasets``.
+        processor: a vision-language model's processor (`models.vision.load_processor`): its
+            `messages` records, with or without images, become `data.vision.VisionRows` (not cached:
+            rendered again when a batch needs them) with their own collator.
 
     ``data.dummy``, when set, replaces ``data.train`` (so ``data.dummy.num_samples=100`` on the
     command line turns any config into a smoke test).
@@ -287,7 +377,6 @@ def build_datasets(
         DataError: ``max_seq_length`` exceeds ``max_positions``; any source problem (see
             :func:`load_records`); no example has a token to train on after truncation.
     """
-    import datasets
 
     too_long = positions_problem(data_cfg.max_seq_length, max_positions)
     if too_long is not None:  # a resolved run has passed this rule; direct callers of this function may not
@@ -300,23 +389,13 @@ def build_datasets(
     tok_hash = tokenizer_fingerprint(tokenizer) if data_cfg.dummy is None or data_cfg.eval is not None else ""
 
     if data_cfg.dummy is not None:  # already tokens, generated in memory: nothing to cache
-        rows = _dummy_rows(data_cfg, len(tokenizer), seed)
-        parts = {"train": rows}
-        if data_cfg.eval_fraction is not None:
-            parts["train"], parts["eval"] = split_records(rows, data_cfg.eval_fraction, seed)
-        built = {}
-        for name, part in parts.items():
-            ds = datasets.Dataset.from_list(part)
-            if data_cfg.packing:
-                with progress_bars(len(part)):
-                    ds = ds.map(
-                        pack_rows, batched=True, batch_size=PACK_CHUNK, fn_kwargs={"max_len": data_cfg.max_seq_length}
-                    )
-            built[name] = ds
-            stats.update(_prefixed(name, records=len(part), examples=len(part), dropped_empty=0, truncated=0))
+        built = _dummy_datasets(data_cfg, len(tokenizer), seed, stats)
         train, evl = built["train"], built.get("eval")
+    elif processor is not None:
+        return _vision_bundle(data_cfg, processor, seed)
     else:
         records = load_records(data_cfg.train)
+        _text_only(records)
         if data_cfg.eval_fraction is not None:
             records, eval_records = split_records(records, data_cfg.eval_fraction, seed)
             eval_source = data_cfg.train
@@ -324,7 +403,7 @@ def build_datasets(
             train, s = _tokenize(records, data_cfg.train, data_cfg, tokenizer, tok_hash, cache, "train")
         stats.update(s)
     if data_cfg.eval is not None:
-        eval_records = load_records(data_cfg.eval)
+        eval_records = _text_only(load_records(data_cfg.eval))
     if eval_records is not None:
         with progress_bars(len(eval_records)):
             evl, s = _tokenize(eval_records, eval_source, data_cfg, tokenizer, tok_hash, cache, "eval")

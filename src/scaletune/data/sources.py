@@ -20,6 +20,8 @@ IGNORE_INDEX = -100
 # The roles a ``messages`` record may use. Defined here, where records are checked, rather than
 # in templates.py, which imports IGNORE_INDEX from this module (no import cycle).
 ROLES = ("system", "user", "assistant")
+#: `data.max_image_pixels`' default (Pillow's own bound, `PIL.Image.MAX_IMAGE_PIXELS`).
+MAX_IMAGE_PIXELS = DataConfig.model_fields["max_image_pixels"].default
 _MAX_PROBLEMS = 20
 
 
@@ -105,8 +107,12 @@ def normalize_prompt(record: dict, where: str) -> tuple[dict | None, list[str]]:
     return (None if problems else {"prompt": turns, "fields": text}), problems
 
 
-def _normalize(record: Any, source: DataSource, where: str) -> tuple[dict | None, list[str]]:
-    """The record reduced to the fields its format uses, or the problems that prevent that."""
+def _normalize(
+    record: Any, source: DataSource, where: str, images: Path | None = None, max_pixels: int = MAX_IMAGE_PIXELS
+) -> tuple[dict | None, list[str]]:
+    """The record reduced to the fields its format uses, or the problems that prevent that.
+    `images`: the folder image parts' paths are relative to (a local data file's); `max_pixels`
+    the largest image they may name (`data.max_image_pixels`)."""
     if not isinstance(record, dict):
         return None, [f"{where}: expected an object, got {type(record).__name__}"]
     if source.format in ("preference", "kto"):
@@ -133,22 +139,116 @@ def _normalize(record: Any, source: DataSource, where: str) -> tuple[dict | None
     if not isinstance(msgs, list) or not msgs:
         return None, [f"{where}: field '{name}' must be a non-empty list of {{role, content}} objects"]
     clean = []
+    with_images = False
     for j, m in enumerate(msgs):
+        if isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), list):
+            parts, errs = content_parts(
+                m["content"], f"{where}: {name}[{j}].content", images, max_pixels, role=m["role"]
+            )
+            problems += errs
+            with_images = with_images or any(p["type"] == "image" for p in parts)
+            clean.append({"role": m["role"], "content": parts})
+            continue
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             problems.append(
                 f"{where}: {name}[{j}] must be an object with 'role' (one of {', '.join(ROLES)}) "
-                "and 'content' (a string)"
+                "and 'content' (a string, or a list of text and image parts)"
             )
             continue
         clean.append({"role": m["role"], "content": m["content"]})
-    return (None if problems else {"messages": clean}), problems
+    if problems:
+        return None, problems
+    # A record with images keeps where it came from: its images are read and checked later, by the
+    # model's processor (data.vision), whose problems name the record too.
+    return ({"messages": clean, "where": where} if with_images else {"messages": clean}), []
+
+
+def content_parts(
+    value: list, where: str, images: Path | None, max_pixels: int, *, role: str
+) -> tuple[list[dict], list[str]]:
+    """A message's content parts, checked: `{"type": "text", "text": STR}` and `{"type": "image",
+    "path": STR}` (not in an assistant's turn), the path relative to `images` (the data file's folder)
+    and inside it, never a URL, an image whose header PIL reads and of at most `max_pixels`.
+    Returns (the parts, image paths made absolute; the problems, each naming `where` and the part)."""
+    parts: list[dict] = []
+    problems: list[str] = []
+    if not value:
+        return parts, [f"{where}: an empty list of parts"]
+    for k, part in enumerate(value):
+        at = f"{where}[{k}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image" and role == "assistant":
+            problems.append(f"{at}: an image in an assistant turn (the model answers in text; images go in user turns)")
+        elif kind == "image":
+            path, problem = _image_path(part.get("path"), at, images, max_pixels)
+            if problem:
+                problems.append(problem)
+            else:
+                parts.append({"type": "image", "path": path})
+        else:
+            problems.append(f'{at}: a part is {{"type": "text", "text": ...}} or {{"type": "image", "path": ...}}')
+    return parts, problems
+
+
+def read_image(path: str, max_pixels: int, *, decode: bool = True) -> Any:
+    """The image at `path` (PIL), decoded as RGB; with `decode` False only its header is read.
+
+    Raises:
+        ValueError: not an image PIL reads, truncated or corrupt, or larger than `max_pixels`
+            (width x height, from the header: a decompression bomb is refused before decoding).
+    """
+    import warnings
+
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+                if width * height > max_pixels:
+                    raise ValueError(
+                        f"{width}x{height} = {width * height:,} pixels, more than data.max_image_pixels {max_pixels:,}"
+                    )
+                if not decode:
+                    return img
+                img.load()
+                return img.convert("RGB")
+    except (OSError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ValueError(f"not a readable image: {exc}") from None
+
+
+def _image_path(value: Any, at: str, images: Path | None, max_pixels: int) -> tuple[str, str | None]:
+    """(the absolute path of an image part's `path`, or the problem with it: the path, or the
+    image's header and size)."""
+    if not isinstance(value, str) or not value:
+        return "", f'{at}: an image part needs "path", a file relative to the data file'
+    if "://" in value or value.startswith("data:"):
+        return "", f"{at}: image {value!r} is a URL; images are local files beside the data (none is downloaded)"
+    if images is None:
+        return (
+            "",
+            f"{at}: image {value!r}: images are read relative to a local data file's folder, and this data has none",
+        )
+    path = (images / value).resolve()
+    if not path.is_relative_to(images.resolve()):
+        return "", f"{at}: image {value!r} is outside the data file's folder {images}"
+    if not path.is_file():
+        return "", f"{at}: image {value!r} not found (looked at {path})"
+    try:
+        read_image(str(path), max_pixels, decode=False)
+    except ValueError as exc:
+        return "", f"{at}: image {value!r}: {exc}"
+    return str(path), None
 
 
 def _looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or Path(path).suffix.lower() in (".json", ".jsonl", ".parquet", ".csv")
 
 
-def load_records(source: DataSource, key: str = "format") -> list[dict]:
+def load_records(source: DataSource, key: str = "format", *, max_pixels: int = MAX_IMAGE_PIXELS) -> list[dict]:
     """Read and check the records of one data source.
 
     Accepts a local ``.json`` file (a list of objects), a ``.jsonl`` file (one object per line), a
@@ -160,7 +260,8 @@ def load_records(source: DataSource, key: str = "format") -> list[dict]:
         format: ``{instruction, input, output}`` (``input`` defaults to ""), ``{messages}`` or ``{text}``.
 
     `key`: how the fix names the source's format key (`data.train.format`) when the records are of
-    another format (:func:`_other_format`).
+    another format (:func:`_other_format`). `max_pixels`: `data.max_image_pixels`, the largest image
+    a `messages` record's image part may name (each image's header is read here).
 
     Raises:
         DataError: the path does not exist (named); a JSONL line is not valid JSON (file:line); a
@@ -170,7 +271,7 @@ def load_records(source: DataSource, key: str = "format") -> list[dict]:
             line naming it.
     """
     if isinstance(source.path, list):
-        return _load_files(source)
+        return _load_files(source, max_pixels)
     path = os.path.expanduser(source.path)
     limit = source.max_samples
     problems: list[str] = []
@@ -180,13 +281,14 @@ def load_records(source: DataSource, key: str = "format") -> list[dict]:
     def add(record: Any, where: str) -> None:
         if not first:
             first.append(record)
-        norm, errs = _normalize(record, source, where)
+        norm, errs = _normalize(record, source, where, images, max_pixels)
         problems.extend(errs)
         if norm is not None:
             records.append(norm)
 
     p = Path(path)
     suffix = p.suffix.lower()
+    images = p.parent if p.is_file() else p if p.is_dir() else None
     if p.is_file() and suffix in (".jsonl", ".json"):
         try:
             raw = p.read_bytes()
@@ -348,7 +450,7 @@ def iter_json_list(text: str, path: str) -> Iterator[Any]:
         at = ws.match(text, at + 1).end()
 
 
-def _load_files(source: DataSource) -> list[dict]:
+def _load_files(source: DataSource, max_pixels: int = MAX_IMAGE_PIXELS) -> list[dict]:
     """The records of a list of local files, in order, as one source (at most `max_samples`)."""
     assert isinstance(source.path, list)
     records: list[dict] = []
@@ -358,7 +460,9 @@ def _load_files(source: DataSource) -> list[dict]:
             problems.append(f"{path}: a list of paths holds local files only (use one source for a data set name)")
             continue
         try:
-            records += load_records(source.model_copy(update={"path": path, "max_samples": None}))
+            records += load_records(
+                source.model_copy(update={"path": path, "max_samples": None}), max_pixels=max_pixels
+            )
         except DataError as exc:
             problems += exc.problems
     _raise(problems)
@@ -413,7 +517,7 @@ def validate_data(data_cfg: DataConfig) -> None:
         if source is None:
             continue
         try:
-            n = len(load_records(source, f"data.{key}.format"))
+            n = len(load_records(source, f"data.{key}.format", max_pixels=data_cfg.max_image_pixels))
         except DataError as exc:
             problems += [f"data.{key}: {p}" for p in exc.problems]
             continue

@@ -104,7 +104,10 @@ def sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 def full_causal_only(hf_config: Any) -> bool:
     """Every layer is plain causal attention over the whole row: the one mask fits all layers.
-    Sliding-window, chunked or bidirectional layers keep transformers' own masks."""
+    Sliding-window, chunked or bidirectional layers keep transformers' own masks. A vision-language
+    model's layers are its language model's (`get_text_config`)."""
+    if hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         windowed = any(t != "full_attention" for t in layer_types)

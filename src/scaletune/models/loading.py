@@ -180,6 +180,18 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
+def model_processor(cfg: ModelConfig) -> Any:
+    """The processor of `cfg`'s model when it is a vision-language model
+    (`models.vision.load_processor`), else None: its tokenizer renders its data.
+
+    Raises:
+        UserError: what :func:`load_config` and `load_processor` raise.
+    """
+    from scaletune.models.vision import is_vision_language, load_processor
+
+    return load_processor(cfg) if is_vision_language(load_config(cfg)) else None
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """THE map from a dtype name (`bfloat16`, `uint8`: torch's own names) to the torch dtype.
 
@@ -261,7 +273,8 @@ def load_config(cfg: ModelConfig) -> PretrainedConfig:
 
 
 def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = False) -> torch.nn.Module:
-    """Load the causal LM of `cfg` through `AutoModelForCausalLM.from_pretrained`.
+    """Load the causal LM of `cfg` through `AutoModelForCausalLM.from_pretrained` (a vision-language
+    model through `AutoModelForImageTextToText`: :func:`auto_class`).
 
     `dtype` (float32 / bfloat16 / float16 / auto: the checkpoint's), `attn_implementation`,
     `revision` and `trust_remote_code` (passed as given, False by default: custom code in a
@@ -279,8 +292,6 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
             custom code not allowed, hub failure.
         RuntimeError: quantization asked without a CUDA GPU or without bitsandbytes.
     """
-    from transformers import AutoModelForCausalLM
-
     if cfg.attn_implementation == "flex_attention":
         from scaletune.models.attention import use_autocast_flex_attention
 
@@ -305,9 +316,10 @@ def load_model(cfg: ModelConfig, placement: DevicePlacement, *, meta: bool = Fal
         kwargs["device_map"] = device_map
     if placement.message:
         log.info(placement.message)
+    auto = auto_class(load_config(cfg))
     try:
         with no_load_bars():
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            model = auto.from_pretrained(source, **kwargs)
     except ValueError as exc:
         if _is_remote_code_refusal(exc):
             raise _remote_code_error("model.name_or_path", name, exc) from exc
@@ -364,11 +376,30 @@ def _zero3_announced() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
+def auto_class(config: PretrainedConfig) -> Any:
+    """`AutoModelForImageTextToText` for a vision-language model (`models.vision`), else
+    `AutoModelForCausalLM`.
+
+    Raises:
+        UserError: a vision-language architecture scaletune does not fine-tune (the message lists those it does).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from scaletune.models.vision import is_vision_language, vision_problem
+
+    if not is_vision_language(config):
+        return AutoModelForCausalLM
+    problem = vision_problem(config)
+    if problem is not None:
+        raise UserError(problem, title="unsupported model")
+    return AutoModelForImageTextToText
+
+
 def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = load_config(cfg)
+    auto = auto_class(config)
     kwargs: dict[str, Any] = {"trust_remote_code": bool(cfg.trust_remote_code)}
     if cfg.dtype != "auto":
         kwargs["dtype"] = torch_dtype(cfg.dtype)
@@ -378,7 +409,7 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
         kwargs["attn_implementation"] = cfg.attn_implementation
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config, **kwargs)
+            return auto.from_config(config, **kwargs)
         except (ImportError, ValueError) as exc:
             if "attn_implementation" not in kwargs or _is_remote_code_refusal(exc):
                 raise
@@ -388,4 +419,4 @@ def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
                 f"attn_implementation {cfg.attn_implementation} unavailable here ({exc}); building with the default"
             )
             kwargs.pop("attn_implementation")
-            return AutoModelForCausalLM.from_config(config, **kwargs)
+            return auto.from_config(config, **kwargs)

@@ -345,7 +345,14 @@ def liger_head_cross_entropy(
 
 
 def decoder_and_head(causal_lm: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(the module whose forward returns the last hidden state, the output head). For a
+    vision-language model the first is its multimodal base model, which merges the image features
+    into the text's embeddings before its language model (`models.vision.multimodal_base`)."""
+    from scaletune.models.vision import is_vision_language, multimodal_base
+
     base = unwrap(causal_lm)  # under peft
+    if is_vision_language(getattr(base, "config", None)):
+        return multimodal_base(base), base.get_output_embeddings()
     return base.get_decoder(), base.get_output_embeddings()
 
 
@@ -433,10 +440,14 @@ class CausalLMLoss(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         full_position_ids: torch.Tensor | None = None,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         """A context slice (`strategies.parallel.context.split_batch`): labels [B, L + 1] for input_ids
         [B, L], every position scored against ``labels[:, 1:]``; attention over whole rows, causal or
-        by ``full_position_ids`` (packed); ``attention_mask`` (the slice's padding) unused."""
+        by ``full_position_ids`` (packed); ``attention_mask`` (the slice's padding) unused.
+
+        ``images``: a vision-language model's image tensors (`models.vision.IMAGE_INPUTS`: their
+        shapes are the processor's), passed to its forward beside the text."""
         context = labels.size(1) == input_ids.size(1) + 1
         if context:
             attention_mask = context_mask(self.causal_lm.config, full_position_ids)
@@ -457,7 +468,11 @@ class CausalLMLoss(nn.Module):
         if self.plain:
             with self._saved_tensors_context():
                 logits = self.causal_lm(
-                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **images,
                 ).logits
             index = target_index.to(logits.device)
             flat = logits[:, scored, :].reshape(-1, logits.size(-1)).index_select(0, index).float()
@@ -468,7 +483,7 @@ class CausalLMLoss(nn.Module):
         # backward anyway, and their inputs are the few target rows gathered below.
         with self._saved_tensors_context():
             out = decoder(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **images
             )
         hidden = out.last_hidden_state[:, scored, :]
         # With a device_map over several GPUs the last hidden state is on the last one, the batch on

@@ -39,6 +39,47 @@ _MARKER = "scaletune_init.json"
 
 
 @dataclass(frozen=True)
+class VisionPreset:
+    """The processor of a tiny vision-language preset, built over the bundled tokenizer.
+
+    Attributes:
+        processor_class: the `transformers` processor class, by name (`Idefics3Processor`).
+        image_processor_class: its image processor class, by name.
+        image_processor: the image processor's constructor arguments (small images: tiny models).
+        special_tokens: the tokens the processor writes around and for images, added to the
+            tokenizer (their ids follow its vocabulary, inside the preset's padded embedding).
+        token_ids: config keys set to a special token's id (`image_token_id` -> `<image>`).
+        end_of_turn: the token that ends every turn (the tokenizer's EOS, and the config's).
+        processor_kwargs: further processor arguments (`image_seq_len`).
+        chat_template: the processor's chat template (content parts `{"type": "image"}` and
+            `{"type": "text", "text": ...}`).
+    """
+
+    processor_class: str
+    image_processor_class: str
+    image_processor: Mapping[str, Any]
+    special_tokens: tuple[str, ...]
+    token_ids: Mapping[str, str]
+    end_of_turn: str
+    processor_kwargs: Mapping[str, Any]
+    chat_template: str
+
+
+# SmolVLM's turn layout ("User:<image>Which digit?<end_of_utterance>\nAssistant: 7<end_of_utterance>\n"),
+# as HuggingFaceTB/SmolVLM-256M-Instruct's chat template writes it; content may also be a plain string.
+_IDEFICS3_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_utterance>\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+# Tiny Idefics3: 32x32 images in 8x8 patches (16), pixel-shuffled by 2 into 4 image tokens.
+_IDEFICS3_TINY_IMAGE = 32
+
+
+@dataclass(frozen=True)
 class Preset:
     """A named model shape.
 
@@ -49,6 +90,7 @@ class Preset:
         description: one line for listings.
         tiny: True when :func:`init_model` may materialise it with random weights on a CPU;
             False for the shapes of real models, which exist for the planner (meta device only).
+        vision: for a vision-language model, the processor :func:`init_model` saves beside it.
     """
 
     name: str
@@ -56,6 +98,8 @@ class Preset:
     kwargs: Mapping[str, Any]
     description: str
     tiny: bool = True
+    #: A vision-language preset's processor (:class:`VisionPreset`); None for a causal LM.
+    vision: VisionPreset | None = None
 
     def config(self, **overrides: Any) -> PretrainedConfig:
         """A fresh `transformers` config of this preset (`overrides` replace constructor args)."""
@@ -133,6 +177,41 @@ PRESETS: dict[str, Preset] = {
                 if k != "num_key_value_heads"  # GPT-NeoX has no grouped-query attention
             },
             "GPT-NeoX architecture (fused query_key_value), 2 layers x 64 hidden, 13.0M parameters",
+        ),
+        Preset(
+            "idefics3-tiny",
+            "Idefics3Config",
+            dict(
+                text_config=dict(
+                    _tiny(tie_word_embeddings=True, intermediate_size=128), model_type="llama", bos_token_id=None
+                ),
+                vision_config=dict(
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=_IDEFICS3_TINY_IMAGE,
+                    patch_size=8,
+                ),
+                scale_factor=2,
+                tie_word_embeddings=True,
+            ),
+            "Idefics3 / SmolVLM architecture (SigLIP vision tower, pixel-shuffle connector, Llama language "
+            "model), 2+2 layers, 32x32 images as 4 tokens, 6.5M parameters; its processor beside it",
+            vision=VisionPreset(
+                processor_class="Idefics3Processor",
+                image_processor_class="Idefics3ImageProcessorPil",
+                image_processor=dict(
+                    do_image_splitting=False,
+                    size={"longest_edge": _IDEFICS3_TINY_IMAGE},
+                    max_image_size={"longest_edge": _IDEFICS3_TINY_IMAGE},
+                ),
+                special_tokens=("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"),
+                token_ids={"image_token_id": "<image>"},
+                end_of_turn="<end_of_utterance>",
+                processor_kwargs={"image_seq_len": 4},
+                chat_template=_IDEFICS3_TEMPLATE,
+            ),
         ),
         Preset(
             "llama-3.2-1b",
@@ -264,11 +343,14 @@ def init_model(preset: str, output: str | Path, *, seed: int = 0, tokenizer_file
         return out
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     tokenizer = tokenizer_from_file(tok_path, model_max_length=p.kwargs.get("max_position_embeddings"))
     overrides: dict[str, Any] = {}
-    if tokenizer_file:
+    processor = None
+    if p.vision is not None:
+        processor, overrides = _vision_processor(p, tokenizer, sized=bool(tokenizer_file))
+    elif tokenizer_file:
         overrides = {
             "vocab_size": -(-len(tokenizer) // 128) * 128,
             "eos_token_id": tokenizer.eos_token_id,
@@ -277,18 +359,22 @@ def init_model(preset: str, output: str | Path, *, seed: int = 0, tokenizer_file
         if p.kwargs.get("bos_token_id") is not None:
             overrides["bos_token_id"] = tokenizer.bos_token_id
     config = p.config(**overrides)
-    if config.vocab_size < len(tokenizer):
-        raise AssertionError(f"preset {p.name}: vocab_size {config.vocab_size} < tokenizer length {len(tokenizer)}")
+    text_config = config.get_text_config()
+    if text_config.vocab_size < len(tokenizer):
+        raise AssertionError(
+            f"preset {p.name}: vocab_size {text_config.vocab_size} < tokenizer length {len(tokenizer)}"
+        )
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto = AutoModelForCausalLM if p.vision is None else AutoModelForImageTextToText
+    model = auto.from_config(config, dtype=torch.float32)
     n_params = sum(t.numel() for t in model.parameters())
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        (processor or tokenizer).save_pretrained(tmp)  # a processor saves its tokenizer too
         # The marker is written last: its presence means the folder is complete.
         (tmp / _MARKER).write_text(json.dumps({**want, "parameters": n_params}, indent=2) + "\n")
         try:
@@ -303,6 +389,31 @@ def init_model(preset: str, output: str | Path, *, seed: int = 0, tokenizer_file
         shutil.rmtree(tmp, ignore_errors=True)
     log.info(f"built {p.name} (seed {seed}, {n_params:,} parameters) in {out}")
     return out
+
+
+def _vision_processor(p: Preset, tokenizer: PreTrainedTokenizerBase, *, sized: bool) -> tuple[Any, dict[str, Any]]:
+    """The preset's processor over `tokenizer` (its image tokens added, its EOS the end of a turn),
+    and the config overrides that name those tokens' ids (the language model's EOS and pad too, and
+    with `sized` its vocabulary: the tokenizer's length rounded up to a multiple of 128)."""
+    import transformers
+
+    vision = p.vision
+    assert vision is not None
+
+    tokenizer.add_special_tokens({"additional_special_tokens": list(vision.special_tokens)})
+    tokenizer.eos_token = vision.end_of_turn
+    image_processor = getattr(transformers, vision.image_processor_class)(**vision.image_processor)
+    processor = getattr(transformers, vision.processor_class)(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=vision.chat_template,
+        **vision.processor_kwargs,
+    )
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in vision.token_ids.items()}
+    text = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    if sized:
+        text["vocab_size"] = -(-len(tokenizer) // 128) * 128
+    return processor, {**ids, "text_config": {**p.kwargs["text_config"], **text}}
 
 
 def _existing_matches(out: Path, want: dict[str, Any]) -> bool:

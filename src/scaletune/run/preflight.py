@@ -214,6 +214,11 @@ def check_data(spec: RunSpec) -> None:
     """
     from scaletune.trainer.stages import data_problems
 
-    problems = data_problems(spec, data_tokenizer(spec))
+    processor = None
+    if not spec.custom_model:
+        from scaletune.models.loading import model_processor
+
+        processor = model_processor(spec.config.model)
+    problems = data_problems(spec, data_tokenizer(spec), processor)
     if problems:
         raise UserError(problems, title="cannot start training")

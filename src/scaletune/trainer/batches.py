@@ -12,14 +12,16 @@ import torch
 
 from scaletune.data import count_batch_tokens, count_input_tokens, count_target_tokens, count_units, custom_inputs
 from scaletune.models.loss import target_index
+from scaletune.models.vision import IMAGE_INPUTS
 from scaletune.objectives.module import kl_inputs, preference_inputs
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors `loss.CausalLMLoss.forward` takes, with the target positions added on the host."""
+    """The tensors `loss.CausalLMLoss.forward` takes (a vision-language model's image tensors too),
+    with the target positions added on the host."""
     out = {
         k: batch[k]
-        for k in ("input_ids", "labels", "attention_mask", "position_ids", "full_position_ids")
+        for k in ("input_ids", "labels", "attention_mask", "position_ids", "full_position_ids", *IMAGE_INPUTS)
         if k in batch
     }
     out["target_index"] = target_index(batch["labels"])

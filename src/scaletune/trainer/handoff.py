@@ -37,6 +37,7 @@ class Prepared:
     tokenizer: Any  # the tokenizer or a factory's processor; None: a factory's model without one
     plans: list[StagePlan]
     freezing: StageFreezing
+    processor: Any = None  # a vision-language model's processor (it renders the data); saved in final/
 
 
 @dataclass(frozen=True)

@@ -135,6 +135,7 @@ class Trainer:
         loads), then the model, seeded. A factory's model first: its data factory is handed the
         tokenizer or processor the model factory returns. Then what trains in each stage."""
         source, strategy = self.source, self.strategy
+        vision = None  # a vision-language model's processor
         if source.model_first:
             seed_everything(self.cfg.seed)
             self.report("phase", phase="loading model")
@@ -145,12 +146,12 @@ class Trainer:
             plans = plan_stages(self.spec, tokenizer, strategy)
         else:
             self.report("phase", phase="loading data")
-            tokenizer = source.tokenizer()
-            plans = plan_stages(self.spec, tokenizer, strategy)
+            tokenizer, vision = source.tokenizer(), source.processor()
+            plans = plan_stages(self.spec, tokenizer, strategy, processor=vision)
             seed_everything(self.cfg.seed)
             self.report("phase", phase="loading model")
             model, _ = source.load(strategy)
-        return model, Prepared(tokenizer, plans, StageFreezing(self.spec, model, source.prefix))
+        return model, Prepared(tokenizer, plans, StageFreezing(self.spec, model, source.prefix), vision)
 
     def report(self, kind: str, **data: Any) -> None:
         """A phase, checkpoint or stop (`kind`: a `report.EventKind` or its words, "saved checkpoint"):
@@ -445,7 +446,9 @@ class Trainer:
         self.strategy.export(final)
         if self.env.is_main:
             tokenizer = self.prepared.tokenizer
-            if hasattr(tokenizer, "save_pretrained"):
+            if self.prepared.processor is not None:  # a vision-language model: its tokenizer with it
+                self.prepared.processor.save_pretrained(str(final))
+            elif hasattr(tokenizer, "save_pretrained"):
                 template = trained_chat_template((st.data for st in self.spec.stages), tokenizer)
                 if template is not None:
                     tokenizer.chat_template = template

@@ -48,6 +48,11 @@ class ModelSource(ABC):
 
         return load_tokenizer(self.spec.config.model)
 
+    def processor(self) -> Any:
+        """A vision-language model's processor (`models.vision.load_processor`), which renders its
+        data; None for a model whose tokenizer does."""
+        return None
+
     @abstractmethod
     def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
         """(the model in its storage dtype where the strategy wants it, on the meta device on ranks the
@@ -97,6 +102,11 @@ class PretrainedSource(ModelSource):
 
         m, packing = self.spec.config.model, self.spec.packs
         return packed_attention(m, load_config(m) if packing else None, packing=packing, device=str(strategy.device))
+
+    def processor(self) -> Any:
+        from scaletune.models.loading import model_processor
+
+        return model_processor(self.spec.config.model)
 
     def load(self, strategy: LoopStrategy) -> tuple[nn.Module, Any]:
         from scaletune.models import prepare_model

@@ -55,14 +55,16 @@ def build_turn(env: Any) -> tuple[int, int]:
     return 1, 2
 
 
-def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy) -> Any:
-    """Build the stage's data in the turns of :func:`build_turn`, every rank waiting between turns."""
+def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy, processor: Any = None) -> Any:
+    """Build the stage's data in the turns of :func:`build_turn`, every rank waiting between turns
+    (with a vision-language model's `processor`: `data.build_datasets`' vision rows)."""
     build = _builder(stage)
+    extra = {"processor": processor} if processor is not None and stage.data.factory is None else {}
     bundle = None
     mine, turns = build_turn(spec.env)
     for turn in range(turns):
         if turn == mine:
-            bundle = build(stage.data, tokenizer, seed=spec.config.seed)
+            bundle = build(stage.data, tokenizer, seed=spec.config.seed, **extra)
         if turn < turns - 1:
             strategy.barrier()
     return bundle
@@ -84,15 +86,16 @@ def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
     )
 
 
-def data_problems(spec: RunSpec, tokenizer: Any) -> list[Problem]:
+def data_problems(spec: RunSpec, tokenizer: Any, processor: Any = None) -> list[Problem]:
     """Build every stage's data in this process (filling the cache the ranks then read; a
-    `data.factory` is called as the ranks will call it, with `tokenizer`) and say what stops
-    training: for a parent that starts the ranks, so bad data ends in one message and exit 2
-    rather than in every rank."""
+    `data.factory` is called as the ranks will call it, with `tokenizer`; a vision-language model's
+    through its `processor`) and say what stops training: for a parent that starts the ranks, so
+    bad data ends in one message and exit 2 rather than in every rank."""
     problems: list[Problem] = []
     for stage in spec.stages:
+        extra = {"processor": processor} if processor is not None and stage.data.factory is None else {}
         try:
-            bundle = _builder(stage)(stage.data, tokenizer, seed=spec.config.seed)
+            bundle = _builder(stage)(stage.data, tokenizer, seed=spec.config.seed, **extra)
         except UserError as exc:
             problems += [p for p in problems_of(exc, "data") if p not in problems]
             continue
@@ -166,8 +169,9 @@ def reward_problems(spec: RunSpec, stage: Stage, bundle: Any, tokenizer: Any) ->
     return check_rewards(rewards, prompt, json.loads(first["fields"]), prefix=prefix, prompt_index=first["index"])
 
 
-def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[StagePlan]:
-    """Build every stage's data before the model loads (bad data fails early) and count its steps.
+def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy, processor: Any = None) -> list[StagePlan]:
+    """Build every stage's data before the model loads (bad data fails early) and count its steps
+    (a vision-language model's data through its `processor`).
 
     Raises:
         UserError: a stage with fewer sequences than one global batch.
@@ -177,7 +181,7 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy) -> list[S
     plans: list[StagePlan] = []
     for stage in spec.stages:
         batch = spec.batch_for(stage)
-        bundle = _build_data(stage, tokenizer, spec, strategy)
+        bundle = _build_data(stage, tokenizer, spec, strategy, processor)
         small = _too_small(stage, len(bundle.train), batch)
         if small:
             raise UserError(small, title="cannot start training")

@@ -1,0 +1,138 @@
+"""A vision-language model (issue 37) trains the same computation on 1, 2 or 3 ranks, under ddp,
+fsdp and DeepSpeed ZeRO-3, and resumes on another world size.
+
+Model: the `idefics3-tiny` preset (SigLIP vision tower, pixel-shuffle connector, Llama language
+model; tests/conftest.py `tiny_vlm_dir`), full fine-tuning in fp32. Data: 48 training and 16
+held-out digits of scikit-learn as PNG files and chat records (examples/vlm-digits/render_digits.py),
+rendered by the model's processor. Global batch 12 (micro-batch 2): 4 steps, an eval every 2 and a
+checkpoint at step 2.
+
+The runs, each compared with `single` (one process, the command line forked) on loss, grad norm and
+eval loss (1e-4, relative):
+
+- `ddp-2`: `scaletune train ... distributed.num_processes=2` as a user types it (re-executed under
+  torchrun);
+- `fsdp-2` and `zero3-2`: one after another in the ranks of one torchrun
+  (tests/distributed/sequential_runs.py; their subject is the engines' arithmetic);
+- `fsdp-3`: three ranks, so the 16 held-out records split unevenly (6, 5, 5);
+- `resumed-1`: one process resuming `ddp-2`'s checkpoint at step 2: steps 3-4 equal `single`'s
+  (1e-5).
+
+`ddp-2`'s final/ holds the processor beside the weights; reloaded with transformers'
+`AutoModelForImageTextToText` and `AutoProcessor`, its logits on a held-out record equal `single`'s
+final/ (1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import assert_close, digit_chats, metrics, run_cli, train_sequentially
+
+pytestmark = pytest.mark.distributed
+
+REL = 1e-4
+RESUMED = 1e-5
+
+
+def _config(model: Path, data: dict[str, Path], out: Path) -> dict:
+    return {
+        "model": {"name_or_path": str(model), "dtype": "float32"},
+        "data": {
+            "train": {"path": str(data["train"]), "format": "messages"},
+            "eval": {"path": str(data["eval"]), "format": "messages"},
+            "max_seq_length": 64,
+        },
+        "training": {
+            "micro_batch_size": 2,
+            "global_batch_size": 12,
+            "max_steps": 4,
+            "learning_rate": 1e-3,
+            "warmup_steps": 0,
+            "eval_every": 2,
+            "save_every": 2,
+        },
+        "output_dir": str(out),
+    }
+
+
+def _ok(out) -> str:
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_vlm_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vision-parity")
+    data = digit_chats(root / "digits", 48, 16)
+    cfg = root / "vision.yaml"
+    cfg.write_text(yaml.safe_dump(_config(tiny_vlm_dir, data, root / "single")))
+    out = {name: root / name for name in ("single", "ddp-2", "fsdp-2", "zero3-2", "fsdp-3", "resumed-1")}
+    _ok(run_cli(["train", str(cfg)]))
+    _ok(run_cli(["train", str(cfg), f"output_dir={out['ddp-2']}", "distributed.num_processes=2"]))
+    engines = {
+        "fsdp-2": ["distributed.strategy=fsdp"],
+        "zero3-2": ["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
+    }
+    world = "distributed.num_processes=2"
+    jobs = {name: ["train", str(cfg), f"output_dir={out[name]}", world, *keys] for name, keys in engines.items()}
+    train_sequentially(jobs, root / "torchrun-2", nproc=2)
+    three = [
+        "train",
+        str(cfg),
+        f"output_dir={out['fsdp-3']}",
+        "distributed.num_processes=3",
+        "distributed.strategy=fsdp",
+    ]
+    train_sequentially({"fsdp-3": three}, root / "torchrun-3", nproc=3)
+    step2 = out["ddp-2"] / "checkpoints" / "step-2"
+    _ok(run_cli(["train", str(cfg), f"output_dir={out['resumed-1']}", f"training.resume={step2}"]))
+    return out
+
+
+def _series(run: Path, key: str) -> list[float]:
+    return [m[key] for m in metrics(run) if m.get(key) is not None]
+
+
+@pytest.mark.parametrize("layout", ["ddp-2", "fsdp-2", "zero3-2", "fsdp-3"])
+def test_layout_reproduces_the_single_process_run(runs, layout):
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert_close(_series(runs[layout], key), _series(runs["single"], key), REL, f"{layout} {key}")
+    assert [m["step"] for m in metrics(runs[layout]) if "loss" in m] == [1, 2, 3, 4]
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
+    resumed = [m for m in metrics(runs["resumed-1"]) if m.get("loss") is not None]
+    assert [m["step"] for m in resumed] == [3, 4]
+    single = [m for m in metrics(runs["single"]) if m.get("loss") is not None][2:]
+    for key in ("loss", "grad_norm", "lr"):
+        assert_close([m[key] for m in resumed], [m[key] for m in single], RESUMED, f"resumed {key}")
+    assert_close(
+        _series(runs["resumed-1"], "eval_loss")[-1:], _series(runs["single"], "eval_loss")[-1:], RESUMED, "eval"
+    )
+
+
+def test_final_holds_the_processor_and_reloads_in_transformers(runs):
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    final = runs["ddp-2"] / "final"
+    assert (final / "processor_config.json").is_file() and (final / "chat_template.jinja").is_file()
+    record = json.loads((runs["single"].parent / "digits" / "eval.jsonl").read_text().splitlines()[0])
+    image = Image.open(runs["single"].parent / "digits" / record["messages"][0]["content"][0]["path"]).convert("RGB")
+    got = {}
+    for name in ("ddp-2", "single"):
+        processor = AutoProcessor.from_pretrained(runs[name] / "final")
+        model = AutoModelForImageTextToText.from_pretrained(runs[name] / "final", dtype=torch.float32).eval()
+        text = processor.apply_chat_template(record["messages"], tokenize=False)
+        batch = processor(text=[text], images=[[image]], return_tensors="pt")
+        with torch.no_grad():
+            got[name] = model(**batch).logits
+    scale = got["single"].abs().max()
+    assert (got["ddp-2"] - got["single"]).abs().max() <= REL * scale
+    assert not torch.equal(got["single"], torch.zeros_like(got["single"]))

@@ -1,0 +1,132 @@
+"""Vision-language models' data (issue 37): chat records with images, rendered by the model's own
+processor, only the assistant's text trained; bad images refused in one message.
+
+Model: the `idefics3-tiny` preset (tests/conftest.py `tiny_vlm_dir`). Data: scikit-learn's
+handwritten digits as PNG files and chat records, as examples/vlm-digits/render_digits.py writes
+them ("Which digit is this?" -> "7").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.helpers import digit_chats, run_cli
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> dict[str, Path]:
+    return digit_chats(tmp_path_factory.mktemp("digits"), 12, 4)
+
+
+def _config(model: Path, train: Path, out: Path, **data) -> dict:
+    return {
+        "model": {"name_or_path": str(model), "dtype": "float32"},
+        "data": {"train": {"path": str(train), "format": "messages"}, "max_seq_length": 64, **data},
+        "training": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 1},
+        "output_dir": str(out),
+    }
+
+
+def test_only_the_assistants_text_is_trained(tiny_vlm_dir, digits):
+    """Each row's trained tokens are exactly the tokenizer's own tokens of the assistant's turn as the
+    chat template writes it (the rendered conversation after the rendered prompt), and no image
+    token is ever a target; the image tensors are the processor's for the record's image."""
+    from PIL import Image
+
+    from scaletune.config import DataConfig, ModelConfig
+    from scaletune.data.build import build_datasets
+    from scaletune.models.vision import load_processor
+
+    processor = load_processor(ModelConfig(name_or_path=str(tiny_vlm_dir)))
+    tok = processor.tokenizer
+    data = DataConfig(train={"path": str(digits["train"]), "format": "messages"}, max_seq_length=64)
+    bundle = build_datasets(data, tok, seed=0, processor=processor)
+    records = [json.loads(line) for line in digits["train"].read_text().splitlines()]
+    assert len(bundle.train) == len(records) == 12
+    image_ids = {tok.convert_tokens_to_ids(t) for t in ("<image>", "<fake_token_around_image>", "<global-img>")}
+    for i, record in enumerate(records):
+        row = bundle.train[i]
+        trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        assert [label for label in row["labels"] if label != -100] == trained
+        whole = processor.apply_chat_template(record["messages"], tokenize=False)
+        prompt = processor.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
+        assert whole.startswith(prompt)
+        answer = whole[len(prompt) :]
+        assert answer == f" {record['messages'][1]['content']}<end_of_utterance>\n"
+        assert trained == tok(answer, add_special_tokens=False)["input_ids"]
+        assert image_ids <= set(row["input_ids"]) and not image_ids & set(trained)
+        # The image tensors: the processor's for this record's image file, as the model's forward takes them.
+        image = Image.open(digits["train"].parent / record["messages"][0]["content"][0]["path"]).convert("RGB")
+        want = processor.image_processor([[image]], return_tensors="pt")
+        assert (row["images"]["pixel_values"] == want["pixel_values"]).all()
+    batch = bundle.collator([bundle.train[i] for i in range(3)])
+    assert batch["pixel_values"].shape == (3, 1, 3, 32, 32) and batch["pixel_attention_mask"].shape == (3, 1, 32, 32)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+
+
+def test_bad_images_are_one_message_naming_each_and_nothing_is_written(tiny_vlm_dir, digits, tmp_path):
+    """A missing image, a URL, a path out of the data's folder, a file that is not an image, one
+    over `data.max_image_pixels` (refused from its header: a decompression bomb is never decoded) and
+    an image in the assistant's turn: `scaletune train` exits 2 with one message naming each by
+    file:line, before anything is written."""
+    from PIL import Image
+
+    folder = digits["train"].parent
+    (tmp_path / "outside.png").write_bytes((folder / "images").iterdir().__next__().read_bytes())
+    (folder / "images" / "not-an-image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
+    Image.new("L", (400, 400)).save(folder / "images" / "large.png")
+
+    def user(path: str) -> dict:
+        content = [{"type": "image", "path": path}, {"type": "text", "text": "Which digit is this?"}]
+        return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "3"}]}
+
+    good = digits["train"].read_text().splitlines()[:4]
+    bad = [
+        user("images/missing.png"),
+        user("https://example.com/7.png"),
+        user(f"../{tmp_path.name}/outside.png"),
+        user("images/not-an-image.png"),
+        user("images/large.png"),
+        {
+            "messages": [
+                {"role": "user", "content": "Draw a three."},
+                {"role": "assistant", "content": [{"type": "image", "path": "images/large.png"}]},
+            ]
+        },
+    ]
+    data = folder / "bad.jsonl"
+    data.write_text("\n".join(good + [json.dumps(r) for r in bad]) + "\n")
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(_config(tiny_vlm_dir, data, tmp_path / "run", max_image_pixels=100_000)))
+    out = run_cli(["train", str(cfg)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.strip().startswith("- ")]
+    assert len(said) == 6, out.stderr
+    for line, part, what in [
+        (5, 0, "image 'images/missing.png' not found"),
+        (6, 0, "image 'https://example.com/7.png' is a URL"),
+        (7, 0, "is outside the data file's folder"),
+        (8, 0, "image 'images/not-an-image.png': not a readable image"),
+        (9, 0, "400x400 = 160,000 pixels, more than data.max_image_pixels 100,000"),
+        (10, 1, "an image in an assistant turn"),
+    ]:
+        assert any(f"{data}:{line}: record {line}: messages[{part}].content[0]" in s and what in s for s in said), (
+            line,
+            out.stderr,
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_images_for_a_text_model_are_refused_naming_the_records(tiny_model_dir, digits, tmp_path):
+    cfg = tmp_path / "text.yaml"
+    cfg.write_text(yaml.safe_dump(_config(tiny_model_dir, digits["train"], tmp_path / "run")))
+    out = run_cli(["train", str(cfg)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "12 records hold images, and the model is a text-only model" in out.stderr, out.stderr
+    assert f"{digits['train']}:1: record 1" in out.stderr and "and 7 more" in out.stderr
+    assert not (tmp_path / "run").exists()
