@@ -4,8 +4,10 @@ fsdp and DeepSpeed ZeRO-3, and resumes on another world size.
 Model: the `idefics3-tiny` preset (SigLIP vision tower, pixel-shuffle connector, Llama language
 model; tests/conftest.py `tiny_vlm_dir`), full fine-tuning in fp32. Data: 48 training and 16
 held-out digits of scikit-learn as PNG files and chat records (examples/vlm-digits/render_digits.py),
-rendered by the model's processor. Global batch 12 (micro-batch 2): 4 steps, an eval every 2 and a
-checkpoint at step 2.
+rendered by the model's processor. Global batch 12 (micro-batch 2), in three stages named by the
+model's parameter groups (`models.vision.parameter_groups`): `projector` (2 steps, only the
+connector trains), `language` (1 step, the language model and its head), `all` (1 step); an eval
+and a checkpoint at each stage's end (steps 2, 3, 4).
 
 The runs, each compared with `single` (one process, the command line forked) on loss, grad norm and
 eval loss (1e-4, relative):
@@ -18,7 +20,8 @@ eval loss (1e-4, relative):
 - `resumed-1`: one process resuming `ddp-2`'s checkpoint at step 2: steps 3-4 equal `single`'s
   (1e-5).
 
-`ddp-2`'s final/ holds the processor beside the weights; reloaded with transformers'
+What a stage freezes stays bit-identical through it: `scaletune export` of `single`'s checkpoints
+against the initial weights. `ddp-2`'s final/ holds the processor beside the weights; reloaded with transformers'
 `AutoModelForImageTextToText` and `AutoProcessor`, its logits on a held-out record equal `single`'s
 final/ (1e-4).
 """
@@ -50,12 +53,18 @@ def _config(model: Path, data: dict[str, Path], out: Path) -> dict:
         "training": {
             "micro_batch_size": 2,
             "global_batch_size": 12,
-            "max_steps": 4,
             "learning_rate": 1e-3,
             "warmup_steps": 0,
-            "eval_every": 2,
-            "save_every": 2,
+            "eval_every": 0,  # at each stage's end
+            "save_every": 0,  # a checkpoint at each stage's end, all three kept
+            "keep_last": 3,
         },
+        # The curriculum people run on these models: the projector first, then the language model, then all.
+        "stages": [
+            {"name": "projector", "trainable": ["projector"], "training": {"max_steps": 2}},
+            {"name": "language", "trainable": ["language"], "training": {"max_steps": 1}},
+            {"name": "all", "training": {"max_steps": 1}},
+        ],
         "output_dir": str(out),
     }
 
@@ -103,6 +112,7 @@ def test_layout_reproduces_the_single_process_run(runs, layout):
     for key in ("loss", "grad_norm", "eval_loss"):
         assert_close(_series(runs[layout], key), _series(runs["single"], key), REL, f"{layout} {key}")
     assert [m["step"] for m in metrics(runs[layout]) if "loss" in m] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics(runs[layout]) if "eval_loss" in m] == [2, 3, 4]
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
@@ -136,3 +146,39 @@ def test_final_holds_the_processor_and_reloads_in_transformers(runs):
     scale = got["single"].abs().max()
     assert (got["ddp-2"] - got["single"]).abs().max() <= REL * scale
     assert not torch.equal(got["single"], torch.zeros_like(got["single"]))
+
+
+def _groups(tensors: dict) -> dict[str, dict]:
+    """The tensors of a saved idefics3 model by group (`models.vision.parameter_groups`' modules)."""
+    prefixes = {"vision": "model.vision_model.", "projector": "model.connector.", "language": "model.text_model."}
+    out: dict[str, dict] = {g: {} for g in prefixes}
+    for name, tensor in tensors.items():
+        group = next((g for g, p in prefixes.items() if name.startswith(p)), "language")  # lm_head
+        out[group][name] = tensor
+    return out
+
+
+def test_each_stage_leaves_what_it_freezes_bit_identical(runs, tiny_vlm_dir):
+    import torch
+    from safetensors.torch import load_file
+
+    saved = {"initial": load_file(tiny_vlm_dir / "model.safetensors")}
+    for step in (2, 3):
+        out = runs["single"].parent / f"export-{step}"
+        _ok(run_cli(["export", str(runs["single"] / "checkpoints" / f"step-{step}"), "-o", str(out)]))
+        saved[f"step-{step}"] = load_file(out / "model.safetensors")
+    saved["final"] = load_file(runs["single"] / "final" / "model.safetensors")
+    assert (runs["single"].parent / "export-2" / "processor_config.json").is_file()
+    before = {k: _groups(v) for k, v in saved.items()}
+    for (a, b), trained in [
+        (("initial", "step-2"), "projector"),
+        (("step-2", "step-3"), "language"),
+        (("step-3", "final"), "vision"),
+    ]:
+        for group, tensors in before[a].items():
+            assert tensors.keys() == before[b][group].keys() and tensors, (a, b, group)
+            same = all(torch.equal(t, before[b][group][name]) for name, t in tensors.items())
+            if group == trained:
+                assert not same, f"{group} did not train from {a} to {b}"
+            elif b != "final":  # the last stage trains every group
+                assert same, f"{group} changed from {a} to {b}, frozen in that stage"

@@ -126,7 +126,7 @@ def export_checkpoint(
     from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
-    from scaletune.models.loading import torch_dtype
+    from scaletune.models.loading import model_processor, torch_dtype
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve_stages
 
@@ -187,7 +187,9 @@ def export_checkpoint(
         template = trained_chat_template((st.data for st in resolve_stages(cfg)), tokenizer)
         if template is not None:  # as final/ carries it: the model is prompted as it was trained
             tokenizer.chat_template = template
-        tokenizer.save_pretrained(str(tmp))
+        processor = model_processor(model_cfg)
+        # A vision-language model's processor (image processor, tokenizer, chat template), as final/ holds it.
+        (processor or tokenizer).save_pretrained(str(tmp))
         kind = "adapter" if lora and not merge_lora else "model"
         source, run_dir = checkpoint_source(checkpoint)
         card = model_card(

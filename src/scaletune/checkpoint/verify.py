@@ -133,7 +133,11 @@ def _fresh_process(folder: str, ids_file: str, out: str, kind: str, *flags: str)
         model = peft.AutoPeftModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=trust)
         versions = f"transformers {transformers.__version__}, peft {peft.__version__}"
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype="auto", trust_remote_code=trust)
+        # A vision-language model's folder (its config has a vision_config) loads as one, as its users load it.
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust)
+        vision = getattr(config, "vision_config", None) is not None
+        auto = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(folder, dtype="auto", trust_remote_code=trust)
         versions = f"transformers {transformers.__version__}"
     logits = logits_of(model, json.loads(Path(ids_file).read_text()))
     save_file({"logits": logits.contiguous()}, out)

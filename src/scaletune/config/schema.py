@@ -331,7 +331,9 @@ class StageConfig(StrictModel):
     trainable: list[str] | None = Field(None, min_length=1)
     """Glob patterns (fnmatch, `*` crosses dots) over parameter names as the model names them
     (`model.named_parameters()`): exactly the matching parameters train in this stage. null: the
-    parameters that train by default (all; the adapters under LoRA). Each pattern must match."""
+    parameters that train by default (all; the adapters under LoRA). Each pattern must match. A vision-language
+    model's groups are names too: `vision` (its vision tower), `projector`, `language` (the language model and its
+    head; under LoRA, its adapters)."""
     frozen: list[str] | None = Field(None, min_length=1)
     """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
     set). Each pattern must match. A tied tensor is frozen under whichever of its names a pattern

@@ -57,7 +57,11 @@ def lora_target_modules(model: Any) -> list[str]:
     """
     from torch import nn
 
+    from scaletune.models.vision import is_vision_language
+
     base = unwrap(model)
+    if is_vision_language(getattr(base, "config", None)):
+        return _language_targets(base)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     linear_leaves = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, nn.Linear)}
     known = LORA_TARGETS.get(model_type or "")
@@ -84,6 +88,27 @@ def lora_target_modules(model: Any) -> list[str]:
         f"LoRA target_modules auto: architecture {model_type!r} is not in the known list; "
         f"targeting every Linear of the decoder layers: {', '.join(targets)}"
     )
+    return targets
+
+
+def _language_targets(base: Any) -> list[str]:
+    """A vision-language model's LoRA targets: the Linear layers of its language model only
+    (transformers' `get_decoder()`: the vision tower's attention shares the leaf names `q_proj`, ...),
+    by full path so peft's suffix matching reaches no other; those of :data:`LORA_TARGETS` for the
+    language model's architecture where it is known, else every one inside its decoder layers."""
+    from torch import nn
+
+    language = base.get_decoder()
+    prefix = next(n for n, m in base.named_modules() if m is language)
+    known = LORA_TARGETS.get(base.config.get_text_config().model_type)
+    layer_types = tuple(decoder_layer_classes(language))
+    targets = []
+    for block_name, block in language.named_modules():
+        if not isinstance(block, layer_types):
+            continue
+        for n, m in block.named_modules():
+            if isinstance(m, nn.Linear) and (known is None or n.rsplit(".", 1)[-1] in known):
+                targets.append(f"{prefix}.{block_name}.{n}")
     return targets
 
 

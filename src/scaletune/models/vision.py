@@ -88,3 +88,37 @@ def multimodal_base(model: Any) -> Any:
     """The base model (`base_model_prefix`: `model`) whose forward merges the image features into
     the text's embeddings and returns the language model's last hidden state."""
     return getattr(model, model.base_model_prefix)
+
+
+#: The named parameter groups of a vision-language model, for `stages[].trainable` / `frozen`.
+GROUPS = ("vision", "projector", "language")
+
+
+def parameter_groups(model: Any) -> dict[str, list[str]]:
+    """The glob patterns (over `model.named_parameters()`' names, peft's under LoRA) of each group of
+    :data:`GROUPS`, found by module identity rather than by name: `language` is transformers'
+    `get_decoder()` and the output head, `vision` the base model's child whose config is the
+    model's `vision_config`, `projector` its other children (Idefics3's `connector`, LLaVA's
+    `multi_modal_projector`). Empty for a model that is not a vision-language model. Works on the
+    meta device."""
+    from scaletune.models.introspection import unwrap
+
+    base = unwrap(model)
+    config = getattr(base, "config", None)
+    if not is_vision_language(config):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    language = base.get_decoder()
+    groups: dict[str, list[str]] = {g: [] for g in GROUPS}
+    for child in multimodal_base(base).children():
+        if child is language:
+            kind = "language"
+        elif getattr(child, "config", None) is config.vision_config:
+            kind = "vision"
+        else:
+            kind = "projector"
+        groups[kind].append(f"{names[id(child)]}.*")
+    head = base.get_output_embeddings()
+    if head is not None:
+        groups["language"].append(f"{names[id(head)]}.*")
+    return groups

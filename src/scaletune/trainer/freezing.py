@@ -3,7 +3,8 @@ parameters that train in each stage, checked against the model's parameter names
 
 Patterns are `fnmatch` globs over the names `model.named_parameters()` gives (your module's own
 names; peft's under LoRA): `*` also crosses dots, so `projector.*` is every parameter of
-`projector`. A stage without patterns trains what trains by default (everything; the adapters
+`projector`. A vision-language model's groups are named too: `vision`, `projector`, `language`
+(`models.vision.parameter_groups`). A stage without patterns trains what trains by default (everything; the adapters
 under LoRA). A tensor shared under several names (tied embeddings) is one parameter: a `trainable`
 pattern that names it under any name trains it, a `frozen` pattern that names it under any name
 freezes it (so `frozen: [model.embed_tokens.*]` freezes a tied head too; the tied name used to keep
@@ -20,6 +21,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from scaletune.errors import UserError
+from scaletune.models.vision import parameter_groups
 from scaletune.resolve import Stage
 from scaletune.strategies.optim import apply_trainable
 
@@ -36,6 +38,7 @@ def stage_trainable(
     stage: Stage,
     key: str,
     aliases: Mapping[str, frozenset[str]] | None = None,
+    groups: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[set[str], list[str]]:
     """The names that train in `stage`, and the problems of its patterns.
 
@@ -44,22 +47,32 @@ def stage_trainable(
         default: the names that train without patterns.
         key: the config key of the stage (`stages.1`), for messages.
         aliases: for a name of a shared tensor, all of its names (absent: a tensor of one name).
+        groups: named groups (`vision`, `projector`, `language` of a vision-language model:
+            `models.vision.parameter_groups`), each a list of patterns. A pattern that is a group's
+            name means the group's parameters that train by default where it has any (its LoRA
+            adapters under LoRA), else all of them.
     """
 
     def every_name(hit: set[str]) -> set[str]:
         return set().union(*(aliases.get(n, {n}) for n in hit)) if aliases else set(hit)
+
+    def matching(pattern: str) -> set[str]:
+        if not groups or pattern not in groups:
+            return _matching(names, pattern)
+        hit = set().union(*(_matching(names, p) for p in groups[pattern]))
+        return (hit & default) or hit
 
     problems: list[str] = []
     chosen = set(default)
     if stage.trainable is not None:
         chosen = set()
         for pattern in stage.trainable:
-            hit = _matching(names, pattern)
+            hit = matching(pattern)
             if not hit:
                 problems.append(f"{key}.trainable: {pattern!r} matches no parameter")
             chosen |= every_name(hit)
     for pattern in stage.frozen or ():
-        hit = _matching(names, pattern)
+        hit = matching(pattern)
         if not hit:
             problems.append(f"{key}.frozen: {pattern!r} matches no parameter")
         chosen -= every_name(hit)
@@ -90,10 +103,11 @@ def trainable_sets(model: nn.Module, stages: Sequence[Stage], *, prefix: str = "
     for n, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), set()).add(n)
     aliases = {n: frozenset(group) for group in by_tensor.values() if len(group) > 1 for n in group}
+    groups = parameter_groups(model)
     out, problems = [], []
     for stage in stages:
         key = f"stages.{stage.index}" if numbered else "stage"
-        chosen, found = stage_trainable(names, default, stage, key, aliases)
+        chosen, found = stage_trainable(names, default, stage, key, aliases, groups)
         problems += found
         out.append(frozenset(prefix + n for n in chosen))
     if problems:
