@@ -130,3 +130,78 @@ def test_images_for_a_text_model_are_refused_naming_the_records(tiny_model_dir, 
     assert "12 records hold images, and the model is a text-only model" in out.stderr, out.stderr
     assert f"{digits['train']}:1: record 1" in out.stderr and "and 7 more" in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, digits, tmp_path):
+    """LoRA on the language model only (its auto targets: the vision tower's attention shares the
+    leaf names), two steps through `scaletune train`; `scaletune export --merge-lora` reloads in
+    transformers with the logits of final/'s adapter on its base (peft), on an image and its question
+    (1e-5 of the largest). The run answers questions about images: `scaletune generate` (prompts with
+    an `image`) and `scaletune chat --image` give transformers' own greedy answers on the export."""
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run")
+    cfg["model"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    cfg["training"].update(max_steps=2, learning_rate=1e-2)
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["train", str(path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = tmp_path / "run" / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert adapter["target_modules"] and all("text_model" in t for t in adapter["target_modules"]), adapter
+    out = run_cli(["export", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), "--merge-lora"])
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    record = json.loads(digits["eval"].read_text().splitlines()[0])
+    image = Image.open(digits["eval"].parent / record["messages"][0]["content"][0]["path"]).convert("RGB")
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    text = processor.apply_chat_template(record["messages"], tokenize=False)
+    batch = processor(text=[text], images=[[image]], return_tensors="pt")
+    base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(**batch).logits
+        control = PeftModel.from_pretrained(base, final).eval()(**batch).logits
+        merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)(**batch).logits
+    scale = control.abs().max()
+    assert (merged - control).abs().max() <= 1e-5 * scale
+    assert (control - before).abs().max() > 1e-3 * scale  # the adapter trained
+
+    # Answers about images: the command line against transformers' generate on the same folder.
+    images = [r["messages"][0]["content"][0]["path"] for r in map(json.loads, digits["eval"].read_text().splitlines())]
+    prompts = digits["eval"].parent / "prompts.jsonl"  # image paths are relative to the prompts file
+    prompts.write_text("".join(json.dumps({"prompt": "Which digit is this?", "image": i}) + "\n" for i in images[:3]))
+    out = run_cli(["generate", str(tmp_path / "merged"), "--prompts", str(prompts), "--max-new-tokens", "4"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [json.loads(line)["response"] for line in out.stdout.splitlines()]
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    want = []
+    for i in images[:3]:
+        conversation = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which digit is this?"}]}
+        ]
+        text = processor.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        image = Image.open(digits["eval"].parent / i).convert("RGB")
+        batch = processor(text=[text], images=[[image]], return_tensors="pt")
+        with torch.no_grad():
+            new = model.generate(**batch, max_new_tokens=4, do_sample=False)[0, batch["input_ids"].shape[1] :]
+        want.append(processor.tokenizer.decode(new, skip_special_tokens=True).strip())
+    assert said == want, (said, want)
+    out = run_cli(
+        [
+            "chat",
+            str(tmp_path / "merged"),
+            "--image",
+            str(digits["eval"].parent / images[0]),
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "4",
+        ],
+        input="Which digit is this?\n",
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("model>", 1)[1].strip() == want[0], out.stdout

@@ -48,6 +48,10 @@ def _load(target: str, dtype: str, template: str, trust_remote_code: bool):
 def chat(
     target: TargetArg,
     system: Annotated[str | None, typer.Option(help="System message opening the conversation.")] = None,
+    image: Annotated[
+        Path | None,
+        typer.Option(help="An image the first message shows (a vision-language model; again after /reset)."),
+    ] = None,
     max_new_tokens: MaxNewOpt = 256,
     temperature: TemperatureOpt = 0.7,
     top_p: TopPOpt = 0.9,
@@ -66,6 +70,7 @@ def chat(
     from scaletune.inference.chat import HELP, chat_loop
 
     loaded = _load(target, dtype, template, trust_remote_code)
+    shown = _image(image, loaded) if image is not None else None
     interactive = sys.stdin.isatty()
     if interactive:
         typer.echo(f"{loaded.description}\n{HELP}", err=True)
@@ -79,7 +84,25 @@ def chat(
         return line
 
     sampling = Sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed)
-    chat_loop(loaded, sampling, read=read, out=sys.stdout, system=system)
+    chat_loop(loaded, sampling, read=read, out=sys.stdout, system=system, image=shown)
+
+
+def _image(path: Path, loaded) -> str:
+    """`--image`'s file, absolute, once its header reads as an image within Pillow's bound.
+
+    Raises:
+        UserError: a text model, a missing file or one that is not an image.
+    """
+    from scaletune.data.sources import MAX_IMAGE_PIXELS, read_image
+    from scaletune.errors import UserError
+
+    if loaded.processor is None:
+        raise UserError(f"--image: {loaded.description.split(',')[0]} is a text model", title="invalid arguments")
+    try:
+        read_image(str(path), MAX_IMAGE_PIXELS, decode=False)
+    except ValueError as exc:
+        raise UserError(f"--image {path}: {exc}", title="invalid arguments") from None
+    return str(path.resolve())
 
 
 @app.command()

@@ -39,7 +39,7 @@ def image_records_problem(records: list[dict]) -> str:
     )
 
 
-def _conversation(messages: list[dict]) -> list[dict]:
+def as_parts(messages: list[dict]) -> list[dict]:
     """`messages` with every content a list of parts (a plain string as one text part), as
     vision-language chat templates read them."""
     return [
@@ -128,7 +128,7 @@ class VisionRows(torch.utils.data.Dataset):
 
     def _measure(self, record: dict) -> tuple[list[tuple[int, int]], int, bool]:
         """(the trained token spans [start, end), the row's length, whether it was cut)."""
-        conv = _conversation(record["messages"])
+        conv = as_parts(record["messages"])
         turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
         closed = self._texts([conv] + [conv[: k + 1] for k in turns], prompt=False)
         opened = self._texts([conv[:k] for k in turns], prompt=True)
@@ -157,7 +157,7 @@ class VisionRows(torch.utils.data.Dataset):
         return spans, min(len(ids), self.max_len), cut
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        conv = _conversation(self.records[i]["messages"])
+        conv = as_parts(self.records[i]["messages"])
         out = self._encode(self._texts([conv], prompt=False)[0], conv)
         ids = out["input_ids"][0][: self.max_len]
         labels = torch.full_like(ids, IGNORE_INDEX)

@@ -19,6 +19,7 @@ def chat_loop(
     read: Callable[[str], str],
     out: TextIO,
     system: str | None = None,
+    image: str | None = None,
 ) -> int:
     """Converse until `/exit` or end of input; returns the number of answers given.
 
@@ -28,6 +29,8 @@ def chat_loop(
         read: returns the next user line given a prompt string (`input`); raises EOFError at the end.
         out: where answers are written as they stream.
         system: a system message opening the conversation (chat template only).
+        image: an image file the first message of the conversation shows (a vision-language model;
+            again after `/reset`).
     """
     opening = [{"role": "system", "content": system}] if system and loaded.template == "chat" else []
     conversation = list(opening)
@@ -50,7 +53,10 @@ def chat_loop(
         if text in ("/help", "/?"):
             out.write(HELP + "\n")
             continue
-        conversation.append({"role": "user", "content": text})
+        content: str | list[dict] = text
+        if image and not any(m["role"] == "user" for m in conversation):
+            content = [{"type": "image", "path": image}, {"type": "text", "text": text}]
+        conversation.append({"role": "user", "content": content})
         out.write("model> ")
         out.flush()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletune.data import alpaca_prompt, render_chat
+from scaletune.data.sources import MAX_IMAGE_PIXELS, content_parts
 from scaletune.errors import UserError
 from scaletune.inference.loading import LoadedModel
 
@@ -69,6 +70,50 @@ def stop_ids(loaded: LoadedModel) -> list[int]:
     return ids
 
 
+def batch_inputs(loaded: LoadedModel, prompts: list[Prompt]) -> dict[str, Any]:
+    """The model's inputs for `prompts`, left-padded so every answer starts at the same column:
+    `input_ids` and `attention_mask` [B, T] (:func:`encode`'s tokens), and for a vision-language
+    model its processor's image tensors of the prompts' image parts (`{"type": "image", "path"}`).
+
+    Raises:
+        UserError: an image that cannot be read.
+    """
+    import torch
+
+    if loaded.processor is None:
+        ids = [encode(loaded, p) for p in prompts]
+        width = max(len(x) for x in ids)
+        pad = (
+            loaded.tokenizer.pad_token_id
+            if loaded.tokenizer.pad_token_id is not None
+            else loaded.tokenizer.eos_token_id
+        )
+        return {
+            "input_ids": torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=loaded.device),
+            "attention_mask": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=loaded.device),
+        }
+    from scaletune.data.sources import read_image
+    from scaletune.data.vision import as_parts
+
+    conversations = [as_parts([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
+    texts = [render_chat(loaded.tokenizer, loaded.chat_template, [c], True)[0] for c in conversations]
+    images = []
+    for c in conversations:
+        paths = [part["path"] for m in c for part in m["content"] if part["type"] == "image"]
+        try:
+            images.append([read_image(path, MAX_IMAGE_PIXELS) for path in paths])
+        except ValueError as exc:
+            raise UserError(f"image of a prompt: {exc}", title="invalid prompts") from None
+    side = loaded.tokenizer.padding_side
+    loaded.tokenizer.padding_side = "left"
+    try:
+        kwargs = {"images": images} if any(images) else {}
+        batch = loaded.processor(text=texts, padding=True, return_tensors="pt", **kwargs)
+    finally:
+        loaded.tokenizer.padding_side = side
+    return {k: v.to(loaded.device) for k, v in batch.items()}
+
+
 def _generate_kwargs(loaded: LoadedModel, sampling: Sampling) -> dict[str, Any]:
     tok = loaded.tokenizer
     kw: dict[str, Any] = {
@@ -109,15 +154,12 @@ def generate(
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
         kw["stopping_criteria"] = StoppingCriteriaList([_Count()])
-    pad = kw["pad_token_id"]
     for start in range(0, len(prompts), batch_size):
-        ids = [encode(loaded, p) for p in prompts[start : start + batch_size]]
-        width = max(len(x) for x in ids)
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=loaded.device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=loaded.device)
+        inputs = batch_inputs(loaded, prompts[start : start + batch_size])
+        width = inputs["input_ids"].shape[1]
         torch.manual_seed(sampling.seed + start)
         with torch.no_grad():
-            out = loaded.model.generate(input_ids=input_ids, attention_mask=mask, **kw)
+            out = loaded.model.generate(**inputs, **kw)
         answers += [loaded.tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
     return answers
 
@@ -154,26 +196,26 @@ def stream(
             write(text)
 
     streamer = _Streamer(loaded.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    tokens = encode(loaded, conversation)
-    if max_prompt_tokens is not None and len(tokens) > max_prompt_tokens:
+    inputs = batch_inputs(loaded, [conversation])
+    width = inputs["input_ids"].shape[1]
+    if max_prompt_tokens is not None and width > max_prompt_tokens:
         raise UserError(
-            f"messages: the conversation is {len(tokens):,} tokens; this service answers up to "
+            f"messages: the conversation is {width:,} tokens; this service answers up to "
             f"{max_prompt_tokens:,} (leave out earlier turns)",
             title="conversation too long",
         )
     ready()
-    ids = torch.tensor([tokens], device=loaded.device)
     torch.manual_seed(sampling.seed)
     with torch.no_grad():
-        out = loaded.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), streamer=streamer, **_generate_kwargs(loaded, sampling)
-        )
-    return loaded.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        out = loaded.model.generate(**inputs, streamer=streamer, **_generate_kwargs(loaded, sampling))
+    return loaded.tokenizer.decode(out[0, width:], skip_special_tokens=True).strip()
 
 
 def read_prompts(path: Path) -> list[Prompt]:
     """Prompts from a file: `.jsonl` (one object per line with `prompt` text or `messages` turns,
-    or a JSON string), `.json` (a list of those), anything else one prompt per non-empty line.
+    or a JSON string), `.json` (a list of those), anything else one prompt per non-empty line. For a
+    vision-language model a prompt may carry an `image` (a file relative to the prompts file) or
+    `messages` with image parts, checked as training data's are (`data.sources.content_parts`).
 
     Raises:
         UserError: a missing file, bad JSON (file:line), an entry with neither field; every problem at once.
@@ -184,15 +226,36 @@ def read_prompts(path: Path) -> list[Prompt]:
     prompts: list[Prompt] = []
     text = path.read_text(encoding="utf-8")
 
+    def parts(content: list, where: str, role: str) -> list[dict]:
+        found, errs = content_parts(content, where, path.parent, MAX_IMAGE_PIXELS, role=role)
+        problems.extend(errs)
+        return found
+
     def add(item: Any, where: str) -> None:
         if isinstance(item, str) and item.strip():
             prompts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and "image" in item:
+            image = [{"type": "image", "path": item["image"]}, {"type": "text", "text": item["prompt"]}]
+            prompts.append([{"role": "user", "content": parts(image, f"{where}: image", "user")}])
         elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
             prompts.append(item["prompt"])
         elif isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
             turns = item["messages"]
-            if all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in turns):
-                prompts.append([{"role": m["role"], "content": m["content"]} for m in turns])
+            if all(
+                isinstance(m, dict) and isinstance(m.get("content"), str | list) and isinstance(m.get("role"), str)
+                for m in turns
+            ):
+                prompts.append(
+                    [
+                        {
+                            "role": m["role"],
+                            "content": m["content"]
+                            if isinstance(m["content"], str)
+                            else parts(m["content"], f"{where}: messages[{j}].content", m["role"]),
+                        }
+                        for j, m in enumerate(turns)
+                    ]
+                )
             else:
                 problems.append(f"{where}: messages must be {{role, content}} objects")
         else:

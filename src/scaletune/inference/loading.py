@@ -122,6 +122,8 @@ class LoadedModel:
     chat_template: str
     data: DataConfig | None
     description: str
+    #: A vision-language model's processor (it renders prompts with images); None for a text model.
+    processor: Any = None
 
     @property
     def device(self) -> Any:
@@ -243,6 +245,7 @@ def load_model_config(
     from scaletune.env import DistributedEnv
     from scaletune.models import load_model, load_tokenizer, resolve_device_map
     from scaletune.models.checks import safetensors_problems
+    from scaletune.models.loading import model_processor
 
     # The weights' headers against their files first: a stranger's folder fails here, by name,
     # rather than in the middle of loading.
@@ -261,10 +264,14 @@ def load_model_config(
         with quiet_peft():
             model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     model.eval()
-    tok = load_tokenizer(cfg.model_copy(update={"tokenizer": str(tokenizer)}) if tokenizer else cfg)
+    tok_cfg = cfg.model_copy(update={"tokenizer": str(tokenizer)}) if tokenizer else cfg
+    processor = model_processor(tok_cfg)
+    tok = processor.tokenizer if processor is not None else load_tokenizer(tok_cfg)
+    if processor is not None and getattr(processor, "chat_template", None) and not tok.chat_template:
+        tok.chat_template = processor.chat_template  # a vision-language folder's template is the processor's
     chosen: Template = trained_template(data, tok) if template == "auto" else template  # type: ignore[assignment]
     label = f"{name or cfg.name_or_path}, {cfg.dtype} on {placement.device}, prompts: {chosen}"
-    return LoadedModel(model, tok, chosen, resolve_chat_template(data, tok), data, label)
+    return LoadedModel(model, tok, chosen, resolve_chat_template(data, tok), data, label, processor)
 
 
 def _adapter_base(folder: Path) -> str:
