@@ -21,7 +21,8 @@ eval loss (1e-4, relative):
   (1e-5).
 
 What a stage freezes stays bit-identical through it: `scaletune export` of `single`'s checkpoints
-against the initial weights. `ddp-2`'s final/ holds the processor beside the weights; reloaded with transformers'
+against the initial weights. `scaletune eval RUN --data` of the held-out records gives `single`'s last eval loss. `ddp-2`'s final/
+holds the processor beside the weights; reloaded with transformers'
 `AutoModelForImageTextToText` and `AutoProcessor`, its logits on a held-out record equal `single`'s
 final/ (1e-4).
 """
@@ -124,6 +125,20 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(runs):
     assert_close(
         _series(runs["resumed-1"], "eval_loss")[-1:], _series(runs["single"], "eval_loss")[-1:], RESUMED, "eval"
     )
+
+
+def test_eval_of_the_run_masks_and_renders_as_training_did(runs):
+    """`scaletune eval RUN --data` (the processor's rendering, the assistant's tokens scored) gives
+    the run's own last eval loss on the same records."""
+    data = runs["single"].parent / "digits" / "eval.jsonl"
+    said = json.loads(_ok_out(run_cli(["eval", str(runs["single"]), "--data", str(data), "--json"])))
+    assert said["examples"] == 16
+    assert_close([said["loss"]], _series(runs["single"], "eval_loss")[-1:], 1e-6, "scaletune eval")
+
+
+def _ok_out(out) -> str:
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
 
 
 def test_final_holds_the_processor_and_reloads_in_transformers(runs):

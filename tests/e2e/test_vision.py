@@ -205,3 +205,14 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("model>", 1)[1].strip() == want[0], out.stdout
+
+
+def test_what_a_vision_language_run_cannot_do_yet_is_refused_by_name(tiny_vlm_dir, digits, tmp_path):
+    """Packed rows and an objective other than sft: one exit-2 message naming each key, nothing written."""
+    cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run", packing=True)
+    path = tmp_path / "packed.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["train", str(path)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "data.packing: a vision-language model's records are not packed" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()

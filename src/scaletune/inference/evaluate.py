@@ -52,9 +52,13 @@ def evaluate(loaded: LoadedModel, data_cfg: DataConfig, *, batch_size: int = 8) 
     from scaletune.models.loss import CausalLMLoss, target_index
 
     tok = loaded.tokenizer
-    bundle = build_datasets(data_cfg, tok, seed=0, max_positions=max_positions(loaded.model))
+    # A vision-language model's records are rendered by its processor and collated with their images,
+    # as training renders them (data.vision).
+    bundle = build_datasets(
+        data_cfg, tok, seed=0, max_positions=max_positions(loaded.model), processor=loaded.processor
+    )
     rows = bundle.train
-    collate = Collator(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    collate = bundle.collator or Collator(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     loss_fn = CausalLMLoss(loaded.model)
     total, targets = 0.0, 0
     with torch.no_grad():

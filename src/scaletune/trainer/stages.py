@@ -86,12 +86,50 @@ def _too_small(stage: Stage, rows: int, batch: BatchArithmetic) -> str | None:
     )
 
 
+def vision_problems(spec: RunSpec) -> list[Problem]:
+    """What a vision-language model's run cannot do yet (issue 37's first slice), each named: packed
+    rows (a pack would need every record's image tensors), a model-parallel mesh (tensor, context or
+    pipeline degrees: the plans are the language model's), an objective other than sft."""
+    check = "vision-language model"
+    problems = []
+    if spec.mesh is not None and spec.mesh.model_parallel:
+        problems.append(
+            Problem(
+                check,
+                "distributed",
+                "it trains on data-parallel engines only (ddp, fsdp, deepspeed): set "
+                "the tensor, context and pipeline degrees to 1",
+            )
+        )
+    for stage in spec.stages:
+        at = f"stages.{stage.index}." if spec.config.stages else ""
+        if stage.data.packing:
+            problems.append(
+                Problem(
+                    check,
+                    f"{at}data.packing",
+                    f"{at}data.packing: a vision-language model's records are not packed (not built): set it false",
+                )
+            )
+        if stage.training.objective != "sft":
+            problems.append(
+                Problem(
+                    check,
+                    f"{at}training.objective",
+                    f"{at}training.objective {stage.training.objective!r}: a vision-language model trains with sft only here",
+                )
+            )
+    return problems
+
+
 def data_problems(spec: RunSpec, tokenizer: Any, processor: Any = None) -> list[Problem]:
     """Build every stage's data in this process (filling the cache the ranks then read; a
     `data.factory` is called as the ranks will call it, with `tokenizer`; a vision-language model's
     through its `processor`) and say what stops training: for a parent that starts the ranks, so
     bad data ends in one message and exit 2 rather than in every rank."""
-    problems: list[Problem] = []
+    problems: list[Problem] = vision_problems(spec) if processor is not None else []
+    if problems:
+        return problems
     for stage in spec.stages:
         extra = {"processor": processor} if processor is not None and stage.data.factory is None else {}
         try:
@@ -178,6 +216,9 @@ def plan_stages(spec: RunSpec, tokenizer: Any, strategy: LoopStrategy, processor
     """
     from scaletune.data.build import describe_stats
 
+    bad = vision_problems(spec) if processor is not None else []
+    if bad:
+        raise UserError(bad, title="cannot start training")
     plans: list[StagePlan] = []
     for stage in spec.stages:
         batch = spec.batch_for(stage)
