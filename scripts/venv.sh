@@ -6,9 +6,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 
-# install ARGS: `pip install ARGS`, through uv's pip interface where uv installs (it downloads and
-# unpacks in parallel: a fresh venv's packages took 118 s with pip, 19 s with uv, on this project's
-# 2-core CI machine), else pip. uv does not read pip's configuration, so the find-links and constraint
+# install ARGS: `pip install ARGS`, through uv's pip interface where uv installs (it downloads,
+# unpacks and compiles in parallel), else pip. uv does not read pip's configuration, so the find-links and constraint
 # files pip is configured with (a machine's local CPU torch wheel, its version caps) are passed on;
 # SCALETUNE_PIP=1 uses pip alone.
 install() {
@@ -16,7 +15,10 @@ install() {
     local links constraint
     links="${UV_FIND_LINKS:-${PIP_FIND_LINKS:-$(python -m pip config get global.find-links 2>/dev/null || true)}}"
     constraint="${UV_CONSTRAINT:-${PIP_CONSTRAINT:-$(python -m pip config get global.constraint 2>/dev/null || true)}}"
-    if UV_FIND_LINKS="$links" UV_CONSTRAINT="$constraint" python -m uv pip install -q "$@"; then
+    # --compile-bytecode: pip writes every module's .pyc at install; uv does not by default, and the
+    # suite's processes (which do not write bytecode) then compiled torch's and transformers' sources
+    # at every start: a CI run's processes took ~2.5 times their CPU.
+    if UV_FIND_LINKS="$links" UV_CONSTRAINT="$constraint" python -m uv pip install -q --compile-bytecode "$@"; then
       return 0
     fi
     echo "[venv.sh] uv pip install $* failed; installing with pip" >&2

@@ -123,6 +123,7 @@ def test_bad_images_are_one_message_naming_each_and_nothing_is_written(tiny_vlm_
 
 
 def test_images_for_a_text_model_are_refused_naming_the_records(tiny_model_dir, digits, tmp_path):
+    """Training data with images, and a prompt with one, for a text model: exit 2, by name."""
     cfg = tmp_path / "text.yaml"
     cfg.write_text(yaml.safe_dump(_config(tiny_model_dir, digits["train"], tmp_path / "run")))
     out = run_cli(["train", str(cfg)])
@@ -130,6 +131,12 @@ def test_images_for_a_text_model_are_refused_naming_the_records(tiny_model_dir, 
     assert "12 records hold images, and the model is a text-only model" in out.stderr, out.stderr
     assert f"{digits['train']}:1: record 1" in out.stderr and "and 7 more" in out.stderr
     assert not (tmp_path / "run").exists()
+    # A prompt with an image, for the same text model: refused, not rendered as text.
+    prompts = digits["train"].parent / "one-prompt.jsonl"
+    image = json.loads(digits["train"].read_text().splitlines()[0])["messages"][0]["content"][0]["path"]
+    prompts.write_text(json.dumps({"prompt": "Which digit is this?", "image": image}))
+    out = run_cli(["generate", str(tiny_model_dir), "--prompts", str(prompts), "--max-new-tokens", "2"])
+    assert out.returncode == 2 and "prompts with image parts need a vision-language model" in out.stderr, out.stderr
 
 
 def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, digits, tmp_path):

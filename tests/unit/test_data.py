@@ -486,6 +486,19 @@ def test_malformed_jsonl_reports_every_problem_with_file_and_line(tmp_path):
     assert problems[3].startswith(f"{path}:6: not valid JSON")
 
 
+def test_content_of_text_parts_alone_is_their_text(tmp_path):
+    """`content` as a list of text parts (the vision-language layout) without an image reads as the
+    string it holds, as a text model's chat template reads content."""
+    path = tmp_path / "parts.jsonl"
+    turns = [
+        {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+    records = D.load_records(DataSource(path=str(path), format="messages"))
+    assert records == [{"messages": [{"role": "user", "content": "Name a colour."}, turns[1]]}]
+
+
 def test_missing_fields_in_json_name_record_and_field(tmp_path):
     recs = [{"instruction": "a", "output": "b"}, {"output": "x"}, {"messages": []}]
     path = write_json(tmp_path / "a.json", recs)

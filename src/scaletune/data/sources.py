@@ -158,9 +158,16 @@ def _normalize(
         clean.append({"role": m["role"], "content": m["content"]})
     if problems:
         return None, problems
+    if not with_images:  # text parts alone are the text they hold, as a text model's template reads it
+        clean = [{**m, "content": _text_of(m["content"])} for m in clean]
+        return {"messages": clean}, []
     # A record with images keeps where it came from: its images are read and checked later, by the
     # model's processor (data.vision), whose problems name the record too.
-    return ({"messages": clean, "where": where} if with_images else {"messages": clean}), []
+    return {"messages": clean, "where": where}, []
+
+
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
 
 
 def content_parts(

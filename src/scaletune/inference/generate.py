@@ -81,6 +81,12 @@ def batch_inputs(loaded: LoadedModel, prompts: list[Prompt]) -> dict[str, Any]:
     import torch
 
     if loaded.processor is None:
+        if any(not isinstance(p, str) and any(isinstance(m["content"], list) for m in p) for p in prompts):
+            raise UserError(
+                f"prompts with image parts need a vision-language model; {loaded.description.split(',')[0]} is a "
+                "text model",
+                title="invalid prompts",
+            )
         ids = [encode(loaded, p) for p in prompts]
         width = max(len(x) for x in ids)
         pad = (
