@@ -97,8 +97,8 @@ def vision_problems(spec: RunSpec) -> list[Problem]:
             Problem(
                 check,
                 "distributed",
-                "it trains on data-parallel engines only (ddp, fsdp, deepspeed): set "
-                "the tensor, context and pipeline degrees to 1",
+                "distributed: a vision-language model trains on data-parallel engines only (ddp, fsdp, "
+                "deepspeed): set the tensor, context and pipeline degrees to 1",
             )
         )
     for stage in spec.stages:
