@@ -48,6 +48,11 @@ def as_parts(messages: list[dict]) -> list[dict]:
     ]
 
 
+def image_paths(conversation: list[dict]) -> list[str]:
+    """The paths of a conversation's image parts (:func:`as_parts`' layout), in order."""
+    return [p["path"] for m in conversation for p in m["content"] if p["type"] == "image"]
+
+
 class VisionRows(torch.utils.data.Dataset):
     """The rows of a vision-language model's data: item i is record i rendered by the processor,
     ``{"input_ids": [T], "labels": [T], "images": {key: tensor}}`` (the processor's image tensors,
@@ -59,7 +64,7 @@ class VisionRows(torch.utils.data.Dataset):
         max_len: `data.max_seq_length`; a longer record is cut there when no image token lies
             beyond the cut, else refused.
         max_pixels: `data.max_image_pixels`.
-        image_token_ids: the ids never trained (`models.vision.image_token_ids`).
+        image_token_ids: the ids never trained (the processor's image tokens: `data.build`).
         label: how the data are named in problems (`data.train`).
         template: the chat template (`data.chat_template`, else the processor's).
 
@@ -120,23 +125,26 @@ class VisionRows(torch.utils.data.Dataset):
         template is a program that came with the model folder."""
         return render_chat(self.processor.tokenizer, self.template, conversations, prompt)
 
-    def _encode(self, text: str, conversation: list[dict]) -> dict[str, torch.Tensor]:
-        """The processor's tensors of `text` with the images of `conversation` (batch dimension 1)."""
-        paths = [p["path"] for m in conversation for p in m["content"] if p["type"] == "image"]
-        images = [read_image(p, self.max_pixels) for p in paths]
+    def _encode(self, text: str, images: list) -> dict[str, torch.Tensor]:
+        """The processor's tensors of `text` with its `images` (decoded; batch dimension 1)."""
         return self.processor(text=[text], return_tensors="pt", **({"images": [images]} if images else {}))
 
     def _measure(self, record: dict) -> tuple[list[tuple[int, int]], int, bool]:
         """(the trained token spans [start, end), the row's length, whether it was cut)."""
         conv = as_parts(record["messages"])
+        images = [read_image(p, self.max_pixels) for p in image_paths(conv)]  # decoded once for every prefix
+
+        def ids_of(text: str, upto: int) -> torch.Tensor:  # the tokens of conv[:upto] rendered as `text`
+            return self._encode(text, images[: len(image_paths(conv[:upto]))])["input_ids"][0]
+
         turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
         closed = self._texts([conv] + [conv[: k + 1] for k in turns], prompt=False)
         opened = self._texts([conv[:k] for k in turns], prompt=True)
-        ids = self._encode(closed[0], conv)["input_ids"][0]
+        ids = ids_of(closed[0], len(conv))
         spans = []
         for k, before, through in zip(turns, opened, closed[1:]):
-            start_ids = self._encode(before, conv[:k])["input_ids"][0]
-            start, end = len(start_ids), len(self._encode(through, conv[: k + 1])["input_ids"][0])
+            start_ids = ids_of(before, k)
+            start, end = len(start_ids), len(ids if k + 1 == len(conv) else ids_of(through, k + 1))
             if not torch.equal(ids[:start], start_ids) or end > len(ids) or end <= start:
                 raise ValueError(
                     f"the chat template renders the conversation up to turn {k} (with its generation prompt) as "
@@ -158,7 +166,9 @@ class VisionRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         conv = as_parts(self.records[i]["messages"])
-        out = self._encode(self._texts([conv], prompt=False)[0], conv)
+        out = self._encode(
+            self._texts([conv], prompt=False)[0], [read_image(p, self.max_pixels) for p in image_paths(conv)]
+        )
         ids = out["input_ids"][0][: self.max_len]
         labels = torch.full_like(ids, IGNORE_INDEX)
         for a, b in self.spans[i]:

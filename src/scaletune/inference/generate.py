@@ -99,15 +99,14 @@ def batch_inputs(loaded: LoadedModel, prompts: list[Prompt]) -> dict[str, Any]:
             "attention_mask": torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=loaded.device),
         }
     from scaletune.data.sources import read_image
-    from scaletune.data.vision import as_parts
+    from scaletune.data.vision import as_parts, image_paths
 
     conversations = [as_parts([{"role": "user", "content": p}] if isinstance(p, str) else p) for p in prompts]
     texts = [render_chat(loaded.tokenizer, loaded.chat_template, [c], True)[0] for c in conversations]
     images = []
     for c in conversations:
-        paths = [part["path"] for m in c for part in m["content"] if part["type"] == "image"]
         try:
-            images.append([read_image(path, MAX_IMAGE_PIXELS) for path in paths])
+            images.append([read_image(path, MAX_IMAGE_PIXELS) for path in image_paths(c)])
         except ValueError as exc:
             raise UserError(f"image of a prompt: {exc}", title="invalid prompts") from None
     side = loaded.tokenizer.padding_side

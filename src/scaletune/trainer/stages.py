@@ -4,7 +4,7 @@ continues."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +31,14 @@ class StagePlan:
     schedule_origin: int  # index of the stage whose schedule this one runs on (itself unless continuing)
 
 
-def _builder(stage: Stage) -> Callable[..., Any]:
-    """`data.build_custom_data` for a stage with a `data.factory`, else `data.build_datasets`."""
+def _build_stage_data(stage: Stage, tokenizer: Any, seed: int, processor: Any = None) -> Any:
+    """The stage's data: `data.build_custom_data` for a stage with a `data.factory`, else
+    `data.build_datasets` (through a vision-language model's `processor` where there is one)."""
     from scaletune.data import build_custom_data, build_datasets
 
-    return build_custom_data if stage.data.factory is not None else build_datasets
+    if stage.data.factory is not None:
+        return build_custom_data(stage.data, tokenizer, seed=seed)
+    return build_datasets(stage.data, tokenizer, seed=seed, processor=processor)
 
 
 def build_turn(env: Any) -> tuple[int, int]:
@@ -58,13 +61,11 @@ def build_turn(env: Any) -> tuple[int, int]:
 def _build_data(stage: Stage, tokenizer: Any, spec: RunSpec, strategy: LoopStrategy, processor: Any = None) -> Any:
     """Build the stage's data in the turns of :func:`build_turn`, every rank waiting between turns
     (with a vision-language model's `processor`: `data.build_datasets`' vision rows)."""
-    build = _builder(stage)
-    extra = {"processor": processor} if processor is not None and stage.data.factory is None else {}
     bundle = None
     mine, turns = build_turn(spec.env)
     for turn in range(turns):
         if turn == mine:
-            bundle = build(stage.data, tokenizer, seed=spec.config.seed, **extra)
+            bundle = _build_stage_data(stage, tokenizer, spec.config.seed, processor)
         if turn < turns - 1:
             strategy.barrier()
     return bundle
@@ -131,9 +132,8 @@ def data_problems(spec: RunSpec, tokenizer: Any, processor: Any = None) -> list[
     if problems:
         return problems
     for stage in spec.stages:
-        extra = {"processor": processor} if processor is not None and stage.data.factory is None else {}
         try:
-            bundle = _builder(stage)(stage.data, tokenizer, seed=spec.config.seed, **extra)
+            bundle = _build_stage_data(stage, tokenizer, spec.config.seed, processor)
         except UserError as exc:
             problems += [p for p in problems_of(exc, "data") if p not in problems]
             continue
