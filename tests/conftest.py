@@ -166,8 +166,17 @@ def _process_cpu() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + FORKED_CPU[0] + delegated
 
 
+# The tiers whose tests run the service in the test worker (tests/serve/serve_helpers.py Server and
+# their own JobService): its jobs, config checks and tasks are the worker's own children.
+SERVICE_TIERS = ("serve", "security", "system")
+
+
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
+    if item.nodeid.split("/")[1:2] and item.nodeid.split("/")[1] in SERVICE_TIERS:
+        from tests import helpers
+
+        helpers.worker_children_through_zygote()
     item.stash[_CPU_MARK] = _process_cpu()
     yield
 

@@ -55,8 +55,9 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 
 # What a child's environment may change from the zygote's: variables read when a command runs, not
 # when torch, transformers, huggingface_hub or DeepSpeed are imported (those read HF_HOME,
@@ -85,6 +86,11 @@ CALL_TIME_VARIABLES = (
     "KMP_DUPLICATE_LIB_OK",
     "KMP_INIT_AT_FORK",
     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+    # A shell sets these to the folder it runs in (the service's jobs start through `sh -c`:
+    # scaletune/serve/jobs/dispatch/local.py). Python takes its working directory from the kernel
+    # (:func:`_delegated_child` changes to the process's), and none of PRELOAD's imports reads them.
+    "PWD",
+    "OLDPWD",
 )
 
 # What torchrun gives each worker beyond its own environment (torch 2.13:
@@ -111,8 +117,20 @@ WORKER_VARIABLES = frozenset(
 
 # The programs a process may hand to the zygote (:func:`delegate`): `python -m NAME` of these, or a
 # script of this folder.
-DELEGATED_MODULES = ("scaletune", "torch.distributed.run")
+DELEGATED_MODULES = ("scaletune", "torch.distributed.run", "scaletune.serve.jobs.validate")
 DELEGATED_SCRIPTS = Path(__file__).resolve().parent / "distributed"
+
+# What the service's processes (a job, its config check, its tasks) start with that the zygote's do
+# not (scaletune/serve/jobs/dispatch/base.py job_environment, dispatch/local.py):
+# - interpreter options, which Python's start-up reads (Python/initconfig.c) and
+#   :func:`_delegated_child` does as that start-up would: no working directory first on sys.path,
+#   standard streams written through;
+STARTUP_VARIABLES = ("PYTHONSAFEPATH", "PYTHONUNBUFFERED")
+# - the job's own Hugging Face home, which huggingface_hub, transformers, datasets and accelerate read
+#   at import into paths below it (huggingface_hub/constants.py, transformers/utils/hub.py,
+#   datasets/config.py, accelerate/commands/config): :func:`rehome` re-points those in the fork, and
+#   tests/distributed/test_delegated_processes.py checks the fork's bindings equal a fresh process's.
+HOME_VARIABLE = "HF_HOME"
 
 # The CPU seconds of the forks this process's zygote ran and waited for (theirs and their waited-for
 # children's): what RUSAGE_CHILDREN would count had they been this process's children (tests/conftest.py
@@ -289,7 +307,11 @@ def _refusal(request: dict) -> str:
 
     if request["executable"] != sys.executable:
         return f"another interpreter ({request['executable']})"
-    read_at_import = read_at_import_differences(request["env"], os.environ, launched=True)
+    read_at_import = [
+        k
+        for k in read_at_import_differences(request["env"], os.environ, launched=True)
+        if k not in (*STARTUP_VARIABLES, HOME_VARIABLE)
+    ]
     if read_at_import:
         return "its environment differs in variables read at import: " + ", ".join(read_at_import)
     if request["affinity"] != sorted(os.sched_getaffinity(0)):
@@ -339,22 +361,27 @@ def _delegated_child(request: dict, fds: list[int]) -> None:
             os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        rehome()
         os.chdir(request["cwd"])
         os.umask(request["umask"])
-        _standard_streams(unbuffered=request["unbuffered"])
+        _standard_streams(unbuffered=request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED")))
         sys.orig_argv = request["orig_argv"]
         _mark_started("delegated")
         import runpy
 
         program = request["program"]
         try:
+            if os.environ.get("PYTHONSAFEPATH"):
+                del sys.path[0]  # -P: neither the working directory nor the script's folder
             if program[0] == "-m":
                 sys.argv = ["-m", *program[2:]]
-                sys.path[0] = request["cwd"]
+                if not os.environ.get("PYTHONSAFEPATH"):
+                    sys.path[0] = request["cwd"]
                 runpy._run_module_as_main(program[1], alter_argv=True)
             else:
                 sys.argv = list(program)
-                sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
+                if not os.environ.get("PYTHONSAFEPATH"):
+                    sys.path[0] = os.path.dirname(os.path.realpath(program[0]))
                 runpy.run_path(program[0], run_name="__main__")
             code = 0
         except SystemExit as exc:
@@ -383,6 +410,77 @@ def _delegated_child(request: dict, fds: list[int]) -> None:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 1)
+
+
+def hf_home(env: Mapping[str, str]) -> str:
+    """The Hugging Face home a process with `env` reads at import (huggingface_hub/constants.py)."""
+    return os.path.expanduser(
+        env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    )
+
+
+def rehome() -> None:
+    """Where os.environ names another Hugging Face home than the one this process's modules read at
+    import: every binding below the old one (a module's, a class's or a function default's string
+    or path) re-pointed below the new one, as a fresh process's imports would have made it."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is None:
+        return
+    old, new = constants.HF_HOME, hf_home(os.environ)
+    if old == new:
+        return
+
+    def moved(value: object) -> object:
+        if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+            return new + value[len(old) :]
+        if isinstance(value, PurePath) and (str(value) == old or str(value).startswith(old + os.sep)):
+            return type(value)(new + str(value)[len(old) :])
+        return value
+
+    import warnings
+
+    with warnings.catch_warnings():  # a deprecated binding warns when looked at (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for namespace in hf_bindings_owners():
+            for key, value in list(vars(namespace).items()):
+                if isinstance(value, types.FunctionType) and value.__defaults__:
+                    value.__defaults__ = tuple(moved(d) for d in value.__defaults__)
+                if (changed := moved(value)) is not value:
+                    setattr(namespace, key, changed)
+
+
+def hf_bindings_owners() -> list[object]:
+    """The namespaces whose bindings :func:`rehome` re-points: every imported module and the classes defined in it."""
+    owners = []
+    for module in list(sys.modules.values()):
+        if module is None or not hasattr(module, "__dict__"):
+            continue
+        owners.append(module)
+        owners.extend(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__)
+    return owners
+
+
+def hf_bindings(*homes: str) -> dict[str, str]:
+    """Every binding :func:`rehome` would re-point whose value names one of `homes`, as
+    "module.name" (or "module.function()" for a default) -> its value's text."""
+    import warnings
+
+    found = {}
+    with warnings.catch_warnings():  # a deprecated binding warns when looked at (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore")
+        for namespace in hf_bindings_owners():
+            where = getattr(namespace, "__module__", None) if isinstance(namespace, type) else None
+            prefix = f"{where}.{namespace.__qualname__}" if where else namespace.__name__
+            for key, value in list(vars(namespace).items()):
+                values = {key: value}
+                if isinstance(value, types.FunctionType) and value.__defaults__:
+                    values[key + "()"] = value.__defaults__
+                for name, v in values.items():
+                    paths = v if isinstance(v, tuple) else (v,)
+                    text = " ".join(str(p) for p in paths if isinstance(p, (str, PurePath)))
+                    if any(h in text for h in homes):
+                        found[f"{prefix}.{name}"] = text
+    return found
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -143,14 +143,18 @@ def subprocess_env(base: Mapping[str, str] | None = None, /, **extra: str | None
     None removes the variable)."""
     import torch
 
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCHER_VARS}
+    # The zygote is named by the callers that want their child delegated (run_cli's forks, run_torchrun),
+    # not inherited from a worker whose own children are delegated (:func:`worker_children_through_zygote`).
+    skip = {*LAUNCHER_VARS, "SCALETUNE_TEST_ZYGOTE"}
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in skip}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if not torch.cuda.is_available():
         env["DS_ACCELERATOR"] = "cpu"
     # tests/instrument/sitecustomize.py: each child logs its CPU at exit while SCALETUNE_PROCESS_LOG is
     # set, and hands itself to a zygote where SCALETUNE_TEST_ZYGOTE names one (tests/forked_cli.py delegate)
-    paths = [str(REPO_ROOT / "tests" / "instrument"), str(REPO_ROOT / "src"), str(REPO_ROOT), env.get("PYTHONPATH")]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
+    paths = [str(REPO_ROOT / "tests" / "instrument"), str(REPO_ROOT / "src"), str(REPO_ROOT)]
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in paths]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     for name, value in extra.items():
         if value is None:
             env.pop(name, None)
@@ -184,12 +188,34 @@ def run_torchrun(
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
 
 
-def run_python(script: Path, *args: str | Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_python(
+    script: Path, *args: str | Path, timeout: int = 300, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python SCRIPT args` as one process, as :func:`run_torchrun` starts each rank (its environment,
-    one OpenMP thread, a fork of the zygote where it can be), for a driver's single-process control.
-    Returns the finished process, its output captured as text; raises subprocess.TimeoutExpired."""
+    one OpenMP thread, a fork of the zygote where it can be; `env` set over it), for a driver's
+    single-process control. Returns the finished process, its output captured as text; raises
+    subprocess.TimeoutExpired."""
     argv = [sys.executable, str(script), *map(str, args)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=_rank_env(), cwd=REPO_ROOT)
+    child_env = {**_rank_env(), **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env, cwd=cwd or REPO_ROOT)
+
+
+def worker_children_through_zygote() -> None:
+    """The processes this test worker starts itself, not through :func:`run_cli` or
+    :func:`run_torchrun`: an in-process service's jobs, their config checks and tasks
+    (scaletune/serve/jobs: `python -m scaletune ...` in the service's environment). They start as
+    those helpers' children do (:func:`subprocess_env`: logged, tests/instrument first on
+    PYTHONPATH) and hand themselves to this worker's zygote (tests/forked_cli.py delegate; a job's
+    own HF_HOME is re-pointed there, its refusals are a fresh start), where each imported torch and
+    transformers anew (~6 CPU-s: 44 jobs in the serve tier at 3a4883a). Idempotent; nothing where
+    SCALETUNE_TEST_FORK=0."""
+    if os.environ.get("SCALETUNE_TEST_FORK") == "0" or os.environ.get("SCALETUNE_TEST_ZYGOTE"):
+        return
+    env = subprocess_env()
+    for name in ("PYTHONPATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR"):
+        if name in env:
+            os.environ[name] = env[name]
+    os.environ["SCALETUNE_TEST_ZYGOTE"] = _zygote().socket_path
 
 
 def _rank_env() -> dict[str, str]:

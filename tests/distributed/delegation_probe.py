@@ -3,6 +3,10 @@ process started, then ends as told.
 
 Usage (each rank): delegation_probe.py OUT MODE, MODE one of
   report: write OUT/rank-R.json and exit 0;
+  places HOME: import what the zygote imports (tests/forked_cli.py PRELOAD), write OUT/places.json
+    (the bindings that name the Hugging Face home or HOME, sys.path, standard output's buffering) and
+    exit 0; a process started as the service starts a job (scaletune/serve/jobs/dispatch/base.py
+    job_environment: its own HF_HOME, PYTHONSAFEPATH, PYTHONUNBUFFERED), not under torchrun;
   fail:   rank 0 exits 3 at once, the other ranks wait for a signal (torchrun must end them);
   killed: rank 0 ends by SIGKILL, the other ranks wait for a signal.
 
@@ -16,6 +20,23 @@ import sys
 import time
 
 out, mode = sys.argv[1], sys.argv[2]
+if mode == "places":
+    import importlib
+
+    torch_imported = "torch" in sys.modules  # the control: a fork of the zygote has, a fresh process has not
+    from tests.forked_cli import PRELOAD, hf_bindings, hf_home
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    report = {
+        "bindings": hf_bindings(hf_home(os.environ), sys.argv[3]),
+        "path": sys.path,
+        "write_through": sys.stdout.write_through,
+        "torch_imported": torch_imported,
+    }
+    with open(os.path.join(out, "places.json"), "w") as f:
+        json.dump(report, f)
+    sys.exit(0)
 rank = int(os.environ["RANK"])
 if mode == "report":
     umask = os.umask(0)

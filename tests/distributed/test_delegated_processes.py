@@ -8,16 +8,24 @@ directory, `__main__`, umask, session, launcher variables, standard streams' buf
 dispositions: the delegated ranks' reports equal the fresh ones' but for the one thing that tells
 them apart (torch already imported). Then the ways a run ends: a rank's exit status and a rank's
 death by SIGKILL reach torchrun as they do from a fresh rank (`exitcode: 3`, `exitcode: -9`), and
-torchrun's SIGTERM to the surviving rank's process group ends it (else the run would hang)."""
+torchrun's SIGTERM to the surviving rank's process group ends it (else the run would hang).
+
+A process started as the service starts a job's (its own HF_HOME, PYTHONSAFEPATH, PYTHONUNBUFFERED:
+scaletune/serve/jobs/dispatch/base.py job_environment) is handed over too: its fork re-points what
+huggingface_hub, transformers, datasets and accelerate read below the Hugging Face home at import
+(tests/forked_cli.py rehome), and every such binding, sys.path and its output's buffering equal a
+fresh process's that imported the same modules."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
-from tests.helpers import REPO_ROOT, run_torchrun
+from tests.forked_cli import hf_home
+from tests.helpers import REPO_ROOT, SESSION_ENVIRON, run_python, run_torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -60,3 +68,21 @@ def test_a_delegated_ranks_end_reaches_torchrun_and_its_sigterm_reaches_the_othe
         assert f"exitcode: {exitcode}" in proc.stderr, proc.stderr[-3000:]
         assert (out / "waiting-1").is_file()  # rank 1 was waiting when rank 0 ended; torchrun ended it
         assert seconds < 60, f"{'fresh' if fresh else 'delegated'}: {seconds:.0f} s"
+
+
+def test_a_process_started_as_a_job_is_rehomed_as_a_fresh_one(tmp_path):
+    zygote_home = hf_home(SESSION_ENVIRON or os.environ)
+    job = {"HF_HOME": str(tmp_path / "job" / "hf"), "PYTHONSAFEPATH": "1", "PYTHONUNBUFFERED": "1"}
+    reports = {}
+    for fresh in (True, False):
+        out = tmp_path / ("fresh" if fresh else "delegated")
+        out.mkdir()
+        env = {**job, "SCALETUNE_TEST_FORK": "0"} if fresh else job
+        proc = run_python(PROBE, out, "places", zygote_home, env=env, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports[fresh] = json.loads((out / "places.json").read_text())
+    assert reports[True].pop("torch_imported") is False
+    assert reports[False].pop("torch_imported") is True  # else the zygote refused it (SCALETUNE_PROCESS_LOG says why)
+    assert reports[True]["bindings"]["huggingface_hub.constants.HF_HUB_CACHE"] == str(tmp_path / "job" / "hf" / "hub")
+    assert str(tmp_path) not in " ".join(reports[True]["path"])  # PYTHONSAFEPATH: no working directory first
+    assert reports[False] == reports[True]

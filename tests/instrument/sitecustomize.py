@@ -17,6 +17,10 @@ it ended as, with the CPU of both."""
 
 import os
 
+# "fresh"; "forked" (a CLI call run_cli forked from a zygote); "delegated" (a fork of a zygote became this process); "refused: WHY" (it asked a
+# zygote, which said why it must start fresh): set by tests/forked_cli.py
+_started_as = "fresh"
+
 if os.environ.get("SCALETUNE_PROCESS_LOG"):
     import atexit
     import json
@@ -25,9 +29,6 @@ if os.environ.get("SCALETUNE_PROCESS_LOG"):
     import time
 
     _started = time.monotonic()
-    # "fresh"; "forked" (a CLI call run_cli forked from a zygote); "delegated" (a fork of a zygote became this process); "refused: WHY" (it asked a
-    # zygote, which said why it must start fresh): set by tests/forked_cli.py
-    _started_as = "fresh"
 
     def _log_process() -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)

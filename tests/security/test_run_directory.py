@@ -107,7 +107,8 @@ def test_a_second_run_on_the_same_directory_exits_2_naming_the_holder(tiny_model
     cfg = make_config(tiny_model_dir, tmp_path / "run", training={"max_steps": 40, "save_every": 0})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    # Fresh (SCALETUNE_TEST_FORK=0: not handed to the worker's zygote), so the lock's holder is the PID started here.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "SCALETUNE_TEST_FORK": "0"}
     first = subprocess.Popen(
         [sys.executable, "-m", "scaletune", "train", str(path)], env=env, stderr=subprocess.PIPE, text=True
     )

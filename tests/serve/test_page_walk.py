@@ -331,6 +331,8 @@ def test_from_an_uploaded_chat_file_and_the_form_to_a_pushed_compared_and_delete
         for jid in (job_id, clone_id):
             summary = api.get(f"/api/jobs/{jid}/metrics/summary").json()
             row = f'#summary tbody tr[data-job="{jid}"]'
+            # A row shows "…" until its summary has come (each row's own request).
+            wait_for(lambda row=row: dom(driver, f"{row} td[data-key=steps]") != ["…"], 30, "the row's summary")
             assert dom(driver, f"{row} td[data-key=steps]") == [str(summary["steps"])], (jid, summary)
         assert [
             dom(driver, f'#summary tbody tr[data-job="{j}"] td[data-key=steps]')[0] for j in (job_id, clone_id)
