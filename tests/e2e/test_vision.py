@@ -141,10 +141,14 @@ def test_images_for_a_text_model_are_refused_naming_the_records(tiny_model_dir, 
 
 def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, digits, tmp_path):
     """LoRA on the language model only (its auto targets: the vision tower's attention shares the
-    leaf names), two steps through `scaletune train`; `scaletune export --merge-lora` reloads in
+    leaf names), two steps through `scaletune train` that train the projector beside the adapters
+    (`trainable: [projector, language]`, the LLaVA recipe); `scaletune export --merge-lora` reloads in
     transformers with the logits of final/'s adapter on its base (peft), on an image and its question
-    (1e-5 of the largest). The run answers questions about images: `scaletune generate` (prompts with
-    an `image`) and `scaletune chat --image` give transformers' own greedy answers on the export."""
+    (1e-5 of the largest). final/ carries the trained projector as peft's `modules_to_save`: peft
+    loads it over the base's, and its eval loss is the one the run logged at its end (the control:
+    with the base's projector it is not). The run answers questions about images: `scaletune generate`
+    (prompts with an `image`) and `scaletune chat --image` give transformers' own greedy answers on
+    the export."""
     import torch
     from peft import PeftModel
     from PIL import Image
@@ -153,6 +157,8 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run")
     cfg["model"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
     cfg["training"].update(max_steps=2, learning_rate=1e-2)
+    cfg["data"]["eval"] = {"path": str(digits["eval"]), "format": "messages"}
+    cfg["stages"] = [{"name": "all", "trainable": ["projector", "language"]}]
     path = tmp_path / "lora.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = run_cli(["train", str(path)])
@@ -160,6 +166,16 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     final = tmp_path / "run" / "final"
     adapter = json.loads((final / "adapter_config.json").read_text())
     assert adapter["target_modules"] and all("text_model" in t for t in adapter["target_modules"]), adapter
+    assert adapter["modules_to_save"] == ["model.connector.modality_projection.proj"], adapter
+    logged = [
+        m["eval_loss"]
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in m
+    ]
+    out = run_cli(["eval", str(final), "--data", str(digits["eval"]), "--format", "messages", "--json"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    reloaded = json.loads(out.stdout)["loss"]
+    assert reloaded == pytest.approx(logged[-1], rel=1e-5), (reloaded, logged)
     out = run_cli(["export", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), "--merge-lora"])
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -169,6 +185,8 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     text = processor.apply_chat_template(record["messages"], tokenize=False)
     batch = processor(text=[text], images=[[image]], return_tensors="pt")
     base = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir, dtype=torch.float32)
+    projector = "model.connector.modality_projection.proj.weight"
+    base_projector = base.state_dict()[projector].clone()  # peft wraps the module in place below
     with torch.no_grad():
         before = base(**batch).logits
         control = PeftModel.from_pretrained(base, final).eval()(**batch).logits
@@ -176,6 +194,10 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     scale = control.abs().max()
     assert (merged - control).abs().max() <= 1e-5 * scale
     assert (control - before).abs().max() > 1e-3 * scale  # the adapter trained
+    trained = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).state_dict()[
+        projector
+    ]
+    assert (trained - base_projector).abs().max() > 1e-4  # it trained, and the merge kept it
 
     # Answers about images: the command line against transformers' generate on the same folder.
     images = [r["messages"][0]["content"][0]["path"] for r in map(json.loads, digits["eval"].read_text().splitlines())]

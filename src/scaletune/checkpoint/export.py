@@ -126,6 +126,7 @@ def export_checkpoint(
     from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
+    from scaletune.models.adapters import save_adapter, trained_base_weights
     from scaletune.models.loading import model_processor, torch_dtype
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve_stages
@@ -180,7 +181,10 @@ def export_checkpoint(
     tmp = out_dir.parent / f".{out_dir.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         if lora and not merge_lora:
-            model.save_pretrained(str(tmp))
+            # The base weights the checkpoint holds beside the adapters trained (a stage's `trainable`).
+            save_adapter(
+                model, tmp, trained_base=trained_base_weights(model, (k.removeprefix("causal_lm.") for k in state))
+            )
         else:
             model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         tokenizer = load_tokenizer(cfg.model.model_copy(update={"trust_remote_code": trust_remote_code}))

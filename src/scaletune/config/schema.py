@@ -333,7 +333,8 @@ class StageConfig(StrictModel):
     (`model.named_parameters()`): exactly the matching parameters train in this stage. null: the
     parameters that train by default (all; the adapters under LoRA). Each pattern must match. A vision-language
     model's groups are names too: `vision` (its vision tower), `projector`, `language` (the language model and its
-    head; under LoRA, its adapters)."""
+    head; under LoRA, its adapters). Under LoRA, base weights a stage trains beside the adapters (the `projector`)
+    are saved in the adapter folder as peft's `modules_to_save`, which peft loads over the base's."""
     frozen: list[str] | None = Field(None, min_length=1)
     """Glob patterns of parameters frozen in this stage, taken out of `trainable` (or of the default
     set). Each pattern must match. A tied tensor is frozen under whichever of its names a pattern

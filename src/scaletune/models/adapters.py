@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletune.config import LoraConfig, ModelConfig, error_messages
@@ -180,6 +181,56 @@ def apply_lora(model: Any, lora: LoraConfig | Mapping | peft.LoraConfig) -> peft
         model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     with quiet_peft():
         return peft.get_peft_model(model, peft_cfg)
+
+
+def save_adapter(
+    model: peft.PeftModel,
+    out_dir: Path,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    trained_base: Iterable[str] = (),
+) -> list[str]:
+    """`model.save_pretrained(out_dir)`: the adapter (from `weights` where given, keyed as the
+    model's parameters), and the base weights named in `trained_base` beside it, as peft saves
+    `modules_to_save` (peft 0.21 utils/save_and_load.py): each under its parameter name in
+    adapter_model.safetensors, its module in adapter_config.json's `modules_to_save`. So
+    `PeftModel.from_pretrained` wraps those modules and loads the trained weights over the base's
+    (a module's weights that did not train stay the base's: peft copies the base module when it
+    wraps it). Without them a LoRA run whose stage trained base weights beside the adapters (a
+    vision-language model's projector) would lose them from its adapter folder.
+
+    Args:
+        trained_base: names of the model's parameters (`base_model.model.<name>`) that trained and
+            are no adapter weights.
+
+    Returns:
+        The modules added to `modules_to_save` (their names in the base model).
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(str(out_dir), **({"state_dict": dict(weights)} if weights is not None else {}))
+    names = sorted(trained_base)
+    if not names:
+        return []
+    values = weights if weights is not None else model.state_dict()
+    path = out_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    tensors.update({n: values[n].detach().to("cpu").contiguous() for n in names})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    modules = sorted({n.removeprefix("base_model.model.").rsplit(".", 1)[0] for n in names})
+    config_path = out_dir / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["modules_to_save"] = sorted({*(config.get("modules_to_save") or []), *modules})
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return modules
+
+
+def trained_base_weights(model: peft.PeftModel, names: Iterable[str]) -> list[str]:
+    """Of `names` (the model's parameter names), those that are no adapter weights (peft's tuner
+    prefix, `lora_`, in no part of the name)."""
+    prefix = model.base_model.prefix
+    return [n for n in names if not any(part.startswith(prefix) for part in n.split("."))]
 
 
 @contextlib.contextmanager

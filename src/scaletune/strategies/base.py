@@ -380,19 +380,30 @@ class Strategy(MemoryProbe, ABC):
         assert self.module is not None
         return self.module.state_dict() if self.env.is_main else None
 
-    def export(self, out_dir: Path) -> None:
-        """Write a Hugging Face folder (safetensors; the adapter only for LoRA) on rank 0."""
-        self._write_export(out_dir, self.full_state_dict())
+    def export(self, out_dir: Path, trained_base: frozenset[str] = frozenset()) -> None:
+        """Write a Hugging Face folder (safetensors; for LoRA the adapter, with the base weights
+        named in `trained_base`, names as in `self.module`: `models.adapters.save_adapter`) on rank 0."""
+        self._write_export(out_dir, self.full_state_dict(), trained_base)
 
-    def _write_export(self, out_dir: Path, state: dict[str, torch.Tensor] | None) -> None:
+    def _write_export(
+        self, out_dir: Path, state: dict[str, torch.Tensor] | None, trained_base: frozenset[str] = frozenset()
+    ) -> None:
         if self.env.is_main:
             assert state is not None
             if hasattr(self.module, "save_export"):  # a factory's module: safetensors + its reference
                 self.module.save_export(out_dir, state)
             else:
+                from peft import PeftModel
+
+                from scaletune.models.adapters import save_adapter, trained_base_weights
+
                 prefix = "causal_lm."
                 state = {k.removeprefix(prefix): v.detach().to("cpu") for k, v in state.items()}
-                self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
+                if isinstance(self.unwrapped, PeftModel):
+                    names = trained_base_weights(self.unwrapped, (n.removeprefix(prefix) for n in trained_base))
+                    save_adapter(self.unwrapped, out_dir, state, names)
+                else:
+                    self.unwrapped.save_pretrained(str(out_dir), state_dict=state)  # safetensors
         self.barrier()
 
     def describe(self) -> str:

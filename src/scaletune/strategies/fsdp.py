@@ -108,10 +108,10 @@ class FSDPStrategy(FullyShardedState, Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.runner.full_state_dict(self.model)  # type: ignore[arg-type]
 
-    def export(self, out_dir: Path) -> None:
+    def export(self, out_dir: Path, trained_base: frozenset[str] = frozenset()) -> None:
         state = self.full_state_dict()
         with self.runner.whole(self.model):  # type: ignore[arg-type]
-            self._write_export(out_dir, state)
+            self._write_export(out_dir, state, trained_base)
 
     def describe(self) -> str:
         return super().describe() + self.parallelism.describe()

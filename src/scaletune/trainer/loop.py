@@ -443,7 +443,7 @@ class Trainer:
     def export(self) -> None:
         """`final/`: the model (or adapter) and tokenizer; `loss.png` from the whole metrics file."""
         final = self.spec.run_dir / "final"
-        self.strategy.export(final)
+        self.strategy.export(final, self.prepared.freezing.trained_base)
         if self.env.is_main:
             tokenizer = self.prepared.tokenizer
             if self.prepared.processor is not None:  # a vision-language model: its tokenizer with it

@@ -51,6 +51,10 @@ class StageFreezing:
 
     def __init__(self, spec: RunSpec, model: nn.Module, prefix: str) -> None:
         self.sets = trainable_sets(model, spec.stages, prefix=prefix, numbered=bool(spec.config.stages))
+        default = {prefix + n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        #: What some stage trains that trains by default in none (under LoRA: base weights beside the
+        #: adapters, such as a vision-language model's projector): final/'s adapter carries them.
+        self.trained_base: frozenset[str] = frozenset().union(*self.sets) - default
         self.current: frozenset[str] | None = None
         #: The stage the memory plan is for (the one training the most); None: any.
         self.peak = peak_stage(self.sets, model, prefix=prefix)
