@@ -146,17 +146,19 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     transformers with the logits of final/'s adapter on its base (peft), on an image and its question
     (1e-5 of the largest). final/ carries the trained projector as peft's `modules_to_save`: peft
     loads it over the base's, and its eval loss is the one the run logged at its end (the control:
-    with the base's projector it is not). The run answers questions about images: `scaletune generate`
+    with the base's projector it is not); `scaletune export` of the run's checkpoint writes the same
+    adapter file. The run answers questions about images: `scaletune generate`
     (prompts with an `image`) and `scaletune chat --image` give transformers' own greedy answers on
     the export."""
     import torch
     from peft import PeftModel
     from PIL import Image
+    from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run")
     cfg["model"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
-    cfg["training"].update(max_steps=2, learning_rate=1e-2)
+    cfg["training"].update(max_steps=2, learning_rate=1e-2, save_every=2)
     cfg["data"]["eval"] = {"path": str(digits["eval"]), "format": "messages"}
     cfg["stages"] = [{"name": "all", "trainable": ["projector", "language"]}]
     path = tmp_path / "lora.yaml"
@@ -176,6 +178,13 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     assert out.returncode == 0, out.stderr[-3000:]
     reloaded = json.loads(out.stdout)["loss"]
     assert reloaded == pytest.approx(logged[-1], rel=1e-5), (reloaded, logged)
+    # The adapter `scaletune export` writes from the run's checkpoint, in another process, is final/'s.
+    out = run_cli(["export", str(tmp_path / "run" / "checkpoints" / "step-2"), "-o", str(tmp_path / "adapter")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    exported = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert exported["modules_to_save"] == adapter["modules_to_save"], exported
+    held, wrote = (load_file(d / "adapter_model.safetensors") for d in (final, tmp_path / "adapter"))
+    assert held.keys() == wrote.keys() and all(torch.equal(held[k], wrote[k]) for k in held)
     out = run_cli(["export", str(tmp_path / "run"), "-o", str(tmp_path / "merged"), "--merge-lora"])
     assert out.returncode == 0, out.stderr[-3000:]
 

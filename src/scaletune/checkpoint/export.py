@@ -42,6 +42,13 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     return state["model"]
 
 
+def _base_weight(model: torch.nn.Module, name: str) -> bool:
+    """Whether `name` (a CausalLMLoss key) is a weight of a LoRA model's base, not of its adapters."""
+    from scaletune.models.adapters import trained_base_weights
+
+    return bool(trained_base_weights(model, [name.removeprefix("causal_lm.")]))
+
+
 def _frozen_from_module_state(path: Path, held: Iterable[str]) -> dict[str, torch.Tensor]:
     """The weights of a DeepSpeed checkpoint that `zero_to_fp32` leaves out: frozen ones, which
     ZeRO-1 saves only in its module state (DeepSpeed keeps frozen fragments only where it partitions
@@ -126,7 +133,7 @@ def export_checkpoint(
     from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
-    from scaletune.models.adapters import save_adapter, trained_base_weights
+    from scaletune.models.adapters import save_adapter
     from scaletune.models.loading import model_processor, torch_dtype
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve_stages
@@ -168,11 +175,24 @@ def export_checkpoint(
     )
     model = prepare_model(model_cfg, DevicePlacement(device_map=None, device="cpu", message=None))
     module = CausalLMLoss(model)
+    lora = cfg.model.lora is not None
+    # Under LoRA, the base weights the checkpoint holds with other values than the base's trained
+    # beside the adapters (a stage's `trainable`): the adapter folder carries them (save_adapter).
+    # One it holds unchanged (DCP keeps a frozen head tied to the embeddings) would only repeat the
+    # base's. DCP loads into the module's own tensors, so the base's values of the weights it holds
+    # are copied first (only those: a copy of the whole base would double the export's memory).
+    own = module.state_dict() if lora else {}
+    if progress.checkpoint_format == "deepspeed":  # zero_to_fp32 reads into new tensors
+        base = {k: v for k, v in own.items() if _base_weight(model, k)}
+    else:
+        saved = dcp_reader(checkpoint / "state").read_metadata().state_dict_metadata
+        base = {k: v.detach().clone() for k, v in own.items() if f"model.{k}" in saved and _base_weight(model, k)}
     state = _full_state_from_checkpoint(checkpoint, module, progress.checkpoint_format)
+    trained_base = [k.removeprefix("causal_lm.") for k in state if k in base and not torch.equal(base[k], state[k])]
+    del base
     result = module.load_state_dict(state, strict=False)
     if result.unexpected_keys:
         raise UserError(f"{checkpoint}: tensor {result.unexpected_keys[0]} is not in the model", title="cannot export")
-    lora = cfg.model.lora is not None
     if lora and merge_lora:
         model = model.merge_and_unload()
     if dtype:
@@ -181,10 +201,7 @@ def export_checkpoint(
     tmp = out_dir.parent / f".{out_dir.name}.export-{uuid.uuid4().hex[:8]}"
     try:
         if lora and not merge_lora:
-            # The base weights the checkpoint holds beside the adapters trained (a stage's `trainable`).
-            save_adapter(
-                model, tmp, trained_base=trained_base_weights(model, (k.removeprefix("causal_lm.") for k in state))
-            )
+            save_adapter(model, tmp, trained_base=trained_base)
         else:
             model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         tokenizer = load_tokenizer(cfg.model.model_copy(update={"trust_remote_code": trust_remote_code}))
