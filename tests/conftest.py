@@ -371,6 +371,16 @@ def tiny_vlm_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory) -> Path:
+    """The `llava-tiny` preset (LLaVA-1.5's architecture, its processor beside it) with the tests'
+    tokenizer, as :func:`tiny_model_dir`."""
+    from scaletune.models import init_model
+
+    out = tmp_path_factory.mktemp("models") / "llava-tiny"
+    return init_model("llava-tiny", out, seed=0, tokenizer_file=SMALL_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
 def olmo2_vocab_model_dir(tmp_path_factory) -> Path:
     """The `olmo2-tiny` preset exactly as `scaletune init-model olmo2-tiny` builds it (the bundled
     OLMo-2 tokenizer, 100,352 rows), for the tests about that default."""

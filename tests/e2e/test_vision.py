@@ -245,6 +245,61 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     assert out.stdout.split("model>", 1)[1].strip() == want[0], out.stdout
 
 
+def test_llava_trains_projector_and_adapters_and_reloads_as_transformers_measures_it(tiny_llava_dir, digits, tmp_path):
+    """LLaVA (its CLIP vision tower, MLP projector and Llama language model; an image is 16 tokens)
+    with LLaVA's recipe through `scaletune train`: the projector trained beside LoRA on the language
+    model, an eval set. The rows train the assistant's text only (the tokenizer's tokens of the answer
+    as the template writes it), each prompt holding its image's 16 tokens. The control: transformers'
+    own loss (the model's forward with labels) of final/ reloaded by peft, on the eval rows as one
+    batch, is the eval_loss the run logged at its end (1e-5); the base model's is not."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from scaletune.config import DataConfig, ModelConfig
+    from scaletune.data.build import build_datasets
+    from scaletune.models.vision import load_processor
+
+    processor = load_processor(ModelConfig(name_or_path=str(tiny_llava_dir)))
+    tok, image = processor.tokenizer, processor.tokenizer.convert_tokens_to_ids("<image>")
+    data = DataConfig(train={"path": str(digits["eval"]), "format": "messages"}, max_seq_length=64)
+    rows = build_datasets(data, tok, seed=0, processor=processor).train
+    records = [json.loads(line) for line in digits["eval"].read_text().splitlines()]
+    for i, record in enumerate(records):
+        row = rows[i]
+        trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        assert trained == tok(f" {record['messages'][1]['content']}</s>\n", add_special_tokens=False)["input_ids"]
+        assert list(row["input_ids"]).count(image) == 16 and image not in trained
+
+    cfg = _config(
+        tiny_llava_dir, digits["train"], tmp_path / "run", eval={"path": str(digits["eval"]), "format": "messages"}
+    )
+    cfg["model"]["lora"] = {"r": 4, "alpha": 8, "dropout": 0.0}
+    cfg["training"].update(max_steps=3, learning_rate=1e-2)
+    cfg["stages"] = [{"name": "all", "trainable": ["projector", "language"]}]
+    path = tmp_path / "llava.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["train", str(path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["modules_to_save"] == [
+        "model.multi_modal_projector.linear_1",
+        "model.multi_modal_projector.linear_2",
+    ]
+    logged = [
+        m["eval_loss"]
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in m
+    ]
+    batch = build_datasets(data, tok, seed=0, processor=processor).collator(list(rows))
+    base = AutoModelForImageTextToText.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        untrained = float(base(**batch).loss)
+        reloaded = float(PeftModel.from_pretrained(base, final).eval()(**batch).loss)
+    assert reloaded == pytest.approx(logged[-1], rel=1e-5), (reloaded, logged)
+    assert abs(untrained - logged[-1]) > 1e-3, (untrained, logged)
+
+
 def test_what_a_vision_language_run_cannot_do_yet_is_refused_by_name(tiny_vlm_dir, digits, tmp_path):
     """Packed rows and an objective other than sft: one exit-2 message naming each key, nothing written."""
     cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run", packing=True)

@@ -77,6 +77,18 @@ _IDEFICS3_TEMPLATE = (
 )
 # Tiny Idefics3: 32x32 images in 8x8 patches (16), pixel-shuffled by 2 into 4 image tokens.
 _IDEFICS3_TINY_IMAGE = 32
+# LLaVA-1.5's turn layout ("USER: <image>\nWhich digit?</s>\nASSISTANT: 7</s>\n"; llava-hf's
+# template ends a turn with a space, where this one ends it with the EOS token that the chat data's
+# turns end with); content may also be a plain string.
+_LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}:"
+    "{% if message['content'] is string %}{{ ' ' + message['content'] }}"
+    "{% else %}{{ ' ' }}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>\n' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '</s>\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# Tiny LLaVA: 32x32 images in 8x8 patches, 16 image tokens (the CLS position dropped: "default").
+_LLAVA_TINY_IMAGE = 32
 
 
 @dataclass(frozen=True)
@@ -211,6 +223,46 @@ PRESETS: dict[str, Preset] = {
                 end_of_turn="<end_of_utterance>",
                 processor_kwargs={"image_seq_len": 4},
                 chat_template=_IDEFICS3_TEMPLATE,
+            ),
+        ),
+        Preset(
+            "llava-tiny",
+            "LlavaConfig",
+            dict(
+                text_config=dict(_tiny(intermediate_size=128), model_type="llama", bos_token_id=None),
+                vision_config=dict(
+                    model_type="clip_vision_model",
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=_LLAVA_TINY_IMAGE,
+                    patch_size=8,
+                    projection_dim=32,
+                ),
+                vision_feature_select_strategy="default",
+                vision_feature_layer=-1,
+                image_seq_length=(_LLAVA_TINY_IMAGE // 8) ** 2,
+            ),
+            "LLaVA-1.5 architecture (CLIP vision tower, two-layer MLP projector, Llama language model), "
+            "2+2 layers, 32x32 images as 16 tokens; its processor beside it",
+            vision=VisionPreset(
+                processor_class="LlavaProcessor",
+                image_processor_class="CLIPImageProcessorPil",
+                image_processor=dict(
+                    size={"shortest_edge": _LLAVA_TINY_IMAGE},
+                    crop_size={"height": _LLAVA_TINY_IMAGE, "width": _LLAVA_TINY_IMAGE},
+                ),
+                special_tokens=("<image>", "</s>"),
+                token_ids={"image_token_id": "<image>"},
+                end_of_turn="</s>",
+                # CLIP's CLS position is one more than the patches (dropped again by "default").
+                processor_kwargs={
+                    "patch_size": 8,
+                    "vision_feature_select_strategy": "default",
+                    "num_additional_image_tokens": 1,
+                },
+                chat_template=_LLAVA_TEMPLATE,
             ),
         ),
         Preset(

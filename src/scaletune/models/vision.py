@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 #: whose base model's last hidden state feeds `lm_head` (the loss runs the base model, then the head
 #: in chunks: `models.loss`). Not yet: Qwen2-VL / Qwen2.5-VL and SmolVLM (their processors need
 #: torchvision in transformers 5.24, for their video processors), Gemma 3 (image tokens attend
-#: bidirectionally through `token_type_ids`), LLaVA.
-VISION_MODEL_TYPES = ("idefics3",)
+#: bidirectionally through `token_type_ids`).
+VISION_MODEL_TYPES = ("idefics3", "llava")
 
 #: The keys of a processor's output that go to the model's forward beside the text's.
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
