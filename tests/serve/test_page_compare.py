@@ -292,7 +292,8 @@ def test_samples_follow_the_phase(server, page, module_tmp_path):  # noqa: F811
     """A running job's samples are read again when its phase changes (the run writes the "before
     training" answers once it has loaded its model, while it stays running): a phase change is a
     `state` event, which rewrites #state, whose observer reads the samples again. The control: the
-    file alone, with no event, is not shown."""
+    file alone, with no event, is not shown. The phase's label shows while it has one, and the empty
+    evaluation says so (issue 39 item 11's polish)."""
     import time
 
     from scaletune.serve.jobs.db import Job
@@ -309,4 +310,15 @@ def test_samples_follow_the_phase(server, page, module_tmp_path):  # noqa: F811
         set_state(s, s.get(Job, job_id), "running", phase="training")
         s.commit()
     wait_for(lambda: dom(page, "#samples tr.sample") == ["2+2?\tfive\t(not yet)"], 30, "the base answers")
-    assert dom(page, "#phase") == ["training"]
+    assert dom(page, "#phase") == ["training"] and [t.strip() for t in dom(page, "#phase-part", visible=True)] == [
+        "phase training ·"
+    ]
+    # An empty evaluation says so (no bare table head); its note names the commands as code.
+    assert dom(page, "#evaluation-empty", visible=True) and not dom(page, "#evaluation", visible=True)
+    assert "`" not in dom(page, "#evaluation-note")[0] and len(dom(page, "#evaluation-note code")) == 2
+    # An ended job has no phase: no empty "phase ·" label (it showed one).
+    with server.svc.Session() as s:
+        set_state(s, s.get(Job, job_id), "succeeded")
+        s.commit()
+    wait_for(lambda: dom(page, "#state") == ["succeeded"], 30, "the job's end")
+    wait_for(lambda: not dom(page, "#phase-part", visible=True), 30, "the phase label gone")
