@@ -185,3 +185,35 @@ def test_auth(server, uninterrupted, tiny_model_dir, tmp_path):
             if p.is_file():
                 assert token.encode() not in p.read_bytes(), p
     assert os.environ.get("SCALETUNE_REPORT_TOKEN") is None
+
+
+def test_a_vision_language_job_trains_on_its_images(server, tiny_vlm_dir, tmp_path):
+    """A vision-language job through the service (issue 37): chat records with image parts
+    (scikit-learn's digits as PNG files beside them, tests/helpers.py digit_chats) for the
+    `idefics3-tiny` model, submitted as a config. It trains to the end; its final/ holds the
+    processor; and the control, `scaletune eval` of final/ on the eval records (the command line, a
+    process of its own), measures the eval loss the job logged at its end (1e-5)."""
+    from tests.helpers import digit_chats
+
+    digits = digit_chats(tmp_path / "digits", 8, 4)
+    out = tmp_path / "vlm"
+    cfg = {
+        "model": {"name_or_path": str(tiny_vlm_dir), "dtype": "float32"},
+        "data": {
+            "train": {"path": str(digits["train"]), "format": "messages"},
+            "eval": {"path": str(digits["eval"]), "format": "messages"},
+            "max_seq_length": 64,
+        },
+        "training": {"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 2, "learning_rate": 1e-2},
+        "output_dir": str(out),
+    }
+    c = client(server, server.submit)
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)})
+    assert r.status_code == 201, r.text
+    job = wait_state(c, r.json()["id"], TERMINAL)
+    assert job["state"] == "succeeded", c.get(f"/api/jobs/{job['id']}/logs").text[-3000:]
+    assert (out / "final" / "processor_config.json").is_file()
+    logged = [m["eval_loss"] for m in c.get(f"/api/jobs/{job['id']}/metrics").json() if "eval_loss" in m]
+    proc = run_cli(["eval", str(out / "final"), "--data", str(digits["eval"]), "--format", "messages", "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["loss"] == pytest.approx(logged[-1], rel=1e-5), (proc.stdout, logged)
