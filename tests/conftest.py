@@ -173,7 +173,7 @@ SERVICE_TIERS = ("serve", "security", "system")
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_setup(item):
-    if item.nodeid.split("/")[1:2] and item.nodeid.split("/")[1] in SERVICE_TIERS:
+    if _tier(item.nodeid) in SERVICE_TIERS:
         from tests import helpers
 
         helpers.worker_children_through_zygote()

@@ -421,8 +421,8 @@ def hf_home(env: Mapping[str, str]) -> str:
 
 def rehome() -> None:
     """Where os.environ names another Hugging Face home than the one this process's modules read at
-    import: every binding below the old one (a module's, a class's or a function default's string
-    or path) re-pointed below the new one, as a fresh process's imports would have made it."""
+    import: every binding below the old one (:func:`_path_bindings`: a string or path, or one in a
+    tuple) re-pointed below the new one, as a fresh process's imports would have made it."""
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is None:
         return
@@ -437,49 +437,52 @@ def rehome() -> None:
             return type(value)(new + str(value)[len(old) :])
         return value
 
+    for owner, key, value in _path_bindings():
+        if isinstance(value, tuple):
+            if type(value) is tuple and any(moved(v) is not v for v in value):
+                setattr(owner, key, tuple(moved(v) for v in value))
+        elif (m := moved(value)) is not value:
+            setattr(owner, key, m)
+
+
+def _path_bindings() -> list[tuple[object, str, object]]:
+    """(owner, name, value) of every binding that may hold a path: the attributes of every imported
+    module and of the classes defined in it whose value is a string, a path or a tuple, and every
+    function's defaults (name `__defaults__`). Read with warnings silenced: a deprecated binding warns
+    when looked at (torch.distributed.reduce_op)."""
     import warnings
 
-    with warnings.catch_warnings():  # a deprecated binding warns when looked at (torch.distributed.reduce_op)
+    found: list[tuple[object, str, object]] = []
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for namespace in hf_bindings_owners():
-            for key, value in list(vars(namespace).items()):
-                if isinstance(value, types.FunctionType) and value.__defaults__:
-                    value.__defaults__ = tuple(moved(d) for d in value.__defaults__)
-                if (changed := moved(value)) is not value:
-                    setattr(namespace, key, changed)
-
-
-def hf_bindings_owners() -> list[object]:
-    """The namespaces whose bindings :func:`rehome` re-points: every imported module and the classes defined in it."""
-    owners = []
-    for module in list(sys.modules.values()):
-        if module is None or not hasattr(module, "__dict__"):
-            continue
-        owners.append(module)
-        owners.extend(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__)
-    return owners
+        for module in list(sys.modules.values()):
+            if module is None or not hasattr(module, "__dict__"):
+                continue
+            owners = [
+                module,
+                *(v for v in vars(module).values() if isinstance(v, type) and v.__module__ == module.__name__),
+            ]
+            for owner in owners:
+                for key, value in list(vars(owner).items()):
+                    if isinstance(value, types.FunctionType) and value.__defaults__:
+                        found.append((value, "__defaults__", value.__defaults__))
+                    if isinstance(value, (str, PurePath, tuple)):
+                        found.append((owner, key, value))
+    return found
 
 
 def hf_bindings(*homes: str) -> dict[str, str]:
-    """Every binding :func:`rehome` would re-point whose value names one of `homes`, as
-    "module.name" (or "module.function()" for a default) -> its value's text."""
-    import warnings
-
+    """Every binding :func:`rehome` looks at whose value names one of `homes`, as "owner.name" ->
+    its value's text (a tuple's strings and paths, space-separated)."""
     found = {}
-    with warnings.catch_warnings():  # a deprecated binding warns when looked at (torch.distributed.reduce_op)
-        warnings.simplefilter("ignore")
-        for namespace in hf_bindings_owners():
-            where = getattr(namespace, "__module__", None) if isinstance(namespace, type) else None
-            prefix = f"{where}.{namespace.__qualname__}" if where else namespace.__name__
-            for key, value in list(vars(namespace).items()):
-                values = {key: value}
-                if isinstance(value, types.FunctionType) and value.__defaults__:
-                    values[key + "()"] = value.__defaults__
-                for name, v in values.items():
-                    paths = v if isinstance(v, tuple) else (v,)
-                    text = " ".join(str(p) for p in paths if isinstance(p, (str, PurePath)))
-                    if any(h in text for h in homes):
-                        found[f"{prefix}.{name}"] = text
+    for owner, key, value in _path_bindings():
+        paths = value if isinstance(value, tuple) else (value,)
+        text = " ".join(str(p) for p in paths if isinstance(p, (str, PurePath)))
+        if any(h in text for h in homes):
+            where = (
+                owner.__name__ if isinstance(owner, types.ModuleType) else f"{owner.__module__}.{owner.__qualname__}"
+            )
+            found[f"{where}.{key}"] = text
     return found
 
 
