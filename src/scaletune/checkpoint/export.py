@@ -42,13 +42,6 @@ def _full_state_from_checkpoint(path: Path, module: torch.nn.Module, fmt: str) -
     return state["model"]
 
 
-def _base_weight(model: torch.nn.Module, name: str) -> bool:
-    """Whether `name` (a CausalLMLoss key) is a weight of a LoRA model's base, not of its adapters."""
-    from scaletune.models.adapters import trained_base_weights
-
-    return bool(trained_base_weights(model, [name.removeprefix("causal_lm.")]))
-
-
 def _frozen_from_module_state(path: Path, held: Iterable[str]) -> dict[str, torch.Tensor]:
     """The weights of a DeepSpeed checkpoint that `zero_to_fp32` leaves out: frozen ones, which
     ZeRO-1 saves only in its module state (DeepSpeed keeps frozen fragments only where it partitions
@@ -133,7 +126,7 @@ def export_checkpoint(
     from scaletune.checkpoint.card import checkpoint_source, model_card
     from scaletune.data import trained_chat_template
     from scaletune.models import DevicePlacement, load_tokenizer, prepare_model
-    from scaletune.models.adapters import save_adapter
+    from scaletune.models.adapters import save_adapter, trained_base_weights
     from scaletune.models.loading import model_processor, torch_dtype
     from scaletune.models.loss import CausalLMLoss
     from scaletune.resolve import resolve_stages
@@ -182,11 +175,12 @@ def export_checkpoint(
     # base's. DCP loads into the module's own tensors, so the base's values of the weights it holds
     # are copied first (only those: a copy of the whole base would double the export's memory).
     own = module.state_dict() if lora else {}
+    names = trained_base_weights(model, [k.removeprefix("causal_lm.") for k in own]) if lora else []
     if progress.checkpoint_format == "deepspeed":  # zero_to_fp32 reads into new tensors
-        base = {k: v for k, v in own.items() if _base_weight(model, k)}
+        base = {k: own[k] for k in (f"causal_lm.{n}" for n in names)}
     else:
         saved = dcp_reader(checkpoint / "state").read_metadata().state_dict_metadata
-        base = {k: v.detach().clone() for k, v in own.items() if f"model.{k}" in saved and _base_weight(model, k)}
+        base = {k: own[k].detach().clone() for k in (f"causal_lm.{n}" for n in names) if f"model.{k}" in saved}
     state = _full_state_from_checkpoint(checkpoint, module, progress.checkpoint_format)
     trained_base = [k.removeprefix("causal_lm.") for k in state if k in base and not torch.equal(base[k], state[k])]
     del base
