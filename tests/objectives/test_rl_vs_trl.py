@@ -223,7 +223,10 @@ def test_grpo_loss_and_gradients_equal_trl(loss_type, sampled, models, tmp_path)
     scale = float(control.abs().max())
     assert scale > 1e-3
     assert float((grad - control).abs().max()) <= 1e-6 * scale, float((grad - control).abs().max())
-    assert float((trl_grad - control).abs().max()) <= 1e-6 * scale, float((trl_grad - control).abs().max())
+    # TRL's own gradient is 1.09e-6 of the largest from the control for DAPO with old log-probs on an
+    # AMD EPYC machine (float32 rounding of its fused ops; under 1e-6 on others): it is the reference here,
+    # not the subject, so it gets twice the bound the subject (`grad`, above) meets.
+    assert float((trl_grad - control).abs().max()) <= 2e-6 * scale, float((trl_grad - control).abs().max())
 
 
 def test_group_advantages_by_hand():
