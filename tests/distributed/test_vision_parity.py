@@ -14,8 +14,9 @@ eval loss (1e-4, relative):
 
 - `ddp-2`: `scaletune train ... distributed.num_processes=2` as a user types it (re-executed under
   torchrun);
-- `fsdp-2` and `zero3-2`: one after another in the ranks of one torchrun
-  (tests/distributed/sequential_runs.py; their subject is the engines' arithmetic);
+- `fsdp-2`, `zero3-2` and `zero2-2` (ZeRO-2 with gradient checkpointing: the vision tower's and
+  the language model's layers recomputed in backward): one after another in the ranks of one
+  torchrun (tests/distributed/sequential_runs.py; their subject is the engines' arithmetic);
 - `fsdp-3`: three ranks, so the 16 held-out records split unevenly (6, 5, 5);
 - `resumed-1`: one process resuming `ddp-2`'s checkpoint at step 2: steps 3-4 equal `single`'s
   (1e-5).
@@ -81,16 +82,20 @@ def runs(tiny_vlm_dir, tmp_path_factory) -> dict[str, Path]:
     data = digit_chats(root / "digits", 48, 16)
     cfg = root / "vision.yaml"
     cfg.write_text(yaml.safe_dump(_config(tiny_vlm_dir, data, root / "single")))
-    out = {name: root / name for name in ("single", "ddp-2", "fsdp-2", "zero3-2", "fsdp-3", "resumed-1")}
+    names = ("single", "ddp-2", "fsdp-2", "zero3-2", "zero2-2", "fsdp-3", "resumed-1")
+    out = {name: root / name for name in names}
     _ok(run_cli(["train", str(cfg)]))
     _ok(run_cli(["train", str(cfg), f"output_dir={out['ddp-2']}", "distributed.num_processes=2"]))
     engines = {
         "fsdp-2": ["distributed.strategy=fsdp"],
         "zero3-2": ["distributed.strategy=deepspeed", "distributed.zero_stage=3"],
+        "zero2-2": ["distributed.strategy=deepspeed", "distributed.zero_stage=2", "model.gradient_checkpointing=true"],
     }
     world = "distributed.num_processes=2"
     jobs = {name: ["train", str(cfg), f"output_dir={out[name]}", world, *keys] for name, keys in engines.items()}
-    train_sequentially(jobs, root / "torchrun-2", nproc=2)
+    said = train_sequentially(jobs, root / "torchrun-2", nproc=2)
+    # Every layer recomputes in zero2-2: the vision tower's two and the language model's two.
+    assert "gradient checkpointing: 4 layers recompute" in said["zero2-2"], said["zero2-2"][-3000:]
     three = [
         "train",
         str(cfg),
@@ -108,7 +113,7 @@ def _series(run: Path, key: str) -> list[float]:
     return [m[key] for m in metrics(run) if m.get(key) is not None]
 
 
-@pytest.mark.parametrize("layout", ["ddp-2", "fsdp-2", "zero3-2", "fsdp-3"])
+@pytest.mark.parametrize("layout", ["ddp-2", "fsdp-2", "zero3-2", "zero2-2", "fsdp-3"])
 def test_layout_reproduces_the_single_process_run(runs, layout):
     for key in ("loss", "grad_norm", "eval_loss"):
         assert_close(_series(runs[layout], key), _series(runs["single"], key), REL, f"{layout} {key}")

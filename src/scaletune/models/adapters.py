@@ -273,6 +273,11 @@ def enable_gradient_checkpointing(model: Any, *, use_reentrant: bool = False) ->
         # whatever the inputs, and needs no such hook. (transformers >= 5 registers it anyway.)
         base.enable_input_require_grads()
     base.config.use_cache = False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing for m in base.modules())
+    kind = "reentrant" if use_reentrant else "non-reentrant"
+    log.info(f"gradient checkpointing: {layers} layers recompute their activations in backward ({kind})")
 
 
 def compile_decoder_layers(model: Any) -> int:
