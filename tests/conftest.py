@@ -381,6 +381,16 @@ def tiny_llava_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """The `gemma3-tiny` preset (Gemma 3's architecture, its processor beside it) with the tests'
+    tokenizer, as :func:`tiny_model_dir`."""
+    from scaletune.models import init_model
+
+    out = tmp_path_factory.mktemp("models") / "gemma3-tiny"
+    return init_model("gemma3-tiny", out, seed=0, tokenizer_file=SMALL_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
 def olmo2_vocab_model_dir(tmp_path_factory) -> Path:
     """The `olmo2-tiny` preset exactly as `scaletune init-model olmo2-tiny` builds it (the bundled
     OLMo-2 tokenizer, 100,352 rows), for the tests about that default."""

@@ -300,6 +300,70 @@ def test_llava_trains_projector_and_adapters_and_reloads_as_transformers_measure
     assert abs(untrained - logged[-1]) > 1e-3, (untrained, logged)
 
 
+def test_gemma3_image_tokens_attend_both_ways_in_training_as_transformers_masks_them(tiny_gemma3_dir, digits, tmp_path):
+    """Gemma 3 (SigLIP tower, pooled projector, a sliding-window and a global layer; an image is 4
+    soft tokens between <start_of_image> and <end_of_image>), whose image tokens attend to each other
+    both ways: the processor marks them in `token_type_ids`, which the rows keep (cut and padded with
+    the tokens) and the loss passes to the model. Full fine-tuning of the projector and the language
+    model through `scaletune train`, the vision tower frozen. The control: transformers' own loss
+    (the model's forward with labels and `token_type_ids`) of final/ on the eval rows is the eval_loss
+    the run logged at its end (1e-6); without `token_type_ids` (causal image tokens) it is not. The
+    frozen vision tower's weights in final/ are the base's, bit for bit; the projector's are not."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from scaletune.config import DataConfig, ModelConfig
+    from scaletune.data.build import build_datasets
+    from scaletune.models.vision import load_processor
+
+    processor = load_processor(ModelConfig(name_or_path=str(tiny_gemma3_dir)))
+    tok = processor.tokenizer
+    soft, frame = tok.image_token_id, {tok.boi_token_id, tok.eoi_token_id}
+    data = DataConfig(train={"path": str(digits["eval"]), "format": "messages"}, max_seq_length=64)
+    built = build_datasets(data, tok, seed=0, processor=processor)
+    records = [json.loads(line) for line in digits["eval"].read_text().splitlines()]
+    for i, record in enumerate(records):
+        row = built.train[i]
+        trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        answer = f"{record['messages'][1]['content']}<end_of_turn>\n"
+        assert trained == tok(answer, add_special_tokens=False)["input_ids"], (trained, answer)
+        assert (
+            row["input_ids"].count(soft) == 4 and frame <= set(row["input_ids"]) and not ({soft} | frame) & set(trained)
+        )
+        assert row["token_type_ids"] == [int(t == soft) for t in row["input_ids"]]
+    batch = built.collator([built.train[i] for i in range(len(built.train))])
+    assert batch["token_type_ids"].shape == batch["input_ids"].shape
+    assert (batch["token_type_ids"].bool() == (batch["input_ids"] == soft)).all()  # 0 on padding
+
+    cfg = _config(
+        tiny_gemma3_dir, digits["train"], tmp_path / "run", eval={"path": str(digits["eval"]), "format": "messages"}
+    )
+    cfg["training"].update(max_steps=6, learning_rate=5e-2)
+    cfg["stages"] = [{"name": "all", "frozen": ["vision"]}]
+    path = tmp_path / "gemma3.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = run_cli(["train", str(path)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = [
+        m["eval_loss"]
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in m
+    ]
+    final = tmp_path / "run" / "final"
+    base, trained = (load_file(d / "model.safetensors") for d in (tiny_gemma3_dir, final))
+    tower = [k for k in base if k.startswith("vision_tower.")]
+    assert tower and all(torch.equal(base[k], trained[k]) for k in tower)
+    assert any(not torch.equal(base[k], trained[k]) for k in base if "multi_modal_projector" in k)
+    model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
+    with torch.no_grad():
+        both_ways = float(model(**batch).loss)
+        causal = float(model(**{k: v for k, v in batch.items() if k != "token_type_ids"}).loss)
+    assert both_ways == pytest.approx(logged[-1], rel=1e-6), (both_ways, logged)
+    # Four image tokens among ~30 move the loss little (2e-5 of it here), yet 20 times the tolerance above.
+    assert abs(causal - logged[-1]) > 5e-6 * logged[-1], (causal, both_ways, logged)
+
+
 def test_what_a_vision_language_run_cannot_do_yet_is_refused_by_name(tiny_vlm_dir, digits, tmp_path):
     """Packed rows and an objective other than sft: one exit-2 message naming each key, nothing written."""
     cfg = _config(tiny_vlm_dir, digits["train"], tmp_path / "run", packing=True)

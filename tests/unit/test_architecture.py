@@ -40,7 +40,7 @@ LONG_FUNCTIONS: dict[str, str] = {
     "scaletune.doctor.system:check_nccl_env": "one check per variable, each message and fix written inline; not yet split",
     "scaletune.hf:load_model_for_training": "a public function: 34 lines of docstring for users of the HF Trainer",
     "scaletune.models.placement:resolve_device_map": "THE device_map rule: a 30-line docstring states every case",
-    "scaletune.models.presets:init_model": "a 28-line docstring (how the weights are drawn); not yet split",
+    "scaletune.models.initialize:init_model": "a 28-line docstring (how the weights are drawn); not yet split",
     "scaletune.plan.estimates:_strategy_plan": "the bytes of every strategy in one table of cases; not yet split",
     "scaletune.strategies.deepspeed_config:deepspeed_json": "the one DeepSpeed generator, key by key, with a docstring per argument",
 }

@@ -322,11 +322,15 @@ def _text_only(records: list[dict]) -> list[dict]:
 
 
 def _image_tokens(processor: Any) -> list[str]:
-    """The processor's image tokens (`image_token`, and Idefics3's wrapping `fake_image_token` and
-    `global_image_tag`): placeholders for image features and their frame, never trained."""
+    """The processor's image tokens (`image_token`, Idefics3's wrapping `fake_image_token` and
+    `global_image_tag`, Gemma 3's `boi_token` and `eoi_token`), named on the processor or on its
+    tokenizer (Gemma 3's processor calls its begin-of-image token `image_token`; the soft token the
+    features replace is the tokenizer's): placeholders for image features and their frame, never
+    trained."""
     names = ("image_token", "fake_image_token", "global_image_tag", "boi_token", "eoi_token")
-    found = [getattr(processor, n, None) for n in names]
-    return [t if isinstance(t, str) else getattr(t, "content", None) for t in found if t is not None]
+    found = [getattr(owner, n, None) for owner in (processor, processor.tokenizer) for n in names]
+    tokens = {t if isinstance(t, str) else getattr(t, "content", None) for t in found}
+    return sorted(t for t in tokens if t)
 
 
 def _dummy_rows(data_cfg: DataConfig, vocab_size: int, seed: int) -> list[dict]:

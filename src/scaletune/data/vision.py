@@ -22,6 +22,7 @@ from scaletune.data.batching import Collator
 from scaletune.data.sources import IGNORE_INDEX, read_image
 from scaletune.data.templates import render_chat
 from scaletune.errors import DataError
+from scaletune.models.vision import TOKEN_INPUTS
 
 
 def has_images(records: list[dict]) -> bool:
@@ -56,7 +57,8 @@ def image_paths(conversation: list[dict]) -> list[str]:
 class VisionRows(torch.utils.data.Dataset):
     """The rows of a vision-language model's data: item i is record i rendered by the processor,
     ``{"input_ids": [T], "labels": [T], "images": {key: tensor}}`` (the processor's image tensors,
-    their first dimension the record's; `models.vision.IMAGE_INPUTS`).
+    their first dimension the record's; `models.vision.IMAGE_INPUTS`), and the processor's
+    per-token inputs where it gives them (`models.vision.TOKEN_INPUTS`: ``"token_type_ids": [T]``).
 
     Args:
         records: normalized `messages` records (`data.sources.load_records`).
@@ -174,13 +176,15 @@ class VisionRows(torch.utils.data.Dataset):
         for a, b in self.spans[i]:
             labels[a:b] = ids[a:b]
         labels[torch.isin(ids, self.image_ids)] = IGNORE_INDEX
-        images = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
-        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "images": images}
+        row: dict[str, Any] = {"input_ids": ids.tolist(), "labels": labels.tolist()}
+        row.update({k: out[k][0][: self.max_len].tolist() for k in TOKEN_INPUTS if k in out})
+        row["images"] = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", *TOKEN_INPUTS)}
+        return row
 
 
 class VisionCollator:
     """Pads a micro-batch of :class:`VisionRows` items: the text as `batching.Collator` does (right
-    padding, `attention_mask`), each image tensor zero-padded to the batch's largest size in every
+    padding, `attention_mask`), the per-token inputs (`token_type_ids`) with 0, each image tensor zero-padded to the batch's largest size in every
     dimension after the first and concatenated along the first (the layout a processor gives a
     batch: Idefics3's `pixel_values` [B, images, 3, H, W] with `pixel_attention_mask` 0 on padding,
     Qwen2-VL's patches [patches, dim] with `image_grid_thw` [images, 3])."""
@@ -190,6 +194,12 @@ class VisionCollator:
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         out = self.text(rows)
+        for key in TOKEN_INPUTS:
+            if key in rows[0]:
+                values = torch.zeros_like(out["input_ids"])
+                for i, r in enumerate(rows):
+                    values[i, : len(r[key])] = torch.as_tensor(r[key])
+                out[key] = values
         keys = {k for r in rows for k in r["images"]}
         for key in sorted(keys):
             tensors = [r["images"][key] for r in rows if key in r["images"]]

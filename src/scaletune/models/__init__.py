@@ -19,19 +19,14 @@ from scaletune.models.adapters import (
     prepare_model,
     require_liger,
 )
+from scaletune.models.initialize import (
+    init_model,
+    tokenizer_from_file,  # noqa: F401  (benchmarks/bench.py imports it)
+)
 from scaletune.models.introspection import decoder_layer_classes, max_positions, parameter_counts, unwrap
 from scaletune.models.loading import bnb_config, load_config, load_model, load_tokenizer
 from scaletune.models.placement import DevicePlacement, resolve_device_map
-from scaletune.models.presets import (
-    ASSETS,
-    OLMO2_TOKENIZER,
-    PRESETS,
-    Preset,
-    get_preset,
-    init_model,
-    preset_config,
-    tokenizer_from_file,  # noqa: F401  (benchmarks/bench.py imports it)
-)
+from scaletune.models.presets import ASSETS, OLMO2_TOKENIZER, PRESETS, Preset, get_preset, preset_config
 from scaletune.models.pretrained import PRETRAINED, copy_pretrained, models_cache, pretrained_path
 
 __all__ = [

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.attention import context_mask, full_causal_only, packed_mask
 from scaletune.models.introspection import unwrap
+from scaletune.resolve.mesh import head_transforms_logits
 
 IGNORE_INDEX = -100
 CUDA_CHUNK = 1024  # target rows per head+loss chunk on a GPU: [1024, vocab] logits at a time
@@ -414,10 +415,9 @@ class CausalLMLoss(nn.Module):
             from scaletune.models import require_liger
 
             require_liger()
-        config = getattr(causal_lm, "config", None)
         # Heads that transform logits (Gemma-2 soft-capping, Cohere's logit scale) keep the
         # model's own forward: computing the head here would skip that transform.
-        self.plain = bool(getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+        self.plain = head_transforms_logits(getattr(causal_lm, "config", None))
 
     def generate(self, **kwargs: Any) -> torch.Tensor:
         """The causal LM's `generate` (transformers; `kwargs` as it takes them): [rows, prompt +

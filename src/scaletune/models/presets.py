@@ -1,29 +1,19 @@
-"""Model presets and `init_model`.
-
-:data:`PRESETS` / :func:`init_model`: tiny randomly initialised models built from a
-`transformers` config and the bundled OLMo-2 tokenizer (no download), and the shapes of real
-models for the memory planner (config only, built on the meta device).
+"""Model presets: :data:`PRESETS`, tiny models built from a `transformers` config and the bundled
+OLMo-2 tokenizer (no download; `models.initialize.init_model` draws their weights and saves them),
+and the shapes of real models for the memory planner (config only, built on the meta device).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import shutil
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scaletune.errors import UserError
 
 if TYPE_CHECKING:  # torch and transformers are imported lazily: `scaletune --help` stays fast
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
-
-# A child of the "scaletune" logger, whose handler and rank-aware level (env.set_rank) it follows.
-log = logging.getLogger(__name__)
+    from transformers import PretrainedConfig
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 OLMO2_TOKENIZER = ASSETS / "olmo2-dolma2.json"
@@ -35,7 +25,6 @@ _OLMO2_PAD_ID = 100277
 # OLMo-2 pads its 100,278-token vocabulary to 100,352 (a multiple of 128) for matmul efficiency.
 _TINY_VOCAB = 100_352
 _TINY_CONTEXT = 2048
-_MARKER = "scaletune_init.json"
 
 
 @dataclass(frozen=True)
@@ -48,6 +37,9 @@ class VisionPreset:
         image_processor: the image processor's constructor arguments (small images: tiny models).
         special_tokens: the tokens the processor writes around and for images, added to the
             tokenizer (their ids follow its vocabulary, inside the preset's padded embedding).
+        named_tokens: special tokens the processor reads from the tokenizer by name (Gemma 3's
+            `boi_token`, `eoi_token`, `image_token`): the tokenizer's `extra_special_tokens`, saved
+            in its config, so `tokenizer.boi_token` and `boi_token_id` exist after a reload.
         token_ids: config keys set to a special token's id (`image_token_id` -> `<image>`).
         end_of_turn: the token that ends every turn (the tokenizer's EOS, and the config's).
         processor_kwargs: further processor arguments (`image_seq_len`).
@@ -63,6 +55,7 @@ class VisionPreset:
     end_of_turn: str
     processor_kwargs: Mapping[str, Any]
     chat_template: str
+    named_tokens: Mapping[str, str] = field(default_factory=dict)
 
 
 # SmolVLM's turn layout ("User:<image>Which digit?<end_of_utterance>\nAssistant: 7<end_of_utterance>\n"),
@@ -89,6 +82,21 @@ _LLAVA_TEMPLATE = (
 )
 # Tiny LLaVA: 32x32 images in 8x8 patches, 16 image tokens (the CLS position dropped: "default").
 _LLAVA_TINY_IMAGE = 32
+# Gemma 3's turn layout, as google/gemma-3-4b-it's chat template writes it ("<start_of_turn>user\n
+# <start_of_image>Which digit?<end_of_turn>\n<start_of_turn>model\n7<end_of_turn>\n"; the
+# assistant's role is "model"), without its system-prompt folding and its BOS (the bundled tokenizer
+# has none); content may also be a plain string. The processor expands <start_of_image> into
+# "\n\n<start_of_image>" + image_seq_length soft tokens + "<end_of_image>\n\n".
+_GEMMA3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<start_of_image>' }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Tiny Gemma 3: 32x32 images in 8x8 patches (4x4), average-pooled by 2 into 4 soft tokens.
+_GEMMA3_TINY_IMAGE = 32
 
 
 @dataclass(frozen=True)
@@ -100,9 +108,9 @@ class Preset:
         config_class: the `transformers` config class, by name (`Olmo2Config`).
         kwargs: its constructor arguments.
         description: one line for listings.
-        tiny: True when :func:`init_model` may materialise it with random weights on a CPU;
+        tiny: True when `models.initialize.init_model` may materialise it with random weights on a CPU;
             False for the shapes of real models, which exist for the planner (meta device only).
-        vision: for a vision-language model, the processor :func:`init_model` saves beside it.
+        vision: for a vision-language model, the processor `init_model` saves beside it.
     """
 
     name: str
@@ -266,6 +274,52 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            "gemma3-tiny",
+            "Gemma3Config",
+            dict(
+                text_config=dict(
+                    _tiny(tie_word_embeddings=True, intermediate_size=128, bos_token_id=None),
+                    model_type="gemma3_text",
+                    head_dim=16,
+                    # Gemma 3 interleaves local (sliding-window) and global layers, 5:1; one of each here.
+                    sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"],
+                ),
+                vision_config=dict(
+                    model_type="siglip_vision_model",
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    image_size=_GEMMA3_TINY_IMAGE,
+                    patch_size=8,
+                ),
+                mm_tokens_per_image=4,
+            ),
+            "Gemma 3 architecture (SigLIP vision tower, pooled projector, Gemma 3 language model with a "
+            "sliding-window and a global layer; image tokens attend to each other both ways), 2+2 layers, "
+            "32x32 images as 4 tokens; its processor beside it",
+            vision=VisionPreset(
+                processor_class="Gemma3Processor",
+                image_processor_class="Gemma3ImageProcessorPil",
+                image_processor=dict(size={"height": _GEMMA3_TINY_IMAGE, "width": _GEMMA3_TINY_IMAGE}),
+                special_tokens=("<start_of_turn>", "<end_of_turn>"),
+                named_tokens={
+                    "boi_token": "<start_of_image>",
+                    "eoi_token": "<end_of_image>",
+                    "image_token": "<image_soft_token>",
+                },
+                token_ids={
+                    "boi_token_index": "<start_of_image>",
+                    "eoi_token_index": "<end_of_image>",
+                    "image_token_index": "<image_soft_token>",
+                },
+                end_of_turn="<end_of_turn>",
+                processor_kwargs={"image_seq_length": 4},
+                chat_template=_GEMMA3_TEMPLATE,
+            ),
+        ),
+        Preset(
             "llama-3.2-1b",
             "LlamaConfig",
             dict(
@@ -346,185 +400,3 @@ def get_preset(name: str) -> Preset:
 def preset_config(name: str) -> PretrainedConfig:
     """The `transformers` config of a preset (for the planner: no weights involved)."""
     return get_preset(name).config()
-
-
-def init_model(preset: str, output: str | Path, *, seed: int = 0, tokenizer_file: str | Path | None = None) -> Path:
-    """Build a randomly initialised model from a tiny preset and save it with its tokenizer.
-
-    The weights are drawn after `torch.manual_seed(seed)` by the architecture's own initialiser,
-    saved as float32 safetensors with `save_pretrained`; the tokenizer (a `PreTrainedTokenizerFast`
-    over the bundled OLMo-2 tokenizer, or over `tokenizer_file`) is saved beside it, so the
-    folder loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
-
-    Idempotent: when `output` already holds this preset built with this seed and tokenizer (a
-    `scaletune_init.json` marker written last says so), it is returned as is. The folder is built
-    under a temporary name and renamed into place, so ranks that call this at the same time
-    neither see a half-written model nor fail.
-
-    Args:
-        preset: a name in :data:`PRESETS` whose `tiny` is True.
-        output: the folder to create (its parent is created too).
-        seed: seed of the random initialisation.
-        tokenizer_file: a `tokenizers` JSON to use instead of the bundled OLMo-2 one (for example
-            the GPT-NeoX tokenizer in ../shared/data); the vocabulary is then sized to it,
-            rounded up to a multiple of 128.
-
-    Returns:
-        The absolute path of `output`.
-
-    Raises:
-        UserError: unknown preset; a planner-only preset (too large to materialise here);
-            `output` holds something else (another preset or seed, or files that are not a
-            scaletune-built model).
-    """
-    p = get_preset(preset)
-    if not p.tiny:
-        tiny = ", ".join(n for n, q in PRESETS.items() if q.tiny)
-        raise UserError(
-            f"preset {preset!r} is the shape of a real model ({p.description}); init_model builds "
-            f"random weights of tiny presets only ({tiny}). Use it with `scaletune plan`, which "
-            "needs no weights, or point model.name_or_path at the real checkpoint.",
-            title="preset too large",
-        )
-    out = Path(output).expanduser().resolve()
-    tok_path = Path(tokenizer_file).expanduser().resolve() if tokenizer_file else OLMO2_TOKENIZER
-    if not tok_path.is_file():
-        raise UserError(f"tokenizer file {str(tok_path)!r} does not exist", title="missing tokenizer")
-    want = {"preset": p.name, "seed": seed, "tokenizer": tok_path.name}
-    if _existing_matches(out, want):
-        return out
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    tokenizer = tokenizer_from_file(tok_path, model_max_length=p.kwargs.get("max_position_embeddings"))
-    overrides: dict[str, Any] = {}
-    processor = None
-    if p.vision is not None:
-        processor, overrides = _vision_processor(p, tokenizer, sized=bool(tokenizer_file))
-    elif tokenizer_file:
-        overrides = {
-            "vocab_size": -(-len(tokenizer) // 128) * 128,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-        if p.kwargs.get("bos_token_id") is not None:
-            overrides["bos_token_id"] = tokenizer.bos_token_id
-    config = p.config(**overrides)
-    text_config = config.get_text_config()
-    if text_config.vocab_size < len(tokenizer):
-        raise AssertionError(
-            f"preset {p.name}: vocab_size {text_config.vocab_size} < tokenizer length {len(tokenizer)}"
-        )
-
-    torch.manual_seed(seed)
-    auto = AutoModelForCausalLM if p.vision is None else AutoModelForImageTextToText
-    model = auto.from_config(config, dtype=torch.float32)
-    n_params = sum(t.numel() for t in model.parameters())
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        model.save_pretrained(tmp)
-        (processor or tokenizer).save_pretrained(tmp)  # a processor saves its tokenizer too
-        # The marker is written last: its presence means the folder is complete.
-        (tmp / _MARKER).write_text(json.dumps({**want, "parameters": n_params}, indent=2) + "\n")
-        try:
-            if out.is_dir() and not any(out.iterdir()):
-                out.rmdir()
-            os.rename(tmp, out)
-        except OSError:
-            # Another process renamed its copy into place first; it is the same model.
-            if not _existing_matches(out, want):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info(f"built {p.name} (seed {seed}, {n_params:,} parameters) in {out}")
-    return out
-
-
-def _vision_processor(p: Preset, tokenizer: PreTrainedTokenizerBase, *, sized: bool) -> tuple[Any, dict[str, Any]]:
-    """The preset's processor over `tokenizer` (its image tokens added, its EOS the end of a turn),
-    and the config overrides that name those tokens' ids (the language model's EOS and pad too, and
-    with `sized` its vocabulary: the tokenizer's length rounded up to a multiple of 128)."""
-    import transformers
-
-    vision = p.vision
-    assert vision is not None
-
-    tokenizer.add_special_tokens({"additional_special_tokens": list(vision.special_tokens)})
-    tokenizer.eos_token = vision.end_of_turn
-    image_processor = getattr(transformers, vision.image_processor_class)(**vision.image_processor)
-    processor = getattr(transformers, vision.processor_class)(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=vision.chat_template,
-        **vision.processor_kwargs,
-    )
-    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in vision.token_ids.items()}
-    text = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if sized:
-        text["vocab_size"] = -(-len(tokenizer) // 128) * 128
-    return processor, {**ids, "text_config": {**p.kwargs["text_config"], **text}}
-
-
-def _existing_matches(out: Path, want: dict[str, Any]) -> bool:
-    """True when `out` holds the model `want` describes; False when `out` is absent or empty.
-
-    Raises:
-        UserError: `out` holds something else.
-    """
-    if not out.exists():
-        return False
-    if not out.is_dir():
-        raise UserError(f"{out} exists and is not a folder", title="cannot write model")
-    marker = out / _MARKER
-    if marker.is_file():
-        try:
-            have = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            have = {}
-        if all(have.get(k) == v for k, v in want.items()):
-            if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-                return True
-        got = ", ".join(f"{k} {have.get(k)!r}" for k in want)
-        asked = ", ".join(f"{k} {v!r}" for k, v in want.items())
-        raise UserError(
-            f"{out} already holds a different model ({got}); asked for {asked}. "
-            "Choose another folder or delete this one.",
-            title="cannot write model",
-        )
-    if any(out.iterdir()):
-        raise UserError(
-            f"{out} is not empty and was not written by init_model; choose an empty or new folder",
-            title="cannot write model",
-        )
-    return False
-
-
-def tokenizer_from_file(path: Path, *, model_max_length: int | None = None) -> PreTrainedTokenizerBase:
-    """A `PreTrainedTokenizerFast` over a `tokenizers` JSON with BOS/EOS/PAD found by name.
-
-    EOS is the end-of-document token (`<|endoftext|>`, `</s>`, ...), BOS the same token where
-    the vocabulary has no separate one (OLMo and GPT-NeoX do not), PAD a dedicated padding token
-    where one exists, else EOS (labels of padding are masked, so the choice does not leak).
-    """
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(path))
-    vocab = tok.get_vocab()
-
-    def first(*names: str) -> str | None:
-        return next((n for n in names if n in vocab), None)
-
-    eos = first("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
-    bos = first("<|begin_of_text|>", "<s>", "<bos>") or eos
-    pad = first("<|pad|>", "<|padding|>", "<pad>", "<|finetune_right_pad_id|>") or eos
-    if eos is None:
-        raise UserError(f"tokenizer {path}: no end-of-text token found", title="invalid tokenizer")
-    kwargs: dict[str, Any] = {"eos_token": eos, "bos_token": bos, "pad_token": pad}
-    if model_max_length:
-        kwargs["model_max_length"] = model_max_length
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(path), **kwargs)
-    tok.padding_side = "right"
-    return tok

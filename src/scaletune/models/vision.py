@@ -23,12 +23,17 @@ if TYPE_CHECKING:
 #: image-text-to-text class whose forward takes the processor's image tensors beside `input_ids` and
 #: whose base model's last hidden state feeds `lm_head` (the loss runs the base model, then the head
 #: in chunks: `models.loss`). Not yet: Qwen2-VL / Qwen2.5-VL and SmolVLM (their processors need
-#: torchvision in transformers 5.24, for their video processors), Gemma 3 (image tokens attend
-#: bidirectionally through `token_type_ids`).
-VISION_MODEL_TYPES = ("idefics3", "llava")
+#: torchvision in transformers 5.24, for their video processors).
+VISION_MODEL_TYPES = ("gemma3", "idefics3", "llava")
 
-#: The keys of a processor's output that go to the model's forward beside the text's.
+#: The keys of a processor's output that go to the model's forward beside the text's, one entry per
+#: image along their first dimension.
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+
+#: The keys of a processor's output with one value per token, [B, T] like `input_ids`: Gemma 3's
+#: `token_type_ids` (1 on an image's soft tokens, which attend to each other both ways: transformers'
+#: `create_masks_for_vision_model`). Cut and padded (with 0) as the row's tokens are.
+TOKEN_INPUTS = ("token_type_ids",)
 
 
 def is_vision_language(config: PretrainedConfig | None) -> bool:

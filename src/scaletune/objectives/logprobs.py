@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from scaletune.models.loss import decoder_and_head, default_chunk, packed_mask, target_index
+from scaletune.resolve.mesh import head_transforms_logits
 
 __all__ = ["over_chunks", "sampling_logits", "sequence_logps", "target_logps", "target_states", "token_logps"]
 
@@ -195,7 +196,7 @@ def target_states(
     config = getattr(causal_lm, "config", None)
     if attention_mask is None and position_ids is not None:
         attention_mask = packed_mask(config, position_ids)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+    if head_transforms_logits(config):
         logits = causal_lm(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits

@@ -20,6 +20,16 @@ DEGREE_KEYS = ("tensor_parallel", "context_parallel", "pipeline_parallel")
 MAX_PACKED_CONTEXT_LENGTH = 32768
 
 
+def head_transforms_logits(hf_config: Any) -> bool:
+    """True when a model's head transforms its logits (Gemma-2's `final_logit_softcapping`, Cohere's
+    `logit_scale`): code that computes the head itself (the chunked loss, the vocabulary-parallel
+    loss, a pipeline's last stage) would skip that transform. A vision-language model's is its
+    language model's (`get_text_config`)."""
+    if hasattr(hf_config, "get_text_config"):
+        hf_config = hf_config.get_text_config()
+    return bool(getattr(hf_config, "final_logit_softcapping", None) or getattr(hf_config, "logit_scale", None))
+
+
 def mesh_for(distributed: Any, world_size: int) -> Mesh:
     """The mesh of `world_size` ranks with the configured degrees; `data_shard` is the quotient
     (floor: :func:`mesh_problems` judges a remainder, so deciding never fails on bad input)."""
@@ -172,7 +182,7 @@ def model_mesh_problems(mesh: Mesh, hf_config: Any) -> list[Problem]:
     width = int(getattr(text, "intermediate_size", 0) or 0)
     layers = int(getattr(text, "num_hidden_layers", 0) or 0)
     out = []
-    if mesh.tensor > 1 and (getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None)):
+    if mesh.tensor > 1 and head_transforms_logits(text):
         out.append(
             _p(
                 "tensor_parallel",
@@ -242,7 +252,7 @@ def _pipeline_model_problems(mesh: Mesh, text: Any, layers: int) -> list[Problem
                 "use pipeline_parallel: 1 for this model",
             )
         )
-    if getattr(text, "final_logit_softcapping", None) or getattr(text, "logit_scale", None):
+    if head_transforms_logits(text):
         out.append(
             _p(
                 "pipeline_parallel",

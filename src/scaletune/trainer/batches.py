@@ -12,7 +12,7 @@ import torch
 
 from scaletune.data import count_batch_tokens, count_input_tokens, count_target_tokens, count_units, custom_inputs
 from scaletune.models.loss import target_index
-from scaletune.models.vision import IMAGE_INPUTS
+from scaletune.models.vision import IMAGE_INPUTS, TOKEN_INPUTS
 from scaletune.objectives.module import kl_inputs, preference_inputs
 
 
@@ -21,7 +21,15 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     with the target positions added on the host."""
     out = {
         k: batch[k]
-        for k in ("input_ids", "labels", "attention_mask", "position_ids", "full_position_ids", *IMAGE_INPUTS)
+        for k in (
+            "input_ids",
+            "labels",
+            "attention_mask",
+            "position_ids",
+            "full_position_ids",
+            *IMAGE_INPUTS,
+            *TOKEN_INPUTS,
+        )
         if k in batch
     }
     out["target_index"] = target_index(batch["labels"])
