@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scaletune.plan.reference_model import sequences_per_example
-from scaletune.plan.shapes import ModelShape
+from scaletune.plan.shapes import ModelShape, VisionShape
 from scaletune.resolve import FLOAT_DTYPES
 
 if TYPE_CHECKING:
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 
 #: Target rows of one head+loss chunk on a GPU (`loss.CUDA_CHUNK`).
 LOSS_CHUNK = 1024
+
+#: Images a row holds, for a vision tower's activations: the planner reads the config, not the
+#: data (a record may hold several images, and Idefics3's processor may split one into tiles).
+IMAGES_PER_ROW = 1
 
 
 def residual_bytes(spec: RunSpec, plan_entry: str) -> int:
@@ -135,6 +139,28 @@ def activation_bytes(
     mask, bias = (b * s * s, b * s * s * p) if masked else (0, 0)
     loss = min(LOSS_CHUNK, tokens) * (-(-shape.vocab // t)) * (p + 12)
     edges = tokens * h * rw * 2  # embedding output, final norm input/output at the targets
+    vision = vision_bytes(shape.vision, b * IMAGES_PER_ROW, p, rw, checkpointing=checkpointing, eager=impl == "eager")
     if checkpointing:
-        return L * tokens * h * rw + per_layer + bias + loss + edges + mask
-    return L * (per_layer + bias) + loss + edges + mask
+        return L * tokens * h * rw + per_layer + bias + loss + edges + mask + vision
+    return L * (per_layer + bias) + loss + edges + mask + vision
+
+
+def vision_bytes(vision: VisionShape | None, images: int, p: int, rw: int, *, checkpointing: bool, eager: bool) -> int:
+    """Activation bytes of a vision-language model's vision tower over `images` images (0 for a
+    frozen tower: its forward records nothing for backward). A ViT layer (SigLIP, CLIP: LayerNorm,
+    attention, a GELU MLP of width i) over n = images x positions positions keeps, as a decoder
+    layer does: the norms' inputs (`rw` wide) and outputs, Q, K, V and the attention output, the
+    MLP's first projection and its GELU (`n (2 h rw + 6 h p + 2 i p)` bytes), a fp32 logsumexp per
+    head (fused attention) or the `2 a n_img^2 p` scores (eager); with checkpointing (every layer of
+    the tower recomputes, as the language model's do) its layers keep their inputs and one layer is
+    alive. Around the layers: the pixels the patch embedding saves, the embeddings' output and the
+    last norm's input. Measured on the CPU (`tests/unit/plan/test_vision_activations.py`)."""
+    if vision is None or not vision.trains:
+        return 0
+    n, h = images * vision.positions, vision.hidden
+    per_layer = n * (2 * h * rw + 6 * h * p + 2 * vision.intermediate * p)
+    per_layer += 2 * vision.heads * images * vision.positions**2 * p if eager else 4 * vision.heads * n
+    edges = images * vision.pixels * p + 2 * n * h * rw
+    if checkpointing:
+        return vision.layers * n * h * rw + per_layer + edges
+    return vision.layers * per_layer + edges

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from scaletune.env import DistributedEnv
-from scaletune.plan.activations import LOSS_CHUNK
+from scaletune.plan.activations import IMAGES_PER_ROW, LOSS_CHUNK
 from scaletune.plan.estimates import GiB, Plan
 from scaletune.plan.mesh import MeshChoice, mesh_name, mesh_shard_elements, run_layout
 from scaletune.plan.shapes import ModelShape
@@ -79,9 +79,16 @@ def describe_shape(shape: ModelShape) -> str:
             head
             + f"{shape.layers} blocks; activations measured on the meta device: {shape.activations:,} bytes per micro-batch"
         )
-    return head + (
+    text = (
         f"{shape.layers} layers x {shape.hidden} hidden, {shape.heads} heads ({shape.kv_heads} kv), "
         f"MLP {shape.intermediate}, vocab {shape.vocab}"
+    )
+    v = shape.vision
+    if v is None:
+        return head + text
+    return head + (
+        f"language model {text}; vision tower {v.layers} layers x {v.hidden} hidden, {v.positions} positions an "
+        f"image ({IMAGES_PER_ROW} image a row planned), {'trained' if v.trains else 'frozen: no activations'}"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,29 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's vision tower, for its activations (`plan.activations`).
+
+    Attributes:
+        hidden, intermediate, layers, heads: the tower's (its config's `vision_config`).
+        positions: the tower's sequence per image (the embeddings' `num_positions`: patches, and
+            CLIP's class position).
+        pixels: the values of one image the tower takes (`num_channels x image_size^2`), which its
+            patch embedding (a convolution) saves for backward.
+        trains: some parameter of the tower trains (in the stage counted): a frozen tower's forward
+            saves nothing for backward.
+    """
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    positions: int
+    pixels: int
+    trains: bool
+
+
 @dataclass
 class ModelShape:
     """What the planner needs to know about the model: every parameter tensor and the dimensions
@@ -45,6 +68,7 @@ class ModelShape:
     model_type: str = ""
     activations: int | None = None  # a factory's model: bytes autograd saved in a meta forward of one micro-batch
     stage: str | None = None  # with stage patterns: the stage whose trainable set is counted (the largest)
+    vision: VisionShape | None = None  # a vision-language model's tower (`layers` etc. are its language model's)
 
     @property
     def total(self) -> int:
@@ -133,6 +157,12 @@ def model_shape(spec: RunSpec) -> ModelShape:
     peak, stage = _peak_trainable(spec, model)
     layer_types = tuple(decoder_layer_classes(model))
     layer_prefixes = [n for n, m in model.named_modules() if isinstance(m, layer_types)]
+    vision = _vision_shape(model, hf_cfg, peak)
+    if vision is not None:  # the blocks of the tower are among the model's blocks: the language model's layers
+        language = {id(m) for m in unwrap(model).get_decoder().modules()}
+        text_layers = [n for n, m in model.named_modules() if isinstance(m, layer_types) and id(m) in language]
+    else:
+        text_layers = layer_prefixes
     linear_weights = {f"{n}.weight" for n, m in model.named_modules() if type(m) is nn.Linear}
     quant = cfg.model.quantization is not None
     params, seen = [], set()
@@ -166,12 +196,39 @@ def model_shape(spec: RunSpec) -> ModelShape:
         params=params,
         hidden=hidden,
         intermediate=int(getattr(text, "intermediate_size", None) or 4 * hidden),
-        layers=len(layer_prefixes) or int(getattr(text, "num_hidden_layers", 1)),
+        layers=len(text_layers) or int(getattr(text, "num_hidden_layers", 1)),
         heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=head_dim,
         vocab=int(base.get_output_embeddings().weight.shape[0]),
         lora_modules=lora_modules,
-        model_type=str(getattr(text, "model_type", "")),
+        model_type=str(getattr(hf_cfg if vision is not None else text, "model_type", "")),
         stage=stage,
+        vision=vision,
+    )
+
+
+def _vision_shape(model: torch.nn.Module, hf_cfg: Any, peak: set[str] | None) -> VisionShape | None:
+    """The vision tower's :class:`VisionShape` (None for a text model): its dimensions from the
+    config's `vision_config`, its positions per image from its embeddings' `num_positions` (found
+    in the `vision` group of `models.vision.parameter_groups`)."""
+    from scaletune.models.vision import parameter_groups
+
+    groups = parameter_groups(model)
+    if not groups:
+        return None
+    prefixes = [g.removesuffix(".*") for g in groups["vision"]]
+    modules = [m for n, m in model.named_modules() if any(n == p or n.startswith(p + ".") for p in prefixes)]
+    positions = next((m.num_positions for m in modules if isinstance(getattr(m, "num_positions", None), int)), 0)
+    in_tower = [(n, p) for n, p in model.named_parameters() if any(n.startswith(pre + ".") for pre in prefixes)]
+    trains = any(p.requires_grad if peak is None else n in peak for n, p in in_tower)
+    v = hf_cfg.vision_config
+    return VisionShape(
+        hidden=int(v.hidden_size),
+        intermediate=int(getattr(v, "intermediate_size", None) or 4 * v.hidden_size),
+        layers=int(v.num_hidden_layers),
+        heads=int(v.num_attention_heads),
+        positions=int(positions),
+        pixels=int(getattr(v, "num_channels", 3)) * int(getattr(v, "image_size", 0)) ** 2,
+        trains=trains,
     )
