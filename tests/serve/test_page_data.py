@@ -7,6 +7,7 @@ walks of the page (upload, preview, use; a chat file used with its format)."""
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import json
@@ -23,9 +24,9 @@ from scaletune.serve.edge.auth import create_token
 from scaletune.serve.edge.policy import Policy, data_area
 from scaletune.serve.jobs.data_formats import FORMATS
 from scaletune.serve.jobs.data_preview import MEASURED
-from scaletune.serve.jobs.datasets import SUFFIXES
+from scaletune.serve.jobs.datasets import IMAGE_SUFFIXES, SUFFIXES
 from tests.helpers import ALPACA_5000, make_config, wait_for
-from tests.serve.serve_helpers import REPO_ROOT, SHARED_DATA, Server, client, dom, headless_chromium
+from tests.serve.serve_helpers import REPO_ROOT, SHARED_DATA, Server, client, dom, headless_chromium, wait_state
 
 ALPACA = json.loads(ALPACA_5000.read_text())
 
@@ -49,10 +50,11 @@ def as_parquet(records: list[dict]) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def srv(module_tmp_path, tiny_model_dir):
-    """A service whose read roots are the model and the shared data only (not the temporary
+def srv(module_tmp_path, tiny_model_dir, tiny_vlm_dir):
+    """A service whose read roots are the models and the shared data only (not the temporary
     folder its jobs folder, and so its data area, is in): what it reads there, the area allows."""
-    policy = Policy(read_roots=(str(tiny_model_dir), str(SHARED_DATA)), write_roots=(tempfile.gettempdir(),))
+    roots = (str(tiny_model_dir), str(tiny_vlm_dir), str(SHARED_DATA))
+    policy = Policy(read_roots=roots, write_roots=(tempfile.gettempdir(),))
     s = Server(f"sqlite:///{module_tmp_path / 'db.sqlite'}", module_tmp_path / "jobs", policy=policy)
     s.admin = create_token(s.svc.Session, "admin")
     s.submit = create_token(s.svc.Session, "submit")
@@ -651,3 +653,112 @@ def test_page_uses_a_chat_file_with_its_format(srv, tiny_model_dir, tmp_path):
         )
     finally:
         driver.quit()
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG (8-bit grayscale) whose header says `width` x `height` and whose pixel data is one empty
+    compressed block: its size is read from the header, nothing is there to decode."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+
+
+def test_images_upload_beside_their_records_preview_as_thumbnails_and_train(srv, tiny_vlm_dir, tmp_path):
+    """A vision-language model's data through the service (issue 37): scikit-learn's digits as PNG
+    files uploaded into the data area beside chat records that name them (`0042.png`), a file that is
+    not an image and one over the pixel bound refused by name. The preview (API, then the page in
+    Chromium) shows each record's image as a thumbnail whose pixels are the file's (read with PIL),
+    beside the trained tokens, which are the tokenizer's tokens of the answer as the chat template
+    writes it; an image is listed but neither previewed nor used as data.train. A job naming the
+    uploaded records trains to the end."""
+    from PIL import Image
+    from selenium.webdriver.common.by import By
+
+    from scaletune.config import ModelConfig
+    from scaletune.models.vision import load_processor
+    from scaletune.serve.jobs.data_preview import THUMBNAIL
+    from tests.helpers import digit_chats
+
+    assert ".png" in IMAGE_SUFFIXES
+    digits = digit_chats(tmp_path / "digits", 6, 1)
+    records = [json.loads(line) for line in digits["train"].read_text().splitlines()]
+    for r in records:  # the data area is flat: each image beside the records, by its file name
+        part = r["messages"][0]["content"][0]
+        name = Path(part["path"]).name
+        assert upload(srv, name, (digits["train"].parent / part["path"]).read_bytes()).status_code == 201
+        part["path"] = name
+    r = upload(srv, "digits-vlm.jsonl", jsonl(records))
+    assert r.status_code == 201, r.text
+    listed = {f["name"]: f for f in client(srv, srv.submit).get("/api/data").json()}
+    first = records[0]["messages"][0]["content"][0]["path"]
+    assert listed[first]["format"] == "image" and listed[first]["records"] is None
+    assert listed["digits-vlm.jsonl"]["format"] == "messages" and listed["digits-vlm.jsonl"]["records"] == 6
+    # Not an image, and a decompression bomb's header: refused by name, nothing stored.
+    for name, body, said in [
+        ("fake.png", b"\x89PNG\r\n\x1a\n" + os.urandom(64), "not a readable image"),
+        ("bomb.png", png_header(20_000, 20_000), "decompression bomb"),
+    ]:
+        r = upload(srv, name, body)
+        assert r.status_code == 422 and any(said in p for p in r.json()["problems"]), r.text
+        assert ".upload-" not in r.text  # the upload's own name, not the temporary file's
+        assert not (data_area(srv.svc.home) / name).exists()
+
+    cfg = {
+        "model": {"name_or_path": str(tiny_vlm_dir), "dtype": "float32"},
+        "data": {"train": {"path": listed["digits-vlm.jsonl"]["path"], "format": "messages"}, "max_seq_length": 64},
+        "training": {"micro_batch_size": 2, "global_batch_size": 2, "max_steps": 1, "save_every": 0},
+        "output_dir": str(tmp_path / "vlm-run"),
+    }
+    r = client(srv, srv.submit).post(
+        "/api/data/preview", json={"file": "digits-vlm.jsonl", "config": yaml.safe_dump(cfg), "records": 3}
+    )
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["measured"] == 6 and len(got["records"]) == 3 and got["dropped"] == 0
+    tok = load_processor(ModelConfig(name_or_path=str(tiny_vlm_dir))).tokenizer
+    for shown, record in zip(got["records"], records):
+        trained = [t for t, keep in zip(shown["input_ids"], shown["trained"]) if keep]
+        answer = f" {record['messages'][1]['content']}<end_of_utterance>\n"
+        assert trained == tok(answer, add_special_tokens=False)["input_ids"]
+        assert "".join(s["text"] for s in shown["spans"] if s["trained"]) == answer
+        (image,) = shown["images"]
+        name = record["messages"][0]["content"][0]["path"]
+        assert image["name"] == name and image["thumbnail"].startswith("data:image/png;base64,")
+        thumb = Image.open(io.BytesIO(base64.b64decode(image["thumbnail"].split(",", 1)[1])))
+        original = Image.open(data_area(srv.svc.home) / name).convert("RGB")
+        assert max(thumb.size) <= THUMBNAIL and thumb.size == original.size  # 8x8 digits are not enlarged
+        assert thumb.tobytes() == original.tobytes()
+    r = client(srv, srv.submit).post("/api/data/preview", json={"file": first, "config": yaml.safe_dump(cfg)})
+    assert r.status_code == 422 and "an image; preview the records" in r.text, r.text
+
+    driver = headless_chromium(tmp_path / "profile")
+    try:
+        driver.get(srv.url + "/login")
+        driver.find_element(By.ID, "token").send_keys(srv.submit)
+        driver.find_element(By.ID, "login").click()
+        wait_for(lambda: "digits-vlm.jsonl" in " ".join(dom(driver, "#data-files li")), 30, "the data files")
+        image_button = driver.find_element(By.CSS_SELECTOR, f'#data-files li[data-name="{first}"] button.data-choose')
+        assert not image_button.is_enabled()
+        driver.find_element(By.CSS_SELECTOR, '#data-files li[data-name="digits-vlm.jsonl"] button.data-choose').click()
+        driver.execute_script("document.getElementById('config').value = arguments[0]", yaml.safe_dump(cfg))
+        driver.find_element(By.ID, "data-preview").click()
+        wait_for(lambda: dom(driver, "#data-records .record img.thumb"), 60, "records with thumbnails")
+        loaded = driver.execute_script(
+            "return [...document.querySelectorAll('#data-records img.thumb')].map(i => [i.alt, i.naturalWidth])"
+        )
+        # The page asks for five records: each one's digit, 8 pixels wide as decoded by the browser.
+        assert loaded == [[r["messages"][0]["content"][0]["path"], 8] for r in records[:5]]
+        assert dom(driver, "#data-records .record mark.trained")
+    finally:
+        driver.quit()
+
+    c = client(srv, srv.submit)
+    r = c.post("/api/jobs", json={"config": yaml.safe_dump(cfg)})
+    assert r.status_code == 201, r.text
+    job = wait_state(c, r.json()["id"], {"succeeded", "failed", "cancelled", "stopped"})
+    assert job["state"] == "succeeded", c.get(f"/api/jobs/{job['id']}/logs").text[-3000:]

@@ -270,7 +270,7 @@ def _vision_bundle(data_cfg: DataConfig, processor: Any, seed: int) -> DataBundl
     Raises:
         DataError: a source that is not `messages`; every record's problem (`data.vision.VisionRows`).
     """
-    from scaletune.data.vision import VisionCollator, build_vision_rows
+    from scaletune.data.vision import VisionCollator
 
     sources = {"train": data_cfg.train, "eval": data_cfg.eval}
     wrong = [
@@ -287,22 +287,10 @@ def _vision_bundle(data_cfg: DataConfig, processor: Any, seed: int) -> DataBundl
         parts["train"], parts["eval"] = split_records(records, data_cfg.eval_fraction, seed)
     if data_cfg.eval is not None:
         parts["eval"] = load_records(data_cfg.eval, max_pixels=data_cfg.max_image_pixels)
-    ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in _image_tokens(processor)}
-    template = data_cfg.chat_template or getattr(processor, "chat_template", None)
-    if not template:
-        raise DataError("the model's processor has no chat template: set data.chat_template", title="invalid data")
     built: dict[str, Any] = {}
     stats: dict = {}
     for name, part in parts.items():
-        built[name], counts = build_vision_rows(
-            part,
-            processor,
-            max_len=data_cfg.max_seq_length,
-            max_pixels=data_cfg.max_image_pixels,
-            image_token_ids=ids,
-            label=f"data.{name}",
-            template=template,
-        )
+        built[name], counts = vision_rows(part, data_cfg, processor, f"data.{name}")
         stats.update(_prefixed(name, **counts))
     pad = processor.tokenizer.pad_token_id
     return DataBundle(train=built["train"], eval=built.get("eval"), stats=stats, collator=VisionCollator(pad))
@@ -319,6 +307,31 @@ def _text_only(records: list[dict]) -> list[dict]:
     if has_images(records):
         raise DataError(image_records_problem(records), title="invalid data")
     return records
+
+
+def vision_rows(records: list[dict], data_cfg: DataConfig, processor: Any, label: str) -> tuple[Any, dict]:
+    """`data.vision.VisionRows` over `records` as training builds them (the processor's image
+    tokens never trained; `data.chat_template`, else the processor's), and their counts.
+
+    Raises:
+        DataError: the processor has no chat template; every record's problem, each named by
+            `label` or its file and line.
+    """
+    from scaletune.data.vision import build_vision_rows
+
+    ids = {processor.tokenizer.convert_tokens_to_ids(t) for t in _image_tokens(processor)}
+    template = data_cfg.chat_template or getattr(processor, "chat_template", None)
+    if not template:
+        raise DataError("the model's processor has no chat template: set data.chat_template", title="invalid data")
+    return build_vision_rows(
+        records,
+        processor,
+        max_len=data_cfg.max_seq_length,
+        max_pixels=data_cfg.max_image_pixels,
+        image_token_ids=ids,
+        label=label,
+        template=template,
+    )
 
 
 def _image_tokens(processor: Any) -> list[str]:

@@ -96,25 +96,27 @@ class VisionRows(torch.utils.data.Dataset):
         self.image_ids = torch.tensor(sorted(image_token_ids), dtype=torch.long)
         self.records: list[dict] = []
         self.spans: list[list[tuple[int, int]]] = []
+        self.lengths: list[int] = []  # each kept record's tokens before the cut at max_len
         self.stats = {"records": len(records), "examples": 0, "truncated": 0, "dropped_empty": 0, "tokens": 0}
         self.stats["target_tokens"] = 0
         problems: list[str] = []
         for i, record in enumerate(records, 1):
             where = record.get("where", f"{label}: record {i}")
             try:
-                spans, length, cut = self._measure(record)
+                spans, length = self._measure(record)
             except ValueError as exc:
                 problems.append(f"{where}: {exc}")
                 continue
             if not spans:
                 self.stats["dropped_empty"] += 1
                 continue
-            self.stats["truncated"] += cut
+            self.stats["truncated"] += length > max_len
             self.stats["examples"] += 1
-            self.stats["tokens"] += length
+            self.stats["tokens"] += min(length, max_len)
             self.stats["target_tokens"] += sum(b - a for a, b in spans)
             self.records.append(record)
             self.spans.append(spans)
+            self.lengths.append(length)
         if problems:
             raise DataError(problems, title="invalid data")
 
@@ -131,8 +133,8 @@ class VisionRows(torch.utils.data.Dataset):
         """The processor's tensors of `text` with its `images` (decoded; batch dimension 1)."""
         return self.processor(text=[text], return_tensors="pt", **({"images": [images]} if images else {}))
 
-    def _measure(self, record: dict) -> tuple[list[tuple[int, int]], int, bool]:
-        """(the trained token spans [start, end), the row's length, whether it was cut)."""
+    def _measure(self, record: dict) -> tuple[list[tuple[int, int]], int]:
+        """(the trained token spans [start, end) within max_len, the record's tokens before the cut)."""
         conv = as_parts(record["messages"])
         images = [read_image(p, self.max_pixels) for p in image_paths(conv)]  # decoded once for every prefix
 
@@ -153,8 +155,7 @@ class VisionRows(torch.utils.data.Dataset):
                     "something other than the start of the whole: its assistant tokens cannot be found"
                 )
             spans.append((start, end))
-        cut = len(ids) > self.max_len
-        if cut:
+        if len(ids) > self.max_len:
             images_at = torch.isin(ids, self.image_ids).nonzero()
             if len(images_at) and int(images_at[-1]) >= self.max_len:
                 raise ValueError(
@@ -164,16 +165,21 @@ class VisionRows(torch.utils.data.Dataset):
             spans = [(a, min(b, self.max_len)) for a, b in spans if a < self.max_len]
         # The causal shift: a row's first token is never a target.
         spans = [(max(a, 1), b) for a, b in spans if b > max(a, 1)]
-        return spans, min(len(ids), self.max_len), cut
+        return spans, len(ids)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        conv = as_parts(self.records[i]["messages"])
+        return self.row(self.records[i], self.spans[i])
+
+    def row(self, record: dict, spans: list[tuple[int, int]]) -> dict[str, Any]:
+        """`record` rendered as item i is (`spans`: its trained token spans; none for a record
+        dropped for having no trained token, which the data preview shows)."""
+        conv = as_parts(record["messages"])
         out = self._encode(
             self._texts([conv], prompt=False)[0], [read_image(p, self.max_pixels) for p in image_paths(conv)]
         )
         ids = out["input_ids"][0][: self.max_len]
         labels = torch.full_like(ids, IGNORE_INDEX)
-        for a, b in self.spans[i]:
+        for a, b in spans:
             labels[a:b] = ids[a:b]
         labels[torch.isin(ids, self.image_ids)] = IGNORE_INDEX
         row: dict[str, Any] = {"input_ids": ids.tolist(), "labels": labels.tolist()}

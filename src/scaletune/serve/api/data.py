@@ -22,7 +22,16 @@ from scaletune.serve.edge.policy import data_area
 from scaletune.serve.edge.teams import record
 from scaletune.serve.jobs import removal
 from scaletune.serve.jobs.data_formats import detect_file
-from scaletune.serve.jobs.datasets import META, area_file, check_file, file_entry, listing, place, stored_name
+from scaletune.serve.jobs.datasets import (
+    META,
+    area_file,
+    check_file,
+    file_entry,
+    is_image,
+    listing,
+    place,
+    stored_name,
+)
 
 E413_422 = {**E422, 413: {"description": "the file is over max_upload_bytes, or the data area over max_data_bytes"}}
 router = APIRouter()
@@ -38,14 +47,16 @@ class PreviewRequest(BaseModel):
 def list_data(svc: Svc):
     """The uploaded data files: name, size (bytes), records, `path`, what a config's
     `data.train.path` names, `format`, the `data.train.format` whose keys its first record has
-    (null: no format's), and `by`, the token that uploaded it (null: not recorded)."""
+    (null: no format's; `image` for an image, whose records are null), and `by`, the token that
+    uploaded it (null: not recorded)."""
     return listing(svc.home)
 
 
 @router.post("/api/data", status_code=201, tags=["data"], responses=E413_422)
 async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[str, Query(max_length=1024)]):
     """Store the request body as the data file `name` (JSON, JSONL, CSV or Parquet) in the data
-    area. 201 with the file's entry (`name` may carry a suffix `-2` when that name holds other
+    area, or as an image its records name (PNG, JPEG, WebP: `{"type": "image", "path": "name.png"}`
+    in a vision-language model's chat records, the path relative to the records' file). 201 with the file's entry (`name` may carry a suffix `-2` when that name holds other
     bytes); 200 with the existing entry when the same bytes are there already under that name;
     413 over the admin's `max_upload_bytes`; 422 for a refused name or a file that does not
     parse (the file and line named)."""
@@ -85,7 +96,8 @@ async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[
             return refusal(f"{name}: not a readable data file", exc.problems)
         path, fresh = place(tmp, clean, h.hexdigest())
         if fresh:
-            meta = {"records": records, "sha256": h.hexdigest(), "by": c.name, "format": detect_file(path)}
+            fmt = "image" if is_image(path.name) else detect_file(path)
+            meta = {"records": records, "sha256": h.hexdigest(), "by": c.name, "format": fmt}
             path.with_name(META.format(path.name)).write_text(json.dumps(meta))
             record(svc.Session, c.name, "data.upload", detail=f"{path.name} {size} bytes")
         return JSONResponse(file_entry(path), status_code=201 if fresh else 200)

@@ -27,6 +27,7 @@ MEASURED = 5000
 BUDGET_S = 5.0
 BINS = 20
 _BATCH = 256
+_VISION_BATCH = 16  # records with images rendered at once (each image decoded and processed)
 _DATA_KEYS = ("max_seq_length", "chat_template")  # what of `data` shapes a record's tokens
 _SFT = ("alpaca", "messages", "text")
 
@@ -133,9 +134,14 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         UserError: every problem of the config (each naming its key), the policy, the tokenizer
             (`models.load_tokenizer`'s) or the records (`load_records`', naming file and record).
     """
+    from scaletune.serve.jobs.datasets import is_image
+
     model, section = _sections(config, svc.policy.max_depth)
     mcfg, dcfg = _configs(model, section, path)
     _allowed(svc, model)
+    if is_image(path.name):
+        raise UserError(f"{path.name}: an image; preview the records that name it", title="cannot preview")
+    safe = mcfg.model_copy(update={"trust_remote_code": False})
     # One at a time: the first previews import transformers (and a tokenizer's class, lazily) from
     # several request threads at once, and a module half-imported by one thread is an ImportError
     # in another (12 concurrent first previews gave 11 x 500). Loading a tokenizer is the slow part.
@@ -145,8 +151,12 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         from scaletune.data.build import sft_encoder
         from scaletune.data.sources import load_records
         from scaletune.models import load_tokenizer
+        from scaletune.models.loading import model_processor
 
-        tok = load_tokenizer(mcfg.model_copy(update={"trust_remote_code": False}))
+        processor = model_processor(safe) if safe.name_or_path else None
+        tok = processor.tokenizer if processor is not None else load_tokenizer(safe)
+    if processor is not None:
+        return _vision_preview(path, dcfg, processor, n)
     source = dcfg.train
     records = load_records(source, "data.train.format")
     measured = records[:MEASURED]
@@ -195,5 +205,88 @@ def preview(svc, path: Path, config: str, n: int) -> dict:
         "histogram": histogram(lengths, max_len),
         "truncated": sum(1 for c in cuts if c is not None and c[2]),
         "dropped": sum(1 for c in cuts if c is None),
+        "over_max_seq_length": sum(1 for n_ in lengths if n_ > max_len),
+    }
+
+
+#: The longer side of a record's image as the preview shows it, in pixels.
+THUMBNAIL = 96
+
+
+def thumbnail(path: str, max_pixels: int) -> str:
+    """The image at `path` (read as training reads it) scaled to at most THUMBNAIL pixels a side, as
+    a PNG `data:` URL."""
+    import base64
+    import io
+
+    from scaletune.data.sources import read_image
+
+    image = read_image(path, max_pixels)
+    image.thumbnail((THUMBNAIL, THUMBNAIL))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def _vision_preview(path: Path, dcfg: Any, processor: Any, n: int) -> dict:
+    """The preview of a vision-language model's chat records: rendered by `data.build.vision_rows`
+    (the processor's chat template, image processor and tokenizer; the image tokens never trained),
+    each shown record with its images' thumbnails. Records are measured in batches until BUDGET_S
+    have passed, as the text preview's."""
+    from scaletune.data.build import vision_rows
+    from scaletune.data.sources import load_records
+    from scaletune.data.vision import as_parts, image_paths
+
+    source = dcfg.train
+    if source.format != "messages":
+        raise UserError(
+            f"data.train.format: {source.format}: a vision-language model trains on format messages",
+            title="cannot preview",
+        )
+    records = load_records(source, "data.train.format", max_pixels=dcfg.max_image_pixels)[:MEASURED]
+    tok, max_len = processor.tokenizer, dcfg.max_seq_length
+    shown, lengths, dropped = [], [], 0
+    start = time.monotonic()
+    for first in range(0, len(records), _VISION_BATCH):
+        if lengths and time.monotonic() - start > BUDGET_S:
+            break
+        chunk = records[first : first + _VISION_BATCH]
+        rows, counts = vision_rows(chunk, dcfg, processor, "data.train")
+        lengths += rows.lengths
+        dropped += counts["dropped_empty"]
+        kept = {id(r): i for i, r in enumerate(rows.records)}
+        for j, record in enumerate(chunk[: max(0, n - len(shown))]):
+            i = kept.get(id(record))
+            row = rows[i] if i is not None else rows.row(record, [])
+            mask = [label != -100 for label in row["labels"]]
+            tokens = rows.lengths[i] if i is not None else len(row["input_ids"])
+            shown.append(
+                {
+                    "index": first + j + 1,
+                    "tokens": tokens,
+                    "kept": len(row["input_ids"]),
+                    "truncated": tokens > max_len,
+                    "dropped": i is None,
+                    "input_ids": row["input_ids"],
+                    "trained": [int(x) for x in mask],
+                    "spans": _spans(tok, row["input_ids"], mask),
+                    "images": [
+                        {"name": Path(p).name, "thumbnail": thumbnail(p, dcfg.max_image_pixels)}
+                        for p in image_paths(as_parts(record["messages"]))
+                    ],
+                }
+            )
+    return {
+        "file": path.name,
+        "path": str(path),
+        "format": source.format,
+        "template": "processor's chat template",
+        "max_seq_length": max_len,
+        "records_total": file_entry(path)["records"] or len(records),
+        "measured": len(lengths) + dropped,
+        "records": shown,
+        "histogram": histogram(lengths, max_len),
+        "truncated": sum(1 for n_ in lengths if n_ > max_len),
+        "dropped": dropped,
         "over_max_seq_length": sum(1 for n_ in lengths if n_ > max_len),
     }

@@ -33,6 +33,10 @@ from scaletune.serve.edge.policy import data_area
 from scaletune.serve.jobs.data_formats import detect_file
 
 SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+#: Images a vision-language model's records name (`{"type": "image", "path": "0042.png"}`: a file
+#: beside the records in the data area): checked at upload as training reads them
+#: (`data.sources.read_image`: decoded whole, within Pillow's pixel bound).
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 MAX_NAME = 128
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")  # kept out of a stored name: a config names it in plain YAML
 META = ".{}.meta.json"  # beside each upload: its record count and digest (dot files are never listed)
@@ -40,7 +44,7 @@ META = ".{}.meta.json"  # beside each upload: its record count and digest (dot f
 
 def stored_name(raw: str) -> tuple[str | None, str | None]:
     """(the name an upload is stored under, None) or (None, why it is refused). Refused: a path
-    (a separator, `..`), a NUL or control character, a dot file, no data suffix, over 128
+    (a separator, `..`), a NUL or control character, a dot file, no data or image suffix, over 128
     characters; other characters outside letters, digits and `._+-` become `_`."""
     if not raw or len(raw) > MAX_NAME:
         return None, f"name: 1 to {MAX_NAME} characters, got {len(raw)}"
@@ -51,9 +55,17 @@ def stored_name(raw: str) -> tuple[str | None, str | None]:
     if raw.startswith("."):
         return None, f"name {raw!r}: a dot file is not taken"
     name = _UNSAFE.sub("_", raw)
-    if Path(name).suffix.lower() not in SUFFIXES or Path(name).stem in ("", "_"):
-        return None, f"name {raw!r}: a data file ends with {', '.join(SUFFIXES)}"
+    if Path(name).suffix.lower() not in SUFFIXES + IMAGE_SUFFIXES or Path(name).stem in ("", "_"):
+        return None, (
+            f"name {raw!r}: a data file ends with {', '.join(SUFFIXES)}, an image its records name with "
+            f"{', '.join(IMAGE_SUFFIXES)}"
+        )
     return name, None
+
+
+def is_image(name: str) -> bool:
+    """Whether the data area's file `name` is an image (:data:`IMAGE_SUFFIXES`), not records."""
+    return Path(name).suffix.lower() in IMAGE_SUFFIXES
 
 
 def area_file(home: Path, name: str) -> Path:
@@ -73,18 +85,27 @@ def area_file(home: Path, name: str) -> Path:
     return path
 
 
-def check_file(path: Path, name: str) -> int:
-    """The number of records of the data file at `path`, read as the suffix of `name` says.
+def check_file(path: Path, name: str) -> int | None:
+    """The number of records of the data file at `path`, read as the suffix of `name` says; None for
+    an image, decoded whole as training decodes it.
 
     Raises:
         DataError: it does not parse: the problems name the file and the line (JSON, JSONL, CSV)
-            or the row group (Parquet) where it fails; it holds no record.
+            or the row group (Parquet) where it fails; it holds no record; an image that Pillow
+            cannot decode or over its pixel bound (read from the header first: a decompression
+            bomb is not decoded).
     """
-    from scaletune.data.sources import jsonl_records
+    from scaletune.data.sources import MAX_IMAGE_PIXELS, jsonl_records, read_image
     from scaletune.errors import DataError
 
     suffix = Path(name).suffix.lower()
     problems = _Problems(name)
+    if is_image(name):
+        try:
+            read_image(str(path), MAX_IMAGE_PIXELS)
+        except ValueError as exc:  # Pillow names the file it read: the upload's temporary one
+            raise DataError(f"{name}: {str(exc).replace(str(path), name)}") from None
+        return None
     if suffix == ".parquet":
         n = _parquet_rows(path, name)
     elif suffix == ".csv":
@@ -240,7 +261,7 @@ def file_entry(path: Path) -> dict:
         info = {}
     # The format its first record's keys say (None: no format's); told at upload, else now (a file
     # uploaded before the service recorded it).
-    fmt = info["format"] if "format" in info else detect_file(path)
+    fmt = info["format"] if "format" in info else "image" if is_image(path.name) else detect_file(path)
     return {
         "name": path.name,
         "size": path.stat().st_size,
@@ -259,7 +280,10 @@ def listing(home: Path) -> list[dict]:
     return [
         file_entry(p)
         for p in sorted(area.iterdir())
-        if not p.name.startswith(".") and p.suffix.lower() in SUFFIXES and p.is_file() and not p.is_symlink()
+        if not p.name.startswith(".")
+        and p.suffix.lower() in SUFFIXES + IMAGE_SUFFIXES
+        and p.is_file()
+        and not p.is_symlink()
     ]
 
 
