@@ -3,7 +3,9 @@ the real CLI, exported to GGUF by the real CLI, and loaded back by transformers'
 (the control, independent of scaletune's writer: its config mapping, tensor-name map, dequantizer,
 Llama's reverse q/k permutation and its GGUF tokenizer builder). Logits are compared with the
 safetensors model on real Alpaca text; encodings with the Hugging Face tokenizer; metadata read
-with the gguf package's GGUFReader. llama.cpp itself is not run here."""
+with the gguf package's GGUFReader. `--verify` loads each file in llama.cpp itself (the xllamacpp
+bindings) and scores its greedy continuation with transformers; the control is a file written with
+Llama's q/k permutation left out, which llama.cpp loads and computes wrongly."""
 
 from __future__ import annotations
 
@@ -331,3 +333,69 @@ def test_a_pretrained_presets_name_is_never_asked_of_the_hub(llama_run, tmp_path
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "q3" in proc.stderr, proc.stderr
     assert hub.seen == [], hub.seen
+
+
+@pytest.fixture(scope="module")
+def decisive_run(module_tmp_path) -> Path:
+    """A run of a tiny Llama whose logits are decisive (weights drawn with initializer_range 0.2, ten
+    times the default: its best next token leads by whole nats, where a barely trained tiny model's
+    are within 0.1 of each other and any file would score alike), two steps through the real CLI."""
+    from tests.helpers import save_random_llama
+
+    model = save_random_llama(
+        module_tmp_path / "models" / "decisive",
+        NEOX_TOKENIZER,
+        vocab_size=50304,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    cfg = make_config(model, module_tmp_path / "decisive", SHORT, training={"learning_rate": 1e-4})
+    train(cfg, module_tmp_path, name="decisive.yaml")
+    return module_tmp_path / "decisive"
+
+
+def test_verify_loads_each_type_in_llama_cpp_and_a_wrong_layout_fails(decisive_run, tmp_path):
+    """`scaletune export --format gguf --verify` of f16 and q8_0: llama.cpp loads the file in a fresh
+    process and its greedy continuation of the probe has transformers' log-probabilities on the
+    exported float32 model within the type's bound, choosing transformers' token wherever that choice
+    is decisive; the README says so. The control: the same weights written without Llama's q/k
+    permutation (the layout llama.cpp's rope reads) load and run, and fail the same check by nats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import scaletune.checkpoint.gguf as writer
+    from scaletune.checkpoint.verify_gguf import BOUNDS, verify_gguf
+
+    for gguf_type in ("f16", "q8_0"):
+        out = tmp_path / gguf_type
+        proc = run_cli(
+            ["export", str(decisive_run), "-o", str(out), "--format", "gguf", "--gguf-type", gguf_type, "--verify"]
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        readme = (out / "README.md").read_text()
+        assert "export --verify passed" in readme and "by llama.cpp (xllamacpp" in readme, readme
+        print(readme.split("## Verification", 1)[1].strip())
+    # The control, by the internal driver: the float32 folder the CLI converts, written with the
+    # permutation left out.
+    hf = tmp_path / "hf"
+    proc = run_cli(["export", str(decisive_run), "-o", str(hf), "--dtype", "float32", "--merge-lora"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    results = {}
+    for permute in (True, False):
+        writer.ARCHITECTURES["llama"] = ("LLAMA", permute)
+        try:
+            path = tmp_path / f"permute-{permute}.gguf"
+            writer.convert_hf_to_gguf(hf, path, "f16")
+        finally:
+            writer.ARCHITECTURES["llama"] = ("LLAMA", True)
+        results[permute] = verify_gguf(path, model, tok, "f16")
+    good, wrong = results[True], results[False]
+    print(good, wrong, sep="\n")
+    assert good.passed and good.decisive >= 4, good  # measured: 6 of 8 decisive, within 0.006 nats
+    assert not wrong.passed and wrong.max_diff > 10 * BOUNDS["f16"], wrong  # measured: 8 nats

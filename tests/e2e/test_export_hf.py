@@ -128,10 +128,3 @@ def test_verify_reloads_an_adapter_and_a_merged_bf16_export_and_refuses_a_swappe
         tampered, model, AutoTokenizer.from_pretrained(str(merged)), adapter=False, trust_remote_code=False
     )
     assert not result.passed and result.max_diff > 10 * result.bound, result  # measured: 0.6 against 0.02
-
-
-def test_verify_is_refused_where_it_cannot_check(tiny_model_dir, tmp_path):
-    """--verify with --format gguf (llama.cpp's check is not built) is bad input: exit 2, nothing written."""
-    proc = run_cli(["export", str(tmp_path / "no-run"), "-o", str(tmp_path / "out"), "--format", "gguf", "--verify"])
-    assert proc.returncode == 2 and "--verify checks --format hf exports" in proc.stderr, proc.stderr[-2000:]
-    assert not (tmp_path / "out").exists()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletune.errors import Problem, UserError
+from scaletune.errors import Problem, RunFailure, UserError
 
 # config.json's model_type -> the gguf package's architecture, and whether llama.cpp expects the
 # q/k projections' rows permuted (Llama's rotary layout: llama.cpp rotates adjacent pairs, HF
@@ -180,10 +180,14 @@ def export_gguf(
     gguf_type: str | None = None,
     allow_factory: bool = False,
     trust_remote_code: bool = False,
+    verify: bool = False,
 ) -> Path:
     """Write `out_dir/<name>.<type>.gguf` (LoRA merged, tokenizer and chat template inside) and a
     README.md naming the source checkpoint, from any checkpoint or run directory. The folder is
     built under a temporary name and renamed into place: a failed export leaves nothing behind.
+    With `verify`, llama.cpp loads the file in a fresh process first and its greedy continuation of
+    a probe is scored against the float32 model it was made from (`checkpoint.verify_gguf`); the
+    result goes into the README, and a file that fails is not kept.
 
     Returns:
         The path of the .gguf file.
@@ -223,13 +227,36 @@ def export_gguf(
             name = f"{_run_name(checkpoint)}.{gguf_type}.gguf"
             info = convert_hf_to_gguf(hf_dir, tmp / name, gguf_type, data_cfg=cfg.data, name=_run_name(checkpoint))
             progress = read_progress(checkpoint)
-            (tmp / "README.md").write_text(_readme(checkpoint, progress.step, cfg, tmp / name, info, out_dir.name))
+            readme = _readme(checkpoint, progress.step, cfg, tmp / name, info, out_dir.name)
+            if verify:
+                readme += _verified(tmp / name, hf_dir, gguf_type)
+            (tmp / "README.md").write_text(readme)
             if out_dir.is_dir():
                 out_dir.rmdir()  # empty (checked above)
             os.replace(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / name
+
+
+def _verified(path: Path, hf_dir: Path, gguf_type: str) -> str:
+    """`checkpoint.verify_gguf.verify_gguf` of the file being written against the float32 folder it
+    was converted from: its README section, or RunFailure (the export is not moved into place)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scaletune.checkpoint.verify_gguf import verify_gguf
+    from scaletune.env import print0
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    try:
+        result = verify_gguf(path, model, AutoTokenizer.from_pretrained(str(hf_dir)), gguf_type)
+    except RuntimeError as exc:
+        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
+    print0(f"[scaletune] {result.sentence()}")
+    if not result.passed:
+        raise RunFailure(f"{result.sentence()}; nothing was written; the checkpoint is unchanged")
+    return result.markdown()
 
 
 def _run_name(checkpoint: Path) -> str:

@@ -115,9 +115,11 @@ def export(
         bool,
         typer.Option(
             "--verify",
-            help="With --format hf: load the written folder in a fresh process through transformers (peft for "
-            "an adapter) and check its logits on a probe text equal the checkpoint's (fp32 within 1e-5); the "
-            "result goes into its README, and a folder that fails is not kept (exit 1).",
+            help="Load the export in a fresh process in the runtime it is for and compare it with the "
+            "checkpoint: a folder through transformers (peft for an adapter), its logits on a probe text (fp32 "
+            "within 1e-5); a GGUF file in llama.cpp (pip install 'scaletune[llamacpp]'), the log-probabilities "
+            "of its greedy continuation of the probe against transformers' (a bound per --gguf-type). The "
+            "result goes into its README, and an export that fails is not kept (exit 1).",
         ),
     ] = False,
     push_to_hub: Annotated[
@@ -150,7 +152,12 @@ def export(
     if fmt != "gguf" and gguf_type is not None:
         problems.append("--gguf-type applies to --format gguf only")
     if fmt == "gguf" and verify:
-        problems.append("--verify checks --format hf exports; a GGUF's check in llama.cpp is not built yet")
+        from scaletune.checkpoint.verify_gguf import require_llamacpp
+
+        try:
+            require_llamacpp()
+        except RuntimeError as exc:
+            problems.append(str(exc))
     if fmt == "gguf":
         # Every problem at once: the flags above, the output folder, the checkpoint, the type, the architecture.
         problems += [p.text() for p in gguf_export_problems(checkpoint, output, gguf_type)]
@@ -169,6 +176,7 @@ def export(
             gguf_type=gguf_type,
             allow_factory=allow_factory,
             trust_remote_code=trust_remote_code,
+            verify=verify,
         )
     else:
         out = export_checkpoint(

@@ -55,10 +55,11 @@ class ExportRequest(BaseModel):
     gguf_type: Literal["f16", "bf16", "q8_0", "f32"] | None = None
     verify: bool | None = Field(
         None,
-        description="Load the written Hugging Face folder in a fresh process (transformers alone; peft for an "
-        "adapter) and compare its logits with the checkpoint's (`scaletune export --verify`); a folder that "
-        "fails is not kept. Default: on for format hf. A GGUF file's check in llama.cpp is not built: true "
-        "with format gguf is refused.",
+        description="Load the export in a fresh process in the runtime it is for and compare it with the "
+        "checkpoint (`scaletune export --verify`): a Hugging Face folder through transformers (peft for an "
+        "adapter), its logits; a GGUF file in llama.cpp (the service needs `scaletune[llamacpp]`), the "
+        "log-probabilities of its greedy continuation of a probe. An export that fails is not kept. Default: "
+        "on for format hf, off for gguf.",
     )
     push_to_hub: str | None = Field(
         None,
@@ -160,7 +161,12 @@ def start_export(job_id: str, req: ExportRequest, c: Submitter, svc: Svc, tasks:
     if req.format == "hf" and req.gguf_type:
         problems.append("gguf_type applies to format gguf")
     if req.format == "gguf" and req.verify:
-        problems.append("verify applies to format hf: checking a GGUF file in llama.cpp is not built")
+        from scaletune.checkpoint.verify_gguf import require_llamacpp
+
+        try:
+            require_llamacpp()
+        except RuntimeError as exc:
+            problems.append(f"verify: {exc}")
     verify = req.format == "hf" if req.verify is None else req.verify
     if req.push_to_hub is not None:
         from scaletune.checkpoint.hub import push_problems
