@@ -190,7 +190,9 @@ def test_a_lora_run_exports_the_merged_model_exactly_in_f32(module_tmp_path, tmp
 
     lora = {"lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "auto"}}
     run = _run(module_tmp_path, "qwen2-tiny", "qwen2-lora", NEOX_TOKENIZER, model=lora)
-    path = _export(run, tmp_path / "gguf", "--gguf-type", "f32")
+    # --verify: llama.cpp loads the tied, biased Qwen2 file and computes what transformers does.
+    path = _export(run, tmp_path / "gguf", "--gguf-type", "f32", "--verify")
+    assert "export --verify passed" in (path.parent / "README.md").read_text()
     base_dir = module_tmp_path / "models" / "qwen2-lora"
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
     ids = _ids(base_dir)
@@ -217,7 +219,9 @@ def test_olmo2_bf16_with_its_own_tokenizer(tiny_model_dir, module_tmp_path, tmp_
     cfg = make_config(tiny_model_dir, module_tmp_path / "olmo2", SHORT)
     train(cfg, module_tmp_path, name="olmo2.yaml")
     run = module_tmp_path / "olmo2"
-    path = _export(run, tmp_path / "gguf", "--gguf-type", "bf16")
+    # --verify: llama.cpp loads OLMo-2's file (q/k norms, post-norms, no permutation) and computes it.
+    path = _export(run, tmp_path / "gguf", "--gguf-type", "bf16", "--verify")
+    assert "export --verify passed" in (path.parent / "README.md").read_text()
     meta = _fields(path)
     assert meta["general.architecture"] == "olmo2" and meta["tokenizer.ggml.pre"] == "dbrx"
     assert {"blk.0.attn_q_norm.weight", "blk.0.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= set(
