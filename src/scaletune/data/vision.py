@@ -190,10 +190,11 @@ class VisionRows(torch.utils.data.Dataset):
 
 class VisionCollator:
     """Pads a micro-batch of :class:`VisionRows` items: the text as `batching.Collator` does (right
-    padding, `attention_mask`), the per-token inputs (`token_type_ids`) with 0, each image tensor zero-padded to the batch's largest size in every
-    dimension after the first and concatenated along the first (the layout a processor gives a
-    batch: Idefics3's `pixel_values` [B, images, 3, H, W] with `pixel_attention_mask` 0 on padding,
-    Qwen2-VL's patches [patches, dim] with `image_grid_thw` [images, 3])."""
+    padding, `attention_mask`), the per-token inputs (`token_type_ids`) with 0, each image tensor
+    zero-padded to the batch's largest size in every dimension after the first and concatenated
+    along the first (the layout a processor gives a batch: Idefics3's `pixel_values`
+    [B, images, 3, H, W] with `pixel_attention_mask` 0 on padding, Qwen2-VL's patches
+    [patches, dim] with `image_grid_thw` [images, 3])."""
 
     def __init__(self, pad_token_id: int) -> None:
         self.text = Collator(pad_token_id)
