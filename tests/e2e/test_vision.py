@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import digit_chats, run_cli
+from tests.helpers import assert_close, digit_chats, metrics, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +308,9 @@ def test_gemma3_image_tokens_attend_both_ways_in_training_as_transformers_masks_
     model through `scaletune train`, the vision tower frozen. The control: transformers' own loss
     (the model's forward with labels and `token_type_ids`) of final/ on the eval rows is the eval_loss
     the run logged at its end (1e-6); without `token_type_ids` (causal image tokens) it is not. The
-    frozen vision tower's weights in final/ are the base's, bit for bit; the projector's are not."""
+    frozen vision tower's weights in final/ are the base's, bit for bit; the projector's are not. The
+    same run at world size 2 (`distributed.num_processes=2`) reproduces its loss, grad norm and eval
+    loss (1e-4)."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
@@ -350,6 +352,13 @@ def test_gemma3_image_tokens_attend_both_ways_in_training_as_transformers_masks_
         for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
         if "eval_loss" in m
     ]
+    # World size 2, as users start it (re-executed under torchrun): the single process's steps.
+    out = run_cli(["train", str(path), f"output_dir={tmp_path / 'ddp-2'}", "distributed.num_processes=2"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        single, ddp = ([m[key] for m in metrics(tmp_path / run) if key in m] for run in ("run", "ddp-2"))
+        assert len(single) == (6 if key != "eval_loss" else 1)
+        assert_close(ddp, single, 1e-4, f"gemma3 ddp-2 {key}")
     final = tmp_path / "run" / "final"
     base, trained = (load_file(d / "model.safetensors") for d in (tiny_gemma3_dir, final))
     tower = [k for k in base if k.startswith("vision_tower.")]
