@@ -53,10 +53,9 @@ BOUNDS = {"f32": 0.01, "f16": 0.01, "bf16": 0.04, "q8_0": 0.2}
 @dataclass(frozen=True)
 class GGUFVerification:
     """The result: llama.cpp's `tokens` chosen tokens after a `prompt`-token probe, the largest
-    |log-probability difference| `max_diff` against `bound` (:data:`BOUNDS` times the logits' spread
-    `scale`, nats), the positions where transformers' choice
-    was decisive (`decisive`) and how many of those llama.cpp chose alike (`agreed`), the weight
-    type and the library that loaded the file."""
+    |log-probability difference| `max_diff` against `bound` (nats: :data:`BOUNDS` times the logits'
+    spread `scale`), the positions where transformers' choice was decisive (`decisive`) and how many
+    of those llama.cpp chose alike (`agreed`), the weight type and the library that loaded the file."""
 
     prompt: int
     tokens: int
@@ -124,10 +123,10 @@ def verify_gguf(path: Path, model: torch.nn.Module, tokenizer: Any, gguf_type: s
     assert chosen, "llama.cpp chose no token"
     with torch.no_grad():
         logits = model.eval()(input_ids=torch.tensor([prompt + chosen])).logits[0].double()
-    # Position len(prompt) - 1 + k predicts chosen token k.
-    logps = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(chosen)], dim=-1)
+    scored = logits[len(prompt) - 1 : len(prompt) - 1 + len(chosen)]  # row k predicts chosen token k
+    logps = torch.log_softmax(scored, dim=-1)
     ours = logps[torch.arange(len(chosen)), torch.tensor(chosen)]
-    scale = float(logits[len(prompt) - 1 : len(prompt) - 1 + len(chosen)].std(dim=-1).mean())
+    scale = float(scored.std(dim=-1).mean())
     bound = BOUNDS[gguf_type] * scale
     top2 = logps.topk(2, dim=-1)
     decisive = (top2.values[:, 0] - top2.values[:, 1]) > 2 * bound
