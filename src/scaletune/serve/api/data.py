@@ -56,10 +56,11 @@ def list_data(svc: Svc):
 async def upload_data(request: Request, c: Submitter, svc: Svc, name: Annotated[str, Query(max_length=1024)]):
     """Store the request body as the data file `name` (JSON, JSONL, CSV or Parquet) in the data
     area, or as an image its records name (PNG, JPEG, WebP: `{"type": "image", "path": "name.png"}`
-    in a vision-language model's chat records, the path relative to the records' file). 201 with the file's entry (`name` may carry a suffix `-2` when that name holds other
-    bytes); 200 with the existing entry when the same bytes are there already under that name;
-    413 over the admin's `max_upload_bytes`; 422 for a refused name or a file that does not
-    parse (the file and line named)."""
+    in a vision-language model's chat records, the path relative to the records' file). 201 with the
+    file's entry (`name` may carry a suffix `-2` when that name holds other bytes); 200 with the
+    existing entry when the same bytes are there already under that name; 413 over the admin's
+    `max_upload_bytes`; 422 for a refused name or a file that does not parse (the file and line
+    named)."""
     clean, why = stored_name(name)
     if why:
         return refusal("upload refused", [why])
