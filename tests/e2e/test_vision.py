@@ -169,11 +169,7 @@ def test_a_lora_run_exports_merged_with_the_logits_of_its_adapter(tiny_vlm_dir, 
     adapter = json.loads((final / "adapter_config.json").read_text())
     assert adapter["target_modules"] and all("text_model" in t for t in adapter["target_modules"]), adapter
     assert adapter["modules_to_save"] == ["model.connector.modality_projection.proj"], adapter
-    logged = [
-        m["eval_loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "eval_loss" in m
-    ]
+    logged = [m["eval_loss"] for m in metrics(tmp_path / "run") if "eval_loss" in m]
     out = run_cli(["eval", str(final), "--data", str(digits["eval"]), "--format", "messages", "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     reloaded = json.loads(out.stdout)["loss"]
@@ -286,11 +282,7 @@ def test_llava_trains_projector_and_adapters_and_reloads_as_transformers_measure
         "model.multi_modal_projector.linear_1",
         "model.multi_modal_projector.linear_2",
     ]
-    logged = [
-        m["eval_loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "eval_loss" in m
-    ]
+    logged = [m["eval_loss"] for m in metrics(tmp_path / "run") if "eval_loss" in m]
     batch = build_datasets(data, tok, seed=0, processor=processor).collator(list(rows))
     base = AutoModelForImageTextToText.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -347,11 +339,7 @@ def test_gemma3_image_tokens_attend_both_ways_in_training_as_transformers_masks_
     path.write_text(yaml.safe_dump(cfg))
     out = run_cli(["train", str(path)])
     assert out.returncode == 0, out.stderr[-3000:]
-    logged = [
-        m["eval_loss"]
-        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-        if "eval_loss" in m
-    ]
+    logged = [m["eval_loss"] for m in metrics(tmp_path / "run") if "eval_loss" in m]
     # World size 2, as users start it (re-executed under torchrun): the single process's steps.
     out = run_cli(["train", str(path), f"output_dir={tmp_path / 'ddp-2'}", "distributed.num_processes=2"])
     assert out.returncode == 0, out.stderr[-3000:]

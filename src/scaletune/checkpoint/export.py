@@ -15,7 +15,7 @@ import torch
 from scaletune.checkpoint.resume import checkpoint_problems, read_progress
 from scaletune.checkpoint.save import latest_checkpoint, single_process_dcp
 from scaletune.config import Config, read_config
-from scaletune.errors import Problem, RunFailure, UserError
+from scaletune.errors import Problem, UserError
 from scaletune.safe_load import dcp_reader, enforce
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
@@ -211,7 +211,12 @@ def export_checkpoint(
             cfg, source=source, run_dir=run_dir, step=progress.step, kind=kind, folder=out_dir.name, merged=merge_lora
         )
         if verify:
-            card += _verified(tmp, model, tokenizer, adapter=kind == "adapter", trust_remote_code=trust_remote_code)
+            from scaletune.checkpoint.verify import readme_section, verify_folder
+
+            adapter = kind == "adapter"
+            card += readme_section(
+                lambda: verify_folder(tmp, model, tokenizer, adapter=adapter, trust_remote_code=trust_remote_code)
+            )
         (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)
@@ -219,25 +224,6 @@ def export_checkpoint(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _verified(folder: Path, model: torch.nn.Module, tokenizer, *, adapter: bool, trust_remote_code: bool) -> str:
-    """:func:`scaletune.checkpoint.verify.verify_folder` of the folder being written: its README
-    section, or RunFailure (the export is not moved into place)."""
-    from scaletune.checkpoint.verify import verify_folder
-    from scaletune.env import print0
-
-    try:
-        result = verify_folder(folder, model, tokenizer, adapter=adapter, trust_remote_code=trust_remote_code)
-    except RuntimeError as exc:
-        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
-    print0(f"[scaletune] {result.sentence()}")
-    if not result.passed:
-        raise RunFailure(
-            f"--verify: the exported folder's logits differ from the model written by {result.max_diff:.3g} "
-            f"(bound {result.bound:g} for {result.dtype}); nothing was written; the checkpoint is unchanged"
-        )
-    return result.markdown()
 
 
 def _export_factory_checkpoint(checkpoint: Path, out_dir: Path, cfg: Config, fmt: str) -> Path:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scaletune.errors import Problem, RunFailure, UserError
+from scaletune.errors import Problem, UserError
 
 # config.json's model_type -> the gguf package's architecture, and whether llama.cpp expects the
 # q/k projections' rows permuted (Llama's rotary layout: llama.cpp rotates adjacent pairs, HF
@@ -245,18 +245,12 @@ def _verified(path: Path, hf_dir: Path, gguf_type: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from scaletune.checkpoint.verify import readme_section
     from scaletune.checkpoint.verify_gguf import verify_gguf
-    from scaletune.env import print0
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
-    try:
-        result = verify_gguf(path, model, AutoTokenizer.from_pretrained(str(hf_dir)), gguf_type)
-    except RuntimeError as exc:
-        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
-    print0(f"[scaletune] {result.sentence()}")
-    if not result.passed:
-        raise RunFailure(f"{result.sentence()}; nothing was written; the checkpoint is unchanged")
-    return result.markdown()
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    return readme_section(lambda: verify_gguf(path, model, tokenizer, gguf_type))
 
 
 def _run_name(checkpoint: Path) -> str:

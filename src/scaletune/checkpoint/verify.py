@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,33 @@ class Verification:
             f"exporting process's model (largest |difference|; bound {self.bound:g} for {self.dtype} weights)"
         )
 
-    def markdown(self) -> str:
-        """The README section that records it."""
-        return f"\n## Verification\n\n{self.sentence()}.\n"
+    def failure(self) -> str:
+        """What failed, for the refusal."""
+        return (
+            f"--verify: the exported folder's logits differ from the model written by {self.max_diff:.3g} "
+            f"(bound {self.bound:g} for {self.dtype})"
+        )
+
+
+def readme_section(check: Callable[[], Any]) -> str:
+    """Run an export's check (`check()` returns a :class:`Verification` or a
+    `verify_gguf.GGUFVerification`), print its sentence, and return the README section recording it.
+
+    Raises:
+        RunFailure: the check could not run (its RuntimeError) or the export failed it; the caller
+            then does not move the export into place.
+    """
+    from scaletune.env import print0
+    from scaletune.errors import RunFailure
+
+    try:
+        result = check()
+    except RuntimeError as exc:
+        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
+    print0(f"[scaletune] {result.sentence()}")
+    if not result.passed:
+        raise RunFailure(f"{result.failure()}; nothing was written; the checkpoint is unchanged")
+    return f"\n## Verification\n\n{result.sentence()}.\n"
 
 
 def probe_ids(tokenizer: Any) -> list[int]:

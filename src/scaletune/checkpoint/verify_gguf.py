@@ -82,9 +82,9 @@ class GGUFVerification:
             f"transformers' token at {self.agreed} of the {self.decisive} positions where that choice was decisive"
         )
 
-    def markdown(self) -> str:
-        """The README section that records it."""
-        return f"\n## Verification\n\n{self.sentence()}.\n"
+    def failure(self) -> str:
+        """What failed, for the refusal: the sentence, which says it."""
+        return self.sentence()
 
 
 def require_llamacpp() -> None:
