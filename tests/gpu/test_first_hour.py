@@ -25,22 +25,11 @@ BF16 = {"dtype": "bfloat16"}
 PAIRS = REPO_ROOT / "examples" / "data" / "alpaca_pairs.jsonl"
 
 
-def _in_packed_sequence_check(at: str) -> bool:
-    """Whether `file:line` lies in transformers' `masking_utils.find_packed_sequence_indices`."""
-    import inspect
-
-    from transformers import masking_utils
-
-    lines, first = inspect.getsourcelines(masking_utils.find_packed_sequence_indices)
-    file, _, line = at.rpartition(":")
-    return file == inspect.getsourcefile(masking_utils) and first <= int(line) < first + len(lines)
-
-
 def test_unpacked_steps_do_not_synchronize(tiny_llama_dir, tmp_path, monkeypatch):
     """Unpacked right-padded rows in bf16 on one GPU: from the second step on (the first creates
     Adam's state), `train_step` runs under `torch.cuda.set_sync_debug_mode("warn")` and no
-    synchronizing CUDA call is made but transformers' one per forward; the control is a `.item()`
-    inside the same mode, which warns."""
+    synchronizing CUDA call is made, transformers' packed-rows check included (`causal_sdpa`); the
+    control is a `.item()` inside the same mode, which warns."""
     from scaletune.env import DistributedEnv
     from scaletune.resolve import resolve
     from scaletune.run.rundir import opened
@@ -79,14 +68,10 @@ def test_unpacked_steps_do_not_synchronize(tiny_llama_dir, tmp_path, monkeypatch
     monkeypatch.setattr(loop, "train_step", watched_step)
     trainer.fit()
     assert [m["step"] for m in steps(tmp_path / "run")] == [5]
-    # transformers' own: a model that makes its position_ids (none are passed for unpacked rows)
-    # still asks whether they are packed, `(packed_sequence_mask[:, -1] == 0).all()` in
-    # masking_utils.find_packed_sequence_indices, once per forward (seen on an H200 with 5.17, line
-    # 755). That read is upstream's; every other sync would be scaletune's.
-    upstream = [(step, at) for step, at in syncs if _in_packed_sequence_check(at)]
-    assert [s for s in syncs if s not in upstream] == [], syncs
-    micro_batches = 8 // 2
-    assert len(upstream) <= micro_batches * 4, upstream  # 4 watched steps, one forward per micro-batch
+    # Before `models.attention.causal_sdpa`, transformers' `find_packed_sequence_indices` synced once
+    # per forward here (`(packed_sequence_mask[:, -1] == 0).all()`, seen on an H200 with 5.17, line
+    # 755): a model that makes its own position_ids still asked whether they were packed.
+    assert syncs == [], syncs
 
     with warnings.catch_warnings(record=True) as control:  # the mode is live here: a read warns
         warnings.simplefilter("always")

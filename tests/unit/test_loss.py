@@ -190,19 +190,52 @@ def sdpa_calls(monkeypatch) -> list[tuple[bool, bool]]:
     return calls
 
 
+def packed_checks(monkeypatch) -> list[int]:
+    """One entry per call of transformers' `find_packed_sequence_indices` from now on (the real
+    function still runs): the per-forward check whose `.all()` is a host sync on a GPU."""
+    import transformers.masking_utils as mu
+
+    calls, real = [], mu.find_packed_sequence_indices
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", lambda pos: calls.append(1) or real(pos))
+    return calls
+
+
 def test_right_padded_rows_run_causal_attention_without_a_mask(monkeypatch):
     """Issue 38: unpacked right-padded rows need no padding mask under causal attention (a real
     token never sees the padding after it), so the loss hands SDPA none and `is_causal` (the flash
-    kernel; no mask build and no host sync in transformers). The loss and gradients are transformers'
-    own with the mask (test_causal_lm_loss_equals_the_models_own_loss); here, what SDPA was given."""
+    kernel), and transformers neither builds a mask nor checks for packed rows (its per-forward
+    host sync). The loss and gradients are transformers' own with the mask
+    (test_causal_lm_loss_equals_the_models_own_loss); here, what SDPA and the mask code were given."""
     model = tiny_causal_lm("llama")
     input_ids, attention_mask, labels = batch()
-    calls = sdpa_calls(monkeypatch)
+    calls, checks = sdpa_calls(monkeypatch), packed_checks(monkeypatch)
     CausalLMLoss(model)(input_ids, labels, target_index(labels), attention_mask, torch.arange(12).expand(3, 12))
     assert calls and set(calls) == {(False, True)}, calls
+    assert checks == []
+    assert model.config._attn_implementation == "sdpa"  # generation, after it, keeps its masks
     calls.clear()
     model(input_ids=input_ids, attention_mask=attention_mask)  # the control: transformers with the mask
     assert calls and set(calls) == {(True, False)}, calls
+    model(input_ids=input_ids, use_cache=False)  # the control: no mask, sdpa: transformers checks for packed rows
+    assert checks == [1]
+
+
+def test_maskless_rows_recompute_the_same_attention_under_checkpointing():
+    """Gradient checkpointing recomputes each layer in backward, outside the loss's forward (and its
+    attention name): the loss and gradients equal those without checkpointing, which equal
+    transformers' own with the mask."""
+    reference, model = tiny_causal_lm("llama"), tiny_causal_lm("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    input_ids, attention_mask, labels = batch()
+    names = [n for n, _ in model.named_parameters()]
+    got, want = [], []
+    for m, out in ((model, got), (reference, want)):
+        loss = CausalLMLoss(m)(input_ids, labels, target_index(labels), attention_mask)
+        out.append(loss.detach())
+        out.extend(torch.autograd.grad(loss, list(m.parameters())))
+    assert abs(got[0].item() - want[0].item()) <= TOL * abs(want[0].item())
+    assert_grads_close(got[1:], want[1:], names)
 
 
 def test_windowed_layers_keep_the_padding_mask(monkeypatch):

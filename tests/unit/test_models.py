@@ -623,11 +623,25 @@ def test_builtin_attention_names_are_ones_transformers_knows():
     """The names `train --check` accepts without importing transformers' model code
     (models/checks.py BUILTIN_ATTENTION) are ones transformers registers, and a name it does not
     know still goes to transformers and is refused with the list it knows."""
+    import contextlib
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from scaletune.models.attention import CAUSAL_SDPA, causal_sdpa
     from scaletune.models.checks import BUILTIN_ATTENTION, attention_problem
 
     assert BUILTIN_ATTENTION <= {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
     assert all(attention_problem(name) is None for name in BUILTIN_ATTENTION)
     refused = attention_problem("sdpaa")
     assert refused is not None and "'sdpaa' is not one transformers knows" in refused and "sdpa" in refused
+    # The loss's own name for mask-free rows is registered with transformers once a run has used it,
+    # but a model loaded under it would lose its masks: it is not a value for the config.
+    config = type("Config", (), {"_attn_implementation": "sdpa"})()
+    with causal_sdpa(config):
+        assert config._attn_implementation == CAUSAL_SDPA and CAUSAL_SDPA in ALL_ATTENTION_FUNCTIONS.valid_keys()
+    assert config._attn_implementation == "sdpa"
+    refused = attention_problem(CAUSAL_SDPA)
+    assert refused is not None and f"{CAUSAL_SDPA!r} is not one transformers knows" in refused
+    with contextlib.suppress(RuntimeError), causal_sdpa(config):  # an error inside still restores it
+        raise RuntimeError
+    assert config._attn_implementation == "sdpa"

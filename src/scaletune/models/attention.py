@@ -17,11 +17,15 @@ tests the rows on the host (``(...).all()``: a device-to-host sync per step on a
   ``[B, 1, T, T]`` mask transformers would build for ``sdpa``.
 * :func:`context_mask`: the whole rows' mask of a context-parallel slice (the strategy splits the
   rows, `strategies.parallel.context`; the loss module asks for their mask here).
+* :func:`causal_sdpa`: unpacked right-padded rows, which need no mask at all under causal
+  attention, run SDPA's `is_causal` without transformers' per-forward packed-rows check.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +40,10 @@ SDPA = "sdpa"
 
 # The masks packed_mask builds; any other implementation keeps transformers' own mask work.
 PREBUILT = (FLEX, SDPA)
+
+#: transformers' own SDPA attention under a name its mask interface does not know
+#: (:func:`causal_sdpa`). Not a value for `model.attn_implementation` (`models.checks` refuses it).
+CAUSAL_SDPA = "scaletune_causal_sdpa"
 
 
 def flex_unavailable(hf_config: Any, device: str) -> str | None:
@@ -227,3 +235,44 @@ def context_mask(hf_config: Any, full_position_ids: torch.Tensor | None) -> torc
     mask = packed_mask(_AsSdpa(hf_config), full_position_ids)
     assert mask is not None, "parallel.context.install() refuses models whose layers are not all plain causal attention"
     return mask
+
+
+@contextlib.contextmanager
+def causal_sdpa(hf_config: Any) -> Iterator[None]:
+    """Within it, an ``sdpa`` model's language-model layers build no mask: SDPA runs `is_causal`.
+
+    For unpacked right-padded rows of a model whose layers are all plain causal attention
+    (:func:`full_causal_only`), passed to the model with no attention mask and no position ids
+    (`models.loss.CausalLMLoss`). transformers still asks, once per forward, whether the positions
+    it makes for them are packed rows: ``(packed_sequence_mask[:, -1] == 0).all()`` in
+    `masking_utils.find_packed_sequence_indices`, a device-to-host sync every micro-batch on a GPU
+    (seen on an H200 with transformers 5.17; 5.24 line 761). Its mask preparation
+    (`masking_utils._preprocess_mask_arguments`) returns no mask, before that check, for an
+    attention name its `AttentionMaskInterface` does not know; under :data:`CAUSAL_SDPA`, the
+    layers then call transformers' own `sdpa_attention_forward` with no mask, which passes
+    ``is_causal=True`` for a query longer than one token: the attention ``sdpa`` computes for these
+    rows, less the check.
+
+    Scoped to the forward because generation shares the config and needs its left padding's mask.
+    Gradient checkpointing recomputes a layer in backward, outside this context, under ``sdpa``
+    with the same None mask: the same `is_causal` call. Other implementations, and a config that is
+    not ``sdpa``, are left as they are. The name is registered with transformers'
+    `AttentionInterface` (process-wide) on first use.
+
+    Args:
+        hf_config: the model's transformers config; a vision-language model's language model is
+            switched (`get_text_config`), its vision tower keeps its masks.
+    """
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "_attn_implementation", None) != SDPA:
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    text._attn_implementation = CAUSAL_SDPA
+    try:
+        yield
+    finally:
+        text._attn_implementation = SDPA

@@ -126,7 +126,10 @@ def attention_problem(name: str | None) -> str | None:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    known = {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+    from scaletune.models.attention import CAUSAL_SDPA
+
+    # CAUSAL_SDPA is scaletune's own, for one kind of forward; a model loaded with it would lose its masks.
+    known = {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()} - {CAUSAL_SDPA}
     known |= {part for key in list(known) for part in key.split("|")}
     if name in known:
         return None

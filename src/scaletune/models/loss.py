@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from scaletune.models.attention import context_mask, full_causal_only, packed_mask
+from scaletune.models.attention import causal_sdpa, context_mask, full_causal_only, packed_mask
 from scaletune.models.introspection import unwrap
 from scaletune.resolve.mesh import head_transforms_logits
 
@@ -432,6 +432,14 @@ class CausalLMLoss(nn.Module):
         # Pinned host memory needs the CUDA runtime; without it plain host memory does the same job.
         return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
+    @contextlib.contextmanager
+    def _forward_context(self, causal: bool) -> Iterator[None]:
+        """The model's forward runs inside: activation offloading, and :func:`causal_sdpa` for rows
+        that need no mask."""
+        attention = causal_sdpa(self.causal_lm.config) if causal else contextlib.nullcontext()
+        with attention, self._saved_tensors_context():
+            yield
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -449,6 +457,7 @@ class CausalLMLoss(nn.Module):
         ``images``: a vision-language model's image tensors (`models.vision.IMAGE_INPUTS`: their
         shapes are the processor's), passed to its forward beside the text."""
         context = labels.size(1) == input_ids.size(1) + 1
+        causal = False
         if context:
             attention_mask = context_mask(self.causal_lm.config, full_position_ids)
         elif attention_mask is None and position_ids is not None:
@@ -462,11 +471,12 @@ class CausalLMLoss(nn.Module):
             # the pads' restarting position_ids (which would read as packed rows), SDPA runs
             # `is_causal` (the flash kernel, no [B, 1, T, T] mask) and transformers skips its mask
             # build and its host sync (`padding_mask.all()` in `_ignore_causal_mask_sdpa`) every
-            # micro-batch.
+            # micro-batch; `causal_sdpa` spares it transformers' packed-rows check too.
             attention_mask = position_ids = None
+            causal = True
         scored = slice(None) if context else slice(None, -1)
         if self.plain:
-            with self._saved_tensors_context():
+            with self._forward_context(causal):
                 logits = self.causal_lm(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
@@ -481,7 +491,7 @@ class CausalLMLoss(nn.Module):
         decoder, head = decoder_and_head(self.causal_lm)
         # Only the decoder's activations are offloaded: the head's chunks are recomputed in
         # backward anyway, and their inputs are the few target rows gathered below.
-        with self._saved_tensors_context():
+        with self._forward_context(causal):
             out = decoder(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **images
             )
