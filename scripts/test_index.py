@@ -23,6 +23,8 @@ TIERS = ["unit", "e2e", "distributed", "security", "serve", "system", "gpu"]
 BY_HAND = {
     "scaletune.checkpoint.resume": ["tests/distributed/test_resume.py", "tests/security/test_hostile_checkpoints.py"],
     "scaletune.checkpoint.gguf": ["tests/e2e/test_export_gguf.py"],
+    "scaletune.checkpoint.verify_runtime": ["tests/e2e/test_export_gguf.py", "tests/e2e/test_export_vllm.py"],
+    "scaletune.checkpoint.vllm_probe": ["tests/e2e/test_export_vllm.py"],
     "scaletune.resolve.precision": ["tests/unit/test_mixed_precision.py", "tests/unit/test_strategies.py"],
     "scaletune.strategies.param_cast": ["tests/distributed/test_bf16_params.py"],
     "scaletune.strategies.parallel.stages": ["tests/distributed/test_mesh_parity.py"],

@@ -491,6 +491,22 @@ def digit_chats(out: Path, n_train: int, n_eval: int) -> dict[str, Path]:
     return module.render(out, n_train, n_eval)
 
 
+def with_mlp_outputs_swapped(folder: Path, out: Path) -> Path:
+    """A copy of the one-file model folder `folder` at `out` with layer 0's and layer 1's MLP output
+    weights swapped: every tensor present, every shape right (a loader's mistake), the model wrong.
+    The control that an export's check can fail."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for f in folder.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(folder / "model.safetensors"))
+    a, b = (f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1))
+    weights[a], weights[b] = weights[b], weights[a]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def save_random_llama(out: Path, tokenizer_file: Path, *, seed: int = 0, **config: Any) -> Path:
     """A `LlamaConfig(**config)` model with random float32 weights (drawn after
     `torch.manual_seed(seed)`) saved to `out` with a tokenizer over `tokenizer_file`, whose

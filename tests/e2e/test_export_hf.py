@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import ALPACA_5000, LORA, make_config, metrics, run_cli, train
+from tests.helpers import ALPACA_5000, LORA, make_config, metrics, run_cli, train, with_mlp_outputs_swapped
 
 
 def _verified_within(folder: Path, loader: str) -> float:
@@ -97,7 +97,6 @@ def test_verify_reloads_an_adapter_and_a_merged_bf16_export_and_refuses_a_swappe
     model written in bfloat16 through transformers within bf16's bound. The control that the check
     can fail: the merged folder with two layers' MLP output weights swapped (every tensor present,
     every shape right, a loader's mistake) is found, logits off by far more than the bound."""
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scaletune.checkpoint.verify import BOUNDS, verify_folder
@@ -115,14 +114,7 @@ def test_verify_reloads_an_adapter_and_a_merged_bf16_export_and_refuses_a_swappe
 
     assert _verified_within(merged, "transformers AutoModelForCausalLM") <= BOUNDS[torch.bfloat16]
 
-    tampered = tmp_path / "tampered"
-    tampered.mkdir()
-    for f in merged.iterdir():
-        (tampered / f.name).write_bytes(f.read_bytes())
-    weights = load_file(str(merged / "model.safetensors"))
-    a, b = (f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1))
-    weights[a], weights[b] = weights[b], weights[a]
-    save_file(weights, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    tampered = with_mlp_outputs_swapped(merged, tmp_path / "tampered")
     model = AutoModelForCausalLM.from_pretrained(str(merged), dtype="auto")
     result = verify_folder(
         tampered, model, AutoTokenizer.from_pretrained(str(merged)), adapter=False, trust_remote_code=False

@@ -115,7 +115,9 @@ def export_checkpoint(
             checkpoint config's `trust_remote_code` is not read, for the same reason.
         verify: before the folder is moved into place, load it in a fresh process through
             transformers (peft for an adapter) and compare its logits on a probe text with the
-            model written (:mod:`scaletune.checkpoint.verify`); the result goes into its README.
+            model written (:mod:`scaletune.checkpoint.verify`); then, where vLLM is present and
+            the folder is a plain model, load it in vLLM and score its greedy continuation of the
+            probe (:mod:`scaletune.checkpoint.verify_vllm`). The results go into its README.
 
     Raises:
         UserError: not a checkpoint, a corrupt or unsafe one; a factory checkpoint without
@@ -212,11 +214,18 @@ def export_checkpoint(
         )
         if verify:
             from scaletune.checkpoint.verify import readme_section, verify_folder
+            from scaletune.checkpoint.verify_vllm import not_checked, verify_vllm, vllm_python
 
             adapter = kind == "adapter"
-            card += readme_section(
+            checks = [
                 lambda: verify_folder(tmp, model, tokenizer, adapter=adapter, trust_remote_code=trust_remote_code)
-            )
+            ]
+            why = not_checked(adapter=adapter, vision=processor is not None, remote_code=trust_remote_code)
+            if why is None:  # after transformers' check: it reads the model in the dtype written
+                python = vllm_python()
+                assert python is not None
+                checks.append(lambda: verify_vllm(tmp, model, tokenizer, python))
+            card += readme_section(*checks, notes=[] if why is None else [f"export --verify: {why}"])
         (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter
         if out_dir.is_dir():
             out_dir.rmdir()  # empty (checked above)

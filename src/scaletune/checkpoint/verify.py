@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,25 +76,31 @@ class Verification:
         )
 
 
-def readme_section(check: Callable[[], Any]) -> str:
-    """Run an export's check (`check()` returns a :class:`Verification` or a
-    `verify_gguf.GGUFVerification`), print its sentence, and return the README section recording it.
+def readme_section(*checks: Callable[[], Any], notes: Sequence[str] = ()) -> str:
+    """Run an export's checks in order (each `check()` returns a :class:`Verification` or a
+    `verify_runtime.ContinuationCheck`), print each one's sentence, and return the README section
+    recording them, with `notes` (what was not checked, and why) after them.
 
     Raises:
-        RunFailure: the check could not run (its RuntimeError) or the export failed it; the caller
+        RunFailure: a check could not run (its RuntimeError) or the export failed it; the caller
             then does not move the export into place.
     """
     from scaletune.env import print0
     from scaletune.errors import RunFailure
 
-    try:
-        result = check()
-    except RuntimeError as exc:
-        raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
-    print0(f"[scaletune] {result.sentence()}")
-    if not result.passed:
-        raise RunFailure(f"{result.failure()}; nothing was written; the checkpoint is unchanged")
-    return f"\n## Verification\n\n{result.sentence()}.\n"
+    sentences = []
+    for check in checks:
+        try:
+            result = check()
+        except RuntimeError as exc:
+            raise RunFailure(f"{exc}\nnothing was written; the checkpoint is unchanged") from None
+        print0(f"[scaletune] {result.sentence()}")
+        if not result.passed:
+            raise RunFailure(f"{result.failure()}; nothing was written; the checkpoint is unchanged")
+        sentences.append(result.sentence())
+    for note in notes:
+        print0(f"[scaletune] {note}")
+    return "\n## Verification\n\n" + "\n".join(f"{line}.\n" for line in [*sentences, *notes])
 
 
 def probe_ids(tokenizer: Any) -> list[int]:

@@ -1,18 +1,12 @@
 """`scaletune export --format gguf --verify`: the written GGUF file is loaded by llama.cpp itself, in
 a fresh process (llama.cpp's server library through `xllamacpp`'s bindings, `pip install
 'scaletune[llamacpp]'`), which continues the probe greedily; transformers scores the same tokens
-with the exported float32 model (the weights the file was made from), teacher-forced.
+with the exported float32 model (the weights the file was made from), teacher-forced
+(`checkpoint.verify_runtime`: the two checks and their bound).
 
 What it proves: the file stands alone in the runtime it is for: llama.cpp finds every tensor under
 its name and in its layout (q/k permuted as its rope expects, the tied or untied head, the norms'
-epsilon, the rope base), and computes the model that was trained. Two checks, on each of the
-:data:`NEW_TOKENS` tokens llama.cpp chose:
-
-- the log-probability llama.cpp gives the token equals transformers' within a bound for the file's
-  weight type, a fraction (:data:`BOUNDS`) of the spread of transformers' logits (a wrong layout or
-  tensor moves it by whole nats);
-- where transformers' choice is decisive (its best token leads the next by more than twice the bound),
-  llama.cpp chose the same token; a near tie may fall either way under f16 or q8_0 rounding.
+epsilon, the rope base), and computes the model that was trained.
 
 Run as a module (`python -m scaletune.checkpoint.verify_gguf FILE IDS OUT`), this file is the fresh
 process: it loads FILE in llama.cpp, continues the token ids of the JSON file IDS greedily and
@@ -23,68 +17,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-#: Tokens llama.cpp continues the probe by.
-NEW_TOKENS = 8
-#: The probe's first tokens, the prompt llama.cpp continues (`verify.probe_ids`' text).
-PROMPT_TOKENS = 16
+from scaletune.checkpoint.verify_runtime import NEW_TOKENS, ContinuationCheck, prompt_ids, read_answer, run_fresh, score
 
 # Largest |log-probability difference| of a chosen token, by the file's weight type, as a fraction of
-# the spread of transformers' logits there (their standard deviation over the vocabulary, the mean over
-# the scored positions): the error a weight's rounding makes grows with the logits' scale, so a bound
-# in nats alone would be loose for a tiny model's near-flat logits and tight for a trained one's. f32
-# differs by kernels alone (llama.cpp's own matmul, rope and softmax); f16 and bf16 round every weight
-# (2^-11, 2^-8 of it); q8_0 rounds each weight and each activation entering a matmul to 1/127 of its
-# 32-value block's largest magnitude. Measured (|difference| / spread, for f32, f16, bf16, q8_0): the
-# quickstart's SmolLM2-135M (trained, spread 3.5) 0.0006, 0.0009, 0.0044, 0.010; the tests' tiny
-# Llama drawn with large weights (spread 1.6) 0.0035, 0.0037, 0.016, 0.10. The bounds are about twice
-# the larger; Llama's q/k written without the permutation llama.cpp's rope expects is off by 5 spreads.
+# the spread of transformers' logits there (`checkpoint.verify_runtime`). f32 differs by kernels alone
+# (llama.cpp's own matmul, rope and softmax); f16 and bf16 round every weight (2^-11, 2^-8 of it);
+# q8_0 rounds each weight and each activation entering a matmul to 1/127 of its 32-value block's
+# largest magnitude. Measured (|difference| / spread, for f32, f16, bf16, q8_0): the quickstart's
+# SmolLM2-135M (trained, spread 3.5) 0.0006, 0.0009, 0.0044, 0.010; the tests' tiny Llama drawn with
+# large weights (spread 1.6) 0.0035, 0.0037, 0.016, 0.10. The bounds are about twice the larger;
+# Llama's q/k written without the permutation llama.cpp's rope expects is off by 5 spreads.
 BOUNDS = {"f32": 0.01, "f16": 0.01, "bf16": 0.04, "q8_0": 0.2}
-
-
-@dataclass(frozen=True)
-class GGUFVerification:
-    """The result: llama.cpp's `tokens` chosen tokens after a `prompt`-token probe, the largest
-    |log-probability difference| `max_diff` against `bound` (nats: :data:`BOUNDS` times the logits'
-    spread `scale`), the positions where transformers' choice was decisive (`decisive`) and how many
-    of those llama.cpp chose alike (`agreed`), the weight type and the library that loaded the file."""
-
-    prompt: int
-    tokens: int
-    max_diff: float
-    bound: float
-    scale: float
-    decisive: int
-    agreed: int
-    gguf_type: str
-    versions: str
-
-    @property
-    def passed(self) -> bool:
-        return self.max_diff <= self.bound and self.agreed == self.decisive
-
-    def sentence(self) -> str:
-        """One line: what was loaded how, and the differences against their bounds."""
-        verdict = "passed" if self.passed else "FAILED"
-        return (
-            f"export --verify {verdict}: the GGUF file, loaded in a fresh process by llama.cpp ({self.versions}), "
-            f"continued a {self.prompt}-token probe greedily by {self.tokens} tokens whose log-probabilities are "
-            f"within {self.max_diff:.3g} nats of transformers' on the exported float32 model (bound {self.bound:.3g}: "
-            f"{BOUNDS[self.gguf_type]:g} of its logits' spread {self.scale:.3g} for {self.gguf_type}); it chose "
-            f"transformers' token at {self.agreed} of the {self.decisive} positions where that choice was decisive"
-        )
-
-    def failure(self) -> str:
-        """What failed, for the refusal: the sentence, which says it."""
-        return self.sentence()
 
 
 def require_llamacpp() -> None:
@@ -98,7 +48,7 @@ def require_llamacpp() -> None:
         ) from None
 
 
-def verify_gguf(path: Path, model: torch.nn.Module, tokenizer: Any, gguf_type: str) -> GGUFVerification:
+def verify_gguf(path: Path, model: torch.nn.Module, tokenizer: Any, gguf_type: str) -> ContinuationCheck:
     """Load the GGUF file `path` in llama.cpp in a fresh process, continue the probe there, and score
     the chosen tokens with `model` (the float32 model the file was made from).
 
@@ -106,41 +56,24 @@ def verify_gguf(path: Path, model: torch.nn.Module, tokenizer: Any, gguf_type: s
         RuntimeError: the bindings are missing; the fresh process could not load the file or run it
             (its last lines).
     """
-    from scaletune.checkpoint.verify import probe_ids
-
     require_llamacpp()
-    prompt = probe_ids(tokenizer)[:PROMPT_TOKENS]
+    prompt = prompt_ids(tokenizer)
+    what = f"{path.name} did not load or run in llama.cpp"
     with tempfile.TemporaryDirectory(prefix="scaletune-verify-gguf-") as tmp:
         ids, out = Path(tmp) / "ids.json", Path(tmp) / "out.json"
         ids.write_text(json.dumps(prompt))
         argv = [sys.executable, "-m", "scaletune.checkpoint.verify_gguf", str(path), str(ids), str(out)]
-        done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
-        if done.returncode != 0 or not out.is_file():
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise RuntimeError(f"--verify: {path.name} did not load or run in llama.cpp:\n{tail}")
-        got = json.loads(out.read_text())
-    chosen, theirs = got["tokens"], torch.tensor(got["logprobs"], dtype=torch.float64)
-    assert chosen, "llama.cpp chose no token"
-    with torch.no_grad():
-        logits = model.eval()(input_ids=torch.tensor([prompt + chosen])).logits[0].double()
-    scored = logits[len(prompt) - 1 : len(prompt) - 1 + len(chosen)]  # row k predicts chosen token k
-    logps = torch.log_softmax(scored, dim=-1)
-    ours = logps[torch.arange(len(chosen)), torch.tensor(chosen)]
-    scale = float(scored.std(dim=-1).mean())
-    bound = BOUNDS[gguf_type] * scale
-    top2 = logps.topk(2, dim=-1)
-    decisive = (top2.values[:, 0] - top2.values[:, 1]) > 2 * bound
-    agreed = decisive & (top2.indices[:, 0] == torch.tensor(chosen))
-    return GGUFVerification(
-        prompt=len(prompt),
-        tokens=len(chosen),
-        max_diff=float((ours - theirs).abs().max()),
-        bound=bound,
-        scale=scale,
-        decisive=int(decisive.sum()),
-        agreed=int(agreed.sum()),
-        gguf_type=gguf_type,
-        versions=got["versions"],
+        run_fresh(argv, what, env={"PYTHONSAFEPATH": "1"})
+        answer = read_answer(out, what)
+    return score(
+        model,
+        prompt,
+        answer,
+        BOUNDS[gguf_type],
+        subject="the GGUF file",
+        runtime="llama.cpp",
+        reference="the exported float32 model",
+        weights=gguf_type,
     )
 
 

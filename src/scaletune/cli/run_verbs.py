@@ -117,8 +117,9 @@ def export(
             "--verify",
             help="Load the export in a fresh process in the runtime it is for and compare it with the "
             "checkpoint: a folder through transformers (peft for an adapter), its logits on a probe text (fp32 "
-            "within 1e-5); a GGUF file in llama.cpp (pip install 'scaletune[llamacpp]'), the log-probabilities "
-            "of its greedy continuation of the probe against transformers' (a bound per --gguf-type). The "
+            "within 1e-5), and a model folder in vLLM where present ($SCALETUNE_VLLM_PYTHON, or this Python's "
+            "own), the log-probabilities of its greedy continuation of the probe against transformers'; a GGUF "
+            "file in llama.cpp (pip install 'scaletune[llamacpp]'), the same (a bound per --gguf-type). The "
             "result goes into its README, and an export that fails is not kept (exit 1).",
         ),
     ] = False,
@@ -151,11 +152,12 @@ def export(
         problems.append("--dtype applies to --format hf; a GGUF's weights type is --gguf-type")
     if fmt != "gguf" and gguf_type is not None:
         problems.append("--gguf-type applies to --format gguf only")
-    if fmt == "gguf" and verify:
+    if verify:
         from scaletune.checkpoint.verify_gguf import require_llamacpp
+        from scaletune.checkpoint.verify_vllm import vllm_python
 
         try:
-            require_llamacpp()
+            require_llamacpp() if fmt == "gguf" else vllm_python()
         except RuntimeError as exc:
             problems.append(str(exc))
     if fmt == "gguf":

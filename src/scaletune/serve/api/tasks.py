@@ -57,8 +57,9 @@ class ExportRequest(BaseModel):
         None,
         description="Load the export in a fresh process in the runtime it is for and compare it with the "
         "checkpoint (`scaletune export --verify`): a Hugging Face folder through transformers (peft for an "
-        "adapter), its logits; a GGUF file in llama.cpp (the service needs `scaletune[llamacpp]`), the "
-        "log-probabilities of its greedy continuation of a probe. An export that fails is not kept. Default: "
+        "adapter), its logits, and a model folder in vLLM where the service has it (SCALETUNE_VLLM_PYTHON); a "
+        "GGUF file in llama.cpp (the service needs `scaletune[llamacpp]`), the log-probabilities of its "
+        "greedy continuation of a probe. An export that fails is not kept. Default: "
         "on for format hf, off for gguf.",
     )
     push_to_hub: str | None = Field(
