@@ -220,10 +220,9 @@ def export_checkpoint(
             checks = [
                 lambda: verify_folder(tmp, model, tokenizer, adapter=adapter, trust_remote_code=trust_remote_code)
             ]
-            why = not_checked(adapter=adapter, vision=processor is not None, remote_code=trust_remote_code)
-            if why is None:  # after transformers' check: it reads the model in the dtype written
-                python = vllm_python()
-                assert python is not None
+            python = vllm_python()
+            why = not_checked(python, adapter=adapter, vision=processor is not None, remote_code=trust_remote_code)
+            if python is not None and why is None:  # after transformers' check: it reads the dtype written
                 checks.append(lambda: verify_vllm(tmp, model, tokenizer, python))
             card += readme_section(*checks, notes=[] if why is None else [f"export --verify: {why}"])
         (tmp / "README.md").write_text(card)  # in place of peft's template card for an adapter

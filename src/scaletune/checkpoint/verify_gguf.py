@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from scaletune.checkpoint.verify_runtime import NEW_TOKENS, ContinuationCheck, prompt_ids, read_answer, run_fresh, score
+from scaletune.checkpoint.verify_runtime import NEW_TOKENS, ContinuationCheck, fresh_answer, prompt_ids, score
 
 # Largest |log-probability difference| of a chosen token, by the file's weight type, as a fraction of
 # the spread of transformers' logits there (`checkpoint.verify_runtime`). f32 differs by kernels alone
@@ -63,8 +63,7 @@ def verify_gguf(path: Path, model: torch.nn.Module, tokenizer: Any, gguf_type: s
         ids, out = Path(tmp) / "ids.json", Path(tmp) / "out.json"
         ids.write_text(json.dumps(prompt))
         argv = [sys.executable, "-m", "scaletune.checkpoint.verify_gguf", str(path), str(ids), str(out)]
-        run_fresh(argv, what, env={"PYTHONSAFEPATH": "1"})
-        answer = read_answer(out, what)
+        answer = fresh_answer(argv, out, what, env={"PYTHONSAFEPATH": "1"})
     return score(
         model,
         prompt,

@@ -81,25 +81,20 @@ def prompt_ids(tokenizer: Any) -> list[int]:
     return probe_ids(tokenizer)[:PROMPT_TOKENS]
 
 
-def run_fresh(argv: list[str], what: str, *, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
-    """Run the runtime's fresh process (`argv`, no shell) to its end.
+def fresh_answer(
+    argv: list[str], out: Path, what: str, *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Run the runtime's fresh process (`argv`, no shell) to its end and read its answer, the JSON
+    file `out` it writes (``tokens``, ``logprobs``, ``versions``).
 
     Raises:
-        RuntimeError: it exited non-zero: `what` ("x.gguf did not load or run in llama.cpp") and its
-            last lines of stderr.
+        RuntimeError: it exited non-zero, or wrote no answer: `what` ("x.gguf did not load or run in
+            llama.cpp") and its last lines of stderr.
     """
     done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, env={**os.environ, **(env or {})})
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"--verify: {what}:\n{tail}")
-
-
-def read_answer(out: Path, what: str) -> dict[str, Any]:
-    """The fresh process's answer, the JSON file `out` (``tokens``, ``logprobs``, ``versions``).
-
-    Raises:
-        RuntimeError: it wrote none (`what`, as for :func:`run_fresh`).
-    """
     if not out.is_file():
         raise RuntimeError(f"--verify: {what}: it wrote no answer")
     return json.loads(out.read_text())

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from scaletune.checkpoint.verify_runtime import NEW_TOKENS, ContinuationCheck, prompt_ids, read_answer, run_fresh, score
+from scaletune.checkpoint.verify_runtime import NEW_TOKENS, ContinuationCheck, fresh_answer, prompt_ids, score
 
 #: Names the Python of an environment that has vLLM.
 PYTHON_VARIABLE = "SCALETUNE_VLLM_PYTHON"
@@ -56,20 +56,16 @@ def vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
-def not_checked(*, adapter: bool, vision: bool, remote_code: bool) -> str | None:
+def not_checked(python: str | None, *, adapter: bool, vision: bool, remote_code: bool) -> str | None:
     """Why vLLM does not check this export (None: it does): the sentence the export prints and
-    writes into its README.
-
-    Raises:
-        RuntimeError: as :func:`vllm_python`.
-    """
+    writes into its README. `python`: :func:`vllm_python`'s answer."""
     if adapter:
         return "not checked in vLLM: vLLM serves a LoRA adapter beside its base; export with --merge-lora to check it"
     if vision:
         return "not checked in vLLM: the probe is text, and a vision-language model's folder is served with images"
     if remote_code:
         return "not checked in vLLM: the check does not run a model folder's own code (--trust-remote-code)"
-    if vllm_python() is None:
+    if python is None:
         return f"not checked in vLLM: vLLM is not installed here ({PYTHON_VARIABLE} names a Python that has it)"
     return None
 
@@ -90,8 +86,7 @@ def verify_vllm(folder: Path, model: torch.nn.Module, tokenizer: Any, python: st
         ids.write_text(json.dumps(prompt))
         argv = [python, str(probe), str(folder.resolve()), str(ids), str(out), str(NEW_TOKENS)]
         # From the empty folder, with no PYTHONPATH of ours: nothing of scaletune's shadows vLLM's imports.
-        run_fresh(argv, what, cwd=Path(tmp), env={"PYTHONPATH": "", "VLLM_LOGGING_LEVEL": "WARNING"})
-        answer = read_answer(out, what)
+        answer = fresh_answer(argv, out, what, cwd=Path(tmp), env={"PYTHONPATH": "", "VLLM_LOGGING_LEVEL": "WARNING"})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     weights = f"{dtype} weights" + ("" if dtype == "float32" else ", computed in float32")
     return score(
